@@ -1,0 +1,116 @@
+//! Datasets: fixed-size samples read from memory-mapped files.
+//!
+//! - [`NpyArray`]: one `.npy` file, validated at open time.
+//! - [`NpyDataset`]: several `.npy` columns with one first dimension (`x.npy`, `y.npy`).
+//! - [`TokenDataset`]: a flat token stream cut into windows of `seq_len + 1` tokens.
+//!
+//! Anything implementing [`Dataset`] can be fed to a [`Loader`](crate::Loader).
+
+mod columns;
+mod dtype;
+mod npy;
+mod tokens;
+
+use std::path::Path;
+
+pub use columns::NpyDataset;
+pub use dtype::{DType, Element};
+pub use npy::{shape_string, NpyArray, NpyHeader};
+pub use tokens::{TokenDataset, Windows};
+
+use crate::error::Result;
+
+/// One column of a dataset: every sample has `row_bytes` bytes of `dtype` in it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Column {
+    /// The column's name (a file stem such as `x`, or `tokens`).
+    pub name: String,
+    /// The element type.
+    pub dtype: DType,
+    /// The shape of one sample (the array's shape without its first axis).
+    pub shape: Vec<u64>,
+    /// Bytes per sample.
+    pub row_bytes: usize,
+}
+
+/// A file a dataset reads through a memory map.
+#[derive(Debug, Clone, Copy)]
+pub struct MappedFile<'a> {
+    /// The file's path.
+    pub path: &'a Path,
+    /// The whole mapping.
+    pub map: &'a [u8],
+}
+
+/// A source of fixed-size samples, each made of one row per column.
+///
+/// Implementations must be cheap to share between threads: [`gather`](Dataset::gather)
+/// is called concurrently by every loader worker.
+pub trait Dataset: Send + Sync + 'static {
+    /// Number of samples in one epoch.
+    fn len(&self) -> u64;
+
+    /// Whether the dataset has no samples.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The columns, in the order [`gather`](Dataset::gather) fills them.
+    fn columns(&self) -> &[Column];
+
+    /// Copies the samples `indices` of `epoch` into `out`, one slice per column: sample
+    /// `k`'s row of column `c` goes to `out[c][k * row_bytes .. (k + 1) * row_bytes]`.
+    ///
+    /// `epoch` matters only to datasets whose samples change per epoch (random token
+    /// windows); the others ignore it.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`](crate::Error::OutOfRange) for an index `>= len()`,
+    /// [`Error::Config`](crate::Error::Config) when `out` does not match the columns, or
+    /// whatever the implementation's storage reports. Never panics on a file that opened.
+    fn gather(&self, epoch: u64, indices: &[u64], out: &mut [&mut [u8]]) -> Result<()>;
+
+    /// The memory-mapped files behind the dataset, for page-cache residency, eviction and
+    /// read-ahead. Empty for in-memory datasets.
+    fn files(&self) -> Vec<MappedFile<'_>> {
+        Vec::new()
+    }
+}
+
+/// Checks that `out` has one slice per column, each large enough for `n` rows.
+pub(crate) fn check_out(columns: &[Column], n: usize, out: &[&mut [u8]]) -> Result<()> {
+    if out.len() != columns.len() {
+        return Err(crate::Error::Config(format!(
+            "gather: {} output slices for {} columns",
+            out.len(),
+            columns.len()
+        )));
+    }
+    for (c, o) in columns.iter().zip(out) {
+        if o.len() < n * c.row_bytes {
+            return Err(crate::Error::Config(format!(
+                "gather: output for column {} holds {} bytes, {} rows need {}",
+                c.name,
+                o.len(),
+                n,
+                n * c.row_bytes
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl<D: Dataset + ?Sized> Dataset for std::sync::Arc<D> {
+    fn len(&self) -> u64 {
+        (**self).len()
+    }
+    fn columns(&self) -> &[Column] {
+        (**self).columns()
+    }
+    fn gather(&self, epoch: u64, indices: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
+        (**self).gather(epoch, indices, out)
+    }
+    fn files(&self) -> Vec<MappedFile<'_>> {
+        (**self).files()
+    }
+}

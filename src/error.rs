@@ -1,0 +1,164 @@
+//! The crate's one error type.
+
+use std::io;
+use std::path::PathBuf;
+
+/// `Result` with the crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in stoker.
+///
+/// Errors about a file always name the file. Variants keep their underlying cause
+/// reachable through [`std::error::Error::source`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An operating-system error while opening, mapping or advising a file.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// A `.npy` file that stoker cannot read; the problem says why.
+    #[error("{path}: {problem}")]
+    Npy {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        problem: NpyProblem,
+    },
+    /// A dataset that cannot be assembled from otherwise valid files.
+    #[error("{path}: {problem}")]
+    Dataset {
+        /// The file (or directory) at fault.
+        path: PathBuf,
+        /// What is wrong.
+        problem: String,
+    },
+    /// A builder or call argument that is out of range.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// Rank and world size could not be read from the environment.
+    #[error("shard from environment: {0}")]
+    Shard(String),
+    /// A sample index outside the dataset.
+    #[error("sample index {index} is out of range for a dataset of {len} rows")]
+    OutOfRange {
+        /// The index asked for.
+        index: u64,
+        /// The dataset's length.
+        len: u64,
+    },
+    /// A column read with an element type that does not match its dtype.
+    #[error("column {column} holds {actual}, not {asked}")]
+    DType {
+        /// The column's name.
+        column: String,
+        /// Its dtype.
+        actual: &'static str,
+        /// The element type asked for.
+        asked: &'static str,
+    },
+    /// A worker thread panicked while assembling a batch.
+    #[error("worker {worker} panicked while assembling batch {batch} of epoch {epoch}: {message}")]
+    WorkerPanic {
+        /// The worker's number.
+        worker: usize,
+        /// The epoch.
+        epoch: u64,
+        /// The batch number within the epoch.
+        batch: u64,
+        /// The panic payload, when it was a string.
+        message: String,
+    },
+    /// The consumer holds every host buffer and asked for another batch: waiting would
+    /// never end.
+    #[error(
+        "all {buffers} host buffers are held by the consumer; drop a batch before asking \
+         for the next one, or raise `held` on the loader builder"
+    )]
+    PoolExhausted {
+        /// The pool's size.
+        buffers: usize,
+    },
+    /// A host buffer could not be allocated.
+    #[error("allocating a {bytes}-byte host buffer ({allocator}): {message}")]
+    Alloc {
+        /// Bytes asked for.
+        bytes: usize,
+        /// The allocator's name.
+        allocator: &'static str,
+        /// Why it failed.
+        message: String,
+    },
+}
+
+/// Why a `.npy` file was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NpyProblem {
+    /// The file does not start with `\x93NUMPY`.
+    #[error("not a .npy file (bad magic)")]
+    BadMagic,
+    /// A format version other than 1.0, 2.0 or 3.0.
+    #[error("unsupported .npy format version {0}.{1}")]
+    Version(u8, u8),
+    /// The header is not the dictionary NumPy writes.
+    #[error("header does not parse: {0}")]
+    Header(String),
+    /// `fortran_order: True`.
+    #[error("Fortran-ordered arrays are not supported (save with np.ascontiguousarray)")]
+    FortranOrder,
+    /// A big-endian dtype such as `>f4`.
+    #[error("big-endian dtype {0:?} is not supported (convert with arr.astype(arr.dtype.newbyteorder('<')))")]
+    BigEndian(String),
+    /// A dtype stoker does not read: object, structured, string, complex...
+    #[error("unsupported dtype {0}")]
+    DType(String),
+    /// A 0-d array (shape `()`): there is no sample axis.
+    #[error("0-d array (shape ()): there is no sample axis")]
+    ZeroDim,
+    /// The shape's byte size does not fit in 64 bits.
+    #[error("shape {0} overflows a 64-bit byte size")]
+    Overflow(String),
+    /// The file is shorter than its header says.
+    #[error("truncated: the header promises {expected} data bytes, the file holds {actual}")]
+    Truncated {
+        /// Data bytes the header implies.
+        expected: u64,
+        /// Data bytes present.
+        actual: u64,
+    },
+    /// Bytes past the end of the data.
+    #[error("{extra} unexpected bytes past the end of the data")]
+    TrailingBytes {
+        /// How many.
+        extra: u64,
+    },
+}
+
+impl Error {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub(crate) fn npy(path: impl Into<PathBuf>, problem: NpyProblem) -> Self {
+        Error::Npy {
+            path: path.into(),
+            problem,
+        }
+    }
+
+    pub(crate) fn dataset(path: impl Into<PathBuf>, problem: impl Into<String>) -> Self {
+        Error::Dataset {
+            path: path.into(),
+            problem: problem.into(),
+        }
+    }
+}

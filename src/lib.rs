@@ -1,0 +1,48 @@
+//! # stoker
+//!
+//! Keeps a GPU fed: a prefetching, shuffling, multi-threaded loader over memory-mapped
+//! datasets (NumPy `.npy` files, flat token streams) that streams epochs of batches into
+//! a fixed pool of host buffers.
+//!
+//! ```
+//! use stoker::{Loader, NpyDataset, Shard, Shuffle};
+//! # fn main() -> stoker::Result<()> {
+//! let ds = NpyDataset::open(concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits"))?;
+//! let mut loader = Loader::builder(ds)
+//!     .batch_size(256)
+//!     .shuffle(Shuffle::Full { seed: 7 })
+//!     .shard(Shard::from_env()?)
+//!     .workers(2)
+//!     .prefetch(4)
+//!     .build()?;
+//! for batch in loader.epoch(0)? {
+//!     let batch = batch?;
+//!     let (x, y) = (batch.column::<u8>(0)?, batch.column::<i64>(1)?);
+//!     assert_eq!(x.len(), 64 * y.len());
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The order of every epoch is a pure function of `(seed, epoch, rank, world_size)`:
+//! never of the worker count or timing. See [`sampler`] for the permutations and
+//! [`Loader`] for buffers, prefetch, resumption and failure handling.
+
+#![warn(missing_docs)]
+
+pub mod dataset;
+mod error;
+pub mod loader;
+pub mod pagecache;
+pub mod sampler;
+
+pub use dataset::{
+    Column, DType, Dataset, Element, MappedFile, NpyArray, NpyDataset, NpyHeader, TokenDataset,
+    Windows,
+};
+pub use error::{Error, NpyProblem, Result};
+pub use loader::{
+    BatchLayout, BatchTiming, Epoch, EpochStats, HostAlloc, HostBatch, HostMemory, Loader,
+    LoaderBuilder, LoaderState, PlainAlloc, Startup,
+};
+pub use sampler::{EpochOrder, Order, Permutation, Shard, ShardTail, Shuffle};

@@ -1,0 +1,210 @@
+//! The consumer's side of an epoch: in-order delivery, early stop, state.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+
+use super::batch::{BatchTiming, HostBatch};
+use super::worker::{Done, Job};
+use super::LoaderState;
+use crate::error::{Error, Result};
+
+/// How long `next()` waits before checking whether the consumer holds every buffer.
+const STALL_CHECK: Duration = Duration::from_millis(50);
+
+/// What the consumer side of an epoch measured.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct EpochStats {
+    /// Batches delivered.
+    pub batches: u64,
+    /// Samples delivered.
+    pub samples: u64,
+    /// Sum of the workers' gather times for delivered batches.
+    pub gather: Duration,
+    /// Time the consumer spent blocked in `next()`.
+    pub waited: Duration,
+    /// From the epoch's start to its first batch.
+    pub first_batch: Option<Duration>,
+}
+
+/// One epoch of batches, in order: an [`ExactSizeIterator`] of `Result<HostBatch>`.
+///
+/// An error (a failed read, a worker panic) is yielded once and ends the epoch, so the
+/// iterator can yield fewer items than `len()` promised. Dropping the iterator stops the
+/// workers (each finishes at most the batch in hand), and returns every buffer not held
+/// by a [`HostBatch`] before `drop` returns.
+pub struct Epoch<'a> {
+    state: &'a mut LoaderState,
+    job: Arc<Job>,
+    results: Receiver<Done>,
+    cancel: Option<Sender<()>>,
+    finished: Receiver<()>,
+    pending: Vec<Option<Done>>,
+    next: u64,
+    done: bool,
+    started: Instant,
+    stats: EpochStats,
+}
+
+impl<'a> Epoch<'a> {
+    pub(crate) fn new(
+        state: &'a mut LoaderState,
+        job: Arc<Job>,
+        results: Receiver<Done>,
+        cancel: Sender<()>,
+        finished: Receiver<()>,
+        start: u64,
+    ) -> Epoch<'a> {
+        let ring = job.pool.size();
+        Epoch {
+            state,
+            job,
+            results,
+            cancel: Some(cancel),
+            finished,
+            pending: (0..ring).map(|_| None).collect(),
+            next: start,
+            done: false,
+            started: Instant::now(),
+            stats: EpochStats::default(),
+        }
+    }
+
+    /// The epoch number.
+    pub fn epoch(&self) -> u64 {
+        self.job.order.epoch()
+    }
+
+    /// Where a loader resumed from this point would start: this epoch, after the batches
+    /// delivered so far.
+    pub fn state(&self) -> LoaderState {
+        *self.state
+    }
+
+    /// What the consumer side measured so far.
+    pub fn stats(&self) -> EpochStats {
+        self.stats
+    }
+
+    fn deliver(&mut self, done: Done, asked: Instant, waited: Duration) -> Result<HostBatch> {
+        let rows = match done.result {
+            Ok(rows) => rows,
+            Err(e) => {
+                self.done = true;
+                self.job.cancelled.store(true, Ordering::Release);
+                return Err(e);
+            }
+        };
+        let timing = BatchTiming {
+            worker: done.worker,
+            gather_start: done.start,
+            gather_end: done.end,
+            asked,
+            waited,
+        };
+        self.next += 1;
+        *self.state = LoaderState {
+            epoch: self.epoch(),
+            batch: self.next,
+        };
+        self.stats.batches += 1;
+        self.stats.samples += rows as u64;
+        self.stats.gather += done.end - done.start;
+        self.stats.waited += waited;
+        if self.stats.first_batch.is_none() {
+            self.stats.first_batch = Some(self.started.elapsed());
+        }
+        Ok(HostBatch::new(
+            done.lease,
+            Arc::clone(&self.job.layout),
+            rows,
+            self.epoch(),
+            done.number,
+            timing,
+        ))
+    }
+}
+
+impl Iterator for Epoch<'_> {
+    type Item = Result<HostBatch>;
+
+    fn next(&mut self) -> Option<Result<HostBatch>> {
+        if self.done {
+            return None;
+        }
+        if self.next >= self.job.end {
+            self.done = true;
+            *self.state = LoaderState {
+                epoch: self.epoch() + 1,
+                batch: 0,
+            };
+            return None;
+        }
+        let asked = Instant::now();
+        let ring = self.pending.len() as u64;
+        loop {
+            let slot = (self.next % ring) as usize;
+            if self.pending[slot].as_ref().is_some_and(|d| d.number == self.next) {
+                let done = self.pending[slot].take().expect("checked above");
+                return Some(self.deliver(done, asked, asked.elapsed()));
+            }
+            match self.results.recv_timeout(STALL_CHECK) {
+                Ok(done) => {
+                    let slot = (done.number % ring) as usize;
+                    debug_assert!(self.pending[slot].is_none(), "two batches in one slot");
+                    self.pending[slot] = Some(done);
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    let pool = &self.job.pool;
+                    if pool.held.load(Ordering::Acquire) >= pool.size() {
+                        return Some(Err(Error::PoolExhausted {
+                            buffers: pool.size(),
+                        }));
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    unreachable!("the job holds the results sender while the epoch lives")
+                }
+            }
+        }
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let n = if self.done {
+            0
+        } else {
+            (self.job.end - self.next) as usize
+        };
+        (n, Some(n))
+    }
+}
+
+impl ExactSizeIterator for Epoch<'_> {}
+
+impl std::iter::FusedIterator for Epoch<'_> {}
+
+impl Drop for Epoch<'_> {
+    fn drop(&mut self) {
+        self.job.cancelled.store(true, Ordering::Release);
+        // Disconnecting the cancel channel wakes workers waiting for a buffer.
+        drop(self.cancel.take());
+        // Each worker drops its `finished` sender once it has left this job; the channel
+        // disconnects when all of them have.
+        while self.finished.recv().is_ok() {}
+        // Every result is now in the channel or the ring; dropping them returns buffers.
+        self.pending.clear();
+        while self.results.try_recv().is_ok() {}
+    }
+}
+
+impl std::fmt::Debug for Epoch<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Epoch")
+            .field("epoch", &self.epoch())
+            .field("next", &self.next)
+            .field("end", &self.job.end)
+            .finish_non_exhaustive()
+    }
+}

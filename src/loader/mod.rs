@@ -1,0 +1,406 @@
+//! The loader: persistent workers assembling batches into a fixed pool of host buffers,
+//! delivered in order, one epoch at a time.
+//!
+//! Memory: the pool holds `prefetch + held` buffers of [`BatchLayout::bytes`] each,
+//! allocated once in [`LoaderBuilder::build`] and never again. Workers fill at most
+//! `prefetch` batches ahead of the consumer when it holds `held` batches; if it holds
+//! more, fewer are prefetched. Nothing is allocated per batch in steady state.
+
+mod batch;
+mod epoch;
+mod pool;
+mod worker;
+
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Sender;
+
+pub use batch::{BatchLayout, BatchTiming, HostBatch, COLUMN_ALIGN, MAX_COLUMNS};
+pub use epoch::{Epoch, EpochStats};
+pub use pool::{HostAlloc, HostMemory, PlainAlloc, BUFFER_ALIGN};
+
+use crate::dataset::Dataset;
+use crate::error::{Error, Result};
+use crate::sampler::{Order, Shard, Shuffle};
+use pool::Pool;
+use worker::{Assignment, Job};
+
+/// Where a loader stands: `batch` batches of epoch `epoch` have been delivered.
+///
+/// Save it with a checkpoint; a loader built with [`LoaderBuilder::resume`] yields exactly
+/// the rest of that epoch. After a whole epoch `e`, the state is `(e + 1, 0)`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LoaderState {
+    /// The epoch.
+    pub epoch: u64,
+    /// Batches of it already delivered.
+    pub batch: u64,
+}
+
+/// One-off costs paid when the loader was built.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Startup {
+    /// Allocating (and touching) the host-buffer pool.
+    pub pool_alloc: Duration,
+    /// Starting the worker threads.
+    pub threads: Duration,
+}
+
+/// Configures a [`Loader`].
+pub struct LoaderBuilder {
+    dataset: Arc<dyn Dataset>,
+    batch_size: usize,
+    shuffle: Shuffle,
+    shard: Shard,
+    workers: usize,
+    prefetch: Option<usize>,
+    held: usize,
+    drop_last: bool,
+    allocator: Arc<dyn HostAlloc>,
+    resume: Option<LoaderState>,
+}
+
+impl LoaderBuilder {
+    /// Samples per batch (default 256).
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n;
+        self
+    }
+
+    /// The order of samples (default [`Shuffle::Full`] with seed 0).
+    pub fn shuffle(mut self, shuffle: Shuffle) -> Self {
+        self.shuffle = shuffle;
+        self
+    }
+
+    /// This process's part of each epoch (default the whole epoch).
+    pub fn shard(mut self, shard: Shard) -> Self {
+        self.shard = shard;
+        self
+    }
+
+    /// Worker threads (default: the available parallelism, at most 8).
+    pub fn workers(mut self, n: usize) -> Self {
+        self.workers = n;
+        self
+    }
+
+    /// Batches assembled ahead of the consumer (default `2 * workers`).
+    pub fn prefetch(mut self, n: usize) -> Self {
+        self.prefetch = Some(n);
+        self
+    }
+
+    /// Batches the consumer may hold at once without slowing prefetch (default 2).
+    pub fn held(mut self, n: usize) -> Self {
+        self.held = n;
+        self
+    }
+
+    /// Drop the last batch of an epoch when it is short (default false).
+    pub fn drop_last(mut self, yes: bool) -> Self {
+        self.drop_last = yes;
+        self
+    }
+
+    /// The host-buffer allocator (default [`PlainAlloc`]; the CUDA backend supplies
+    /// page-locked memory).
+    pub fn allocator(mut self, alloc: Arc<dyn HostAlloc>) -> Self {
+        self.allocator = alloc;
+        self
+    }
+
+    /// Resume from a saved state: the first call to [`Loader::epoch`] with
+    /// `state.epoch` yields only the batches after `state.batch`.
+    pub fn resume(mut self, state: LoaderState) -> Self {
+        self.resume = Some(state);
+        self
+    }
+
+    /// Allocates the buffer pool and starts the workers.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for zero batch size, workers or prefetch, a shard leaving this
+    /// rank no batch, or a dataset with no column; [`Error::Alloc`] if the pool cannot
+    /// be allocated; [`Error::Io`] if a thread cannot be started.
+    pub fn build(self) -> Result<Loader> {
+        if self.workers == 0 {
+            return Err(Error::Config("workers must be at least 1".into()));
+        }
+        let prefetch = self.prefetch.unwrap_or(2 * self.workers);
+        if prefetch == 0 {
+            return Err(Error::Config("prefetch must be at least 1".into()));
+        }
+        let columns = self.dataset.columns();
+        let shuffle = match self.shuffle {
+            Shuffle::Block {
+                seed,
+                block_rows: 0,
+                window,
+            } => {
+                let row: usize = columns.iter().map(|c| c.row_bytes).sum();
+                Shuffle::Block {
+                    seed,
+                    block_rows: ((1 << 20) / row.max(1)).max(1) as u64,
+                    window,
+                }
+            }
+            other => other,
+        };
+        let order = Order::new(
+            self.dataset.len(),
+            shuffle,
+            self.shard,
+            self.batch_size as u64,
+            self.drop_last,
+        )?;
+        if let Some(r) = self.resume {
+            if r.batch > order.batches() {
+                return Err(Error::Config(format!(
+                    "resume state is at batch {} of epoch {}, which has {} batches",
+                    r.batch,
+                    r.epoch,
+                    order.batches()
+                )));
+            }
+        }
+        let layout = Arc::new(BatchLayout::new(columns, self.batch_size)?);
+        let pool = Pool::new(
+            self.allocator.as_ref(),
+            prefetch + self.held,
+            layout.bytes(),
+            self.batch_size,
+        )?;
+        let threads_start = Instant::now();
+        let mut workers = Vec::with_capacity(self.workers);
+        for id in 0..self.workers {
+            let (tx, rx) = crossbeam_channel::unbounded();
+            let handle = worker::spawn(id, rx)
+                .map_err(|e| Error::io(format!("<worker thread {id}>"), e))?;
+            workers.push(Worker {
+                jobs: Some(tx),
+                handle: Some(handle),
+            });
+        }
+        let startup = Startup {
+            pool_alloc: pool.alloc_time(),
+            threads: threads_start.elapsed(),
+        };
+        Ok(Loader {
+            dataset: self.dataset,
+            order,
+            layout,
+            pool,
+            workers,
+            prefetch,
+            state: self.resume.unwrap_or_default(),
+            resume: self.resume,
+            startup,
+        })
+    }
+}
+
+struct Worker {
+    jobs: Option<Sender<Assignment>>,
+    handle: Option<JoinHandle<()>>,
+}
+
+/// A prefetching, shuffling, multi-threaded loader over a [`Dataset`].
+///
+/// ```
+/// use stoker::{Loader, NpyDataset, Shuffle};
+/// # fn main() -> stoker::Result<()> {
+/// let ds = NpyDataset::open(concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits"))?;
+/// let mut loader = Loader::builder(ds)
+///     .batch_size(128)
+///     .shuffle(Shuffle::Full { seed: 7 })
+///     .workers(2)
+///     .build()?;
+/// for epoch in 0..2 {
+///     for batch in loader.epoch(epoch)? {
+///         let batch = batch?;
+///         let pixels: &[u8] = batch.column(0)?;
+///         let labels: &[i64] = batch.column(1)?;
+///         assert_eq!(pixels.len(), batch.len() * 64);
+///         assert_eq!(labels.len(), batch.len());
+///     }
+/// }
+/// assert_eq!(loader.state().epoch, 2);
+/// # Ok(())
+/// # }
+/// ```
+pub struct Loader {
+    dataset: Arc<dyn Dataset>,
+    order: Order,
+    layout: Arc<BatchLayout>,
+    pool: Arc<Pool>,
+    workers: Vec<Worker>,
+    prefetch: usize,
+    state: LoaderState,
+    resume: Option<LoaderState>,
+    startup: Startup,
+}
+
+impl Loader {
+    /// A builder over `dataset` (anything implementing [`Dataset`], or an
+    /// `Arc<dyn Dataset>` to share one).
+    pub fn builder(dataset: impl Dataset) -> LoaderBuilder {
+        Self::builder_shared(Arc::new(dataset))
+    }
+
+    /// A builder over a shared dataset.
+    pub fn builder_shared(dataset: Arc<dyn Dataset>) -> LoaderBuilder {
+        let workers = std::thread::available_parallelism()
+            .map(|n| n.get().min(8))
+            .unwrap_or(2);
+        LoaderBuilder {
+            dataset,
+            batch_size: 256,
+            shuffle: Shuffle::Full { seed: 0 },
+            shard: Shard::single(),
+            workers,
+            prefetch: None,
+            held: 2,
+            drop_last: false,
+            allocator: Arc::new(PlainAlloc),
+            resume: None,
+        }
+    }
+
+    /// Starts epoch `epoch` and returns its batches.
+    ///
+    /// The order is a pure function of the seed, `epoch` and the shard. If the loader was
+    /// built with [`LoaderBuilder::resume`] and this is the resumed epoch (first call
+    /// only), the iterator starts after the batches already consumed.
+    ///
+    /// # Errors
+    /// None today; the `Result` leaves room for backends whose start can fail.
+    pub fn epoch(&mut self, epoch: u64) -> Result<Epoch<'_>> {
+        let start = match self.resume.take() {
+            Some(r) if r.epoch == epoch => r.batch,
+            _ => 0,
+        };
+        let (results_tx, results_rx) = crossbeam_channel::unbounded();
+        let (cancel_tx, cancel_rx) = crossbeam_channel::bounded(0);
+        let (finished_tx, finished_rx) = crossbeam_channel::bounded(0);
+        let job = Arc::new(Job {
+            order: self.order.epoch(epoch),
+            dataset: Arc::clone(&self.dataset),
+            layout: Arc::clone(&self.layout),
+            pool: Arc::clone(&self.pool),
+            next: AtomicU64::new(start),
+            end: self.order.batches(),
+            cancelled: AtomicBool::new(false),
+            cancel: cancel_rx,
+            results: results_tx,
+        });
+        for w in &self.workers {
+            if let Some(jobs) = &w.jobs {
+                // A worker that is gone drops the assignment, and with it its sender.
+                let _ = jobs.send((Arc::clone(&job), finished_tx.clone()));
+            }
+        }
+        drop(finished_tx);
+        self.state = LoaderState {
+            epoch,
+            batch: start,
+        };
+        Ok(Epoch::new(
+            &mut self.state,
+            job,
+            results_rx,
+            cancel_tx,
+            finished_rx,
+            start,
+        ))
+    }
+
+    /// Where the loader stands (see [`LoaderState`]).
+    pub fn state(&self) -> LoaderState {
+        self.state
+    }
+
+    /// The dataset.
+    pub fn dataset(&self) -> &Arc<dyn Dataset> {
+        &self.dataset
+    }
+
+    /// The order (batches per epoch, shard, shuffle).
+    pub fn order(&self) -> &Order {
+        &self.order
+    }
+
+    /// Batches per epoch.
+    pub fn batches(&self) -> u64 {
+        self.order.batches()
+    }
+
+    /// The buffer layout of every batch.
+    pub fn layout(&self) -> &BatchLayout {
+        &self.layout
+    }
+
+    /// Worker threads.
+    pub fn workers(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// Prefetch depth.
+    pub fn prefetch(&self) -> usize {
+        self.prefetch
+    }
+
+    /// Host buffers in the pool (`prefetch + held`).
+    pub fn buffers(&self) -> usize {
+        self.pool.size()
+    }
+
+    /// Bytes of host memory the pool holds: `buffers() * layout().bytes()`, rounded up to
+    /// whole pages per buffer by the allocator.
+    pub fn pool_bytes(&self) -> usize {
+        self.pool.size() * self.pool.bytes()
+    }
+
+    /// Buffers sitting free in the pool right now (neither being filled, waiting for
+    /// delivery, nor held in a [`HostBatch`]).
+    pub fn free_buffers(&self) -> usize {
+        self.pool.free()
+    }
+
+    /// The allocator's name.
+    pub fn allocator(&self) -> &'static str {
+        self.pool.allocator()
+    }
+
+    /// One-off costs of building the loader.
+    pub fn startup(&self) -> Startup {
+        self.startup
+    }
+}
+
+impl Drop for Loader {
+    fn drop(&mut self) {
+        for w in &mut self.workers {
+            drop(w.jobs.take());
+        }
+        for w in &mut self.workers {
+            if let Some(h) = w.handle.take() {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Loader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loader")
+            .field("order", &self.order)
+            .field("workers", &self.workers.len())
+            .field("buffers", &self.pool.size())
+            .field("state", &self.state)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,229 @@
+//! A fixed pool of host buffers, allocated once and recycled through RAII leases.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+use std::sync::atomic::AtomicUsize;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::error::{Error, Result};
+
+/// Alignment of plain host buffers: a page, so that buffers can also be registered with
+/// a driver and column offsets (multiples of 256) stay aligned for any element type.
+pub const BUFFER_ALIGN: usize = 4096;
+
+/// Memory one host buffer lives in.
+///
+/// # Safety
+/// Implementors promise that [`as_ptr`](HostMemory::as_ptr) points to
+/// [`len`](HostMemory::len) bytes that are valid for reads and writes, aligned to at
+/// least 256 bytes, owned exclusively by this value, initialised, and not moved or
+/// freed before it is dropped.
+pub unsafe trait HostMemory: Send + Sync {
+    /// Start of the memory.
+    fn as_ptr(&self) -> *mut u8;
+    /// Length in bytes.
+    fn len(&self) -> usize;
+    /// Whether the length is zero.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Allocates the loader's host buffers: plain memory here, page-locked memory from the
+/// CUDA backend.
+pub trait HostAlloc: Send + Sync + 'static {
+    /// A short name for reports (`plain`, `pinned`...).
+    fn name(&self) -> &'static str;
+    /// Allocates `bytes` bytes (at least one page), zero-filled, every page touched.
+    ///
+    /// # Errors
+    /// [`Error::Alloc`] when the memory cannot be had.
+    fn alloc(&self, bytes: usize) -> Result<Box<dyn HostMemory>>;
+}
+
+/// Ordinary page-aligned heap memory.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PlainAlloc;
+
+struct PlainMemory {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: `PlainMemory` owns its allocation exclusively; moving it between threads or
+// sharing `&PlainMemory` (which only exposes the pointer) is sound.
+unsafe impl Send for PlainMemory {}
+// SAFETY: as above; writes go through `&mut` access arranged by the pool.
+unsafe impl Sync for PlainMemory {}
+
+// SAFETY: the pointer comes from `std::alloc::alloc` with `layout` (page-aligned, the
+// reported length), is zero-filled at allocation and freed only in `Drop`.
+unsafe impl HostMemory for PlainMemory {
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+    fn len(&self) -> usize {
+        self.layout.size()
+    }
+}
+
+impl Drop for PlainMemory {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `PlainAlloc::alloc` with exactly this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+impl HostAlloc for PlainAlloc {
+    fn name(&self) -> &'static str {
+        "plain"
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<Box<dyn HostMemory>> {
+        let size = bytes.max(1).next_multiple_of(BUFFER_ALIGN);
+        let layout = Layout::from_size_align(size, BUFFER_ALIGN).map_err(|e| Error::Alloc {
+            bytes,
+            allocator: "plain",
+            message: e.to_string(),
+        })?;
+        // SAFETY: `layout` has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc(layout) };
+        let ptr = NonNull::new(ptr).ok_or_else(|| Error::Alloc {
+            bytes,
+            allocator: "plain",
+            message: "out of memory".into(),
+        })?;
+        // Touch every page now, so that page faults are paid at pool creation (where they
+        // are measured) rather than inside the first epoch's gathers.
+        // SAFETY: `ptr` points to `size` writable bytes just allocated.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, size) };
+        Ok(Box::new(PlainMemory { ptr, layout }))
+    }
+}
+
+/// One buffer of the pool with the batch's sample indices beside it.
+pub(crate) struct Slot {
+    pub(crate) mem: Box<dyn HostMemory>,
+    pub(crate) indices: Vec<u64>,
+}
+
+impl Slot {
+    pub(crate) fn bytes(&self) -> &[u8] {
+        // SAFETY: `HostMemory` guarantees `len` initialised bytes at `as_ptr`, owned by
+        // this slot; the shared borrow of the slot excludes writers.
+        unsafe { std::slice::from_raw_parts(self.mem.as_ptr(), self.mem.len()) }
+    }
+
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and `&mut self` makes this the only access.
+        unsafe { std::slice::from_raw_parts_mut(self.mem.as_ptr(), self.mem.len()) }
+    }
+}
+
+/// The pool: `size` slots of `bytes` each, allocated once.
+pub(crate) struct Pool {
+    free_tx: Sender<Slot>,
+    pub(crate) free_rx: Receiver<Slot>,
+    size: usize,
+    bytes: usize,
+    /// Slots currently inside a `HostBatch` handed to the consumer.
+    pub(crate) held: AtomicUsize,
+    allocator: &'static str,
+    alloc_time: Duration,
+}
+
+impl Pool {
+    pub(crate) fn new(
+        alloc: &dyn HostAlloc,
+        size: usize,
+        bytes: usize,
+        batch_size: usize,
+    ) -> Result<Arc<Pool>> {
+        let (free_tx, free_rx) = crossbeam_channel::bounded(size);
+        let start = Instant::now();
+        for _ in 0..size {
+            let slot = Slot {
+                mem: alloc.alloc(bytes)?,
+                indices: Vec::with_capacity(batch_size),
+            };
+            if slot.mem.len() < bytes {
+                return Err(Error::Alloc {
+                    bytes,
+                    allocator: alloc.name(),
+                    message: format!("the allocator returned only {} bytes", slot.mem.len()),
+                });
+            }
+            free_tx.send(slot).expect("the pool holds its own receiver");
+        }
+        Ok(Arc::new(Pool {
+            free_tx,
+            free_rx,
+            size,
+            bytes,
+            held: AtomicUsize::new(0),
+            allocator: alloc.name(),
+            alloc_time: start.elapsed(),
+        }))
+    }
+
+    pub(crate) fn size(&self) -> usize {
+        self.size
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    pub(crate) fn allocator(&self) -> &'static str {
+        self.allocator
+    }
+
+    pub(crate) fn alloc_time(&self) -> Duration {
+        self.alloc_time
+    }
+
+    /// Slots waiting in the pool right now.
+    pub(crate) fn free(&self) -> usize {
+        self.free_rx.len()
+    }
+}
+
+/// A slot lent out of the pool; dropping it gives the slot back.
+pub(crate) struct Lease {
+    slot: Option<Slot>,
+    pool: Arc<Pool>,
+}
+
+impl Lease {
+    pub(crate) fn new(slot: Slot, pool: Arc<Pool>) -> Lease {
+        Lease {
+            slot: Some(slot),
+            pool,
+        }
+    }
+
+    pub(crate) fn slot(&self) -> &Slot {
+        self.slot.as_ref().expect("a lease holds its slot until dropped")
+    }
+
+    pub(crate) fn slot_mut(&mut self) -> &mut Slot {
+        self.slot.as_mut().expect("a lease holds its slot until dropped")
+    }
+
+    pub(crate) fn pool(&self) -> &Arc<Pool> {
+        &self.pool
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            // The channel's capacity is the pool size and the pool owns a receiver, so
+            // this never blocks and never fails.
+            let _ = self.pool.free_tx.try_send(slot);
+        }
+    }
+}

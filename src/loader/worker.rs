@@ -1,0 +1,132 @@
+//! Persistent worker threads and the per-epoch job they share.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crossbeam_channel::{select, Receiver, Sender};
+
+use super::batch::BatchLayout;
+use super::pool::{Lease, Pool};
+use crate::dataset::Dataset;
+use crate::error::{Error, Result};
+use crate::sampler::EpochOrder;
+
+/// What a worker hands back for one batch number.
+pub(crate) struct Done {
+    pub(crate) number: u64,
+    pub(crate) lease: Lease,
+    pub(crate) result: Result<usize>,
+    pub(crate) worker: usize,
+    pub(crate) start: Instant,
+    pub(crate) end: Instant,
+}
+
+/// One epoch's work, shared by every worker.
+pub(crate) struct Job {
+    pub(crate) order: EpochOrder,
+    pub(crate) dataset: Arc<dyn Dataset>,
+    pub(crate) layout: Arc<BatchLayout>,
+    pub(crate) pool: Arc<Pool>,
+    /// The next batch number to claim.
+    pub(crate) next: AtomicU64,
+    pub(crate) end: u64,
+    pub(crate) cancelled: AtomicBool,
+    /// Never sent on: it disconnects when the epoch is dropped, waking workers blocked
+    /// on the pool.
+    pub(crate) cancel: Receiver<()>,
+    pub(crate) results: Sender<Done>,
+}
+
+/// A job and the sender a worker drops when it is done with it.
+pub(crate) type Assignment = (Arc<Job>, Sender<()>);
+
+impl Job {
+    /// Claims and assembles batches until the epoch is exhausted or cancelled.
+    fn run(&self, worker: usize) {
+        loop {
+            if self.cancelled.load(Ordering::Acquire) || self.next.load(Ordering::Relaxed) >= self.end {
+                return;
+            }
+            // Take a buffer before claiming a number: the lowest unclaimed batch then
+            // always has a buffer, so in-order delivery cannot deadlock.
+            let slot = select! {
+                recv(self.pool.free_rx) -> slot => match slot {
+                    Ok(slot) => slot,
+                    Err(_) => return,
+                },
+                recv(self.cancel) -> _ => return,
+            };
+            let mut lease = Lease::new(slot, Arc::clone(&self.pool));
+            if self.cancelled.load(Ordering::Acquire) {
+                return;
+            }
+            let number = self.next.fetch_add(1, Ordering::Relaxed);
+            if number >= self.end {
+                return;
+            }
+            let start = Instant::now();
+            let result = catch_unwind(AssertUnwindSafe(|| self.assemble(&mut lease, number)))
+                .unwrap_or_else(|payload| {
+                    Err(Error::WorkerPanic {
+                        worker,
+                        epoch: self.order.epoch(),
+                        batch: number,
+                        message: panic_message(payload.as_ref()),
+                    })
+                });
+            let end = Instant::now();
+            let failed = result.is_err();
+            let done = Done {
+                number,
+                lease,
+                result,
+                worker,
+                start,
+                end,
+            };
+            // A send fails only when the epoch is gone; the lease then returns itself.
+            if self.results.send(done).is_err() || failed {
+                self.cancelled.store(true, Ordering::Release);
+                return;
+            }
+        }
+    }
+
+    /// Writes batch `number` into the lease's buffer; returns its sample count.
+    fn assemble(&self, lease: &mut Lease, number: u64) -> Result<usize> {
+        let slot = lease.slot_mut();
+        self.order.batch(number, &mut slot.indices);
+        let rows = slot.indices.len();
+        let indices = std::mem::take(&mut slot.indices);
+        let (mut parts, n) = self.layout.split(slot.bytes_mut(), rows);
+        let result = self.dataset.gather(self.order.epoch(), &indices, &mut parts[..n]);
+        lease.slot_mut().indices = indices;
+        result.map(|()| rows)
+    }
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a non-string panic payload".to_string()
+    }
+}
+
+/// Starts worker `id`: it serves jobs until its channel closes.
+pub(crate) fn spawn(id: usize, jobs: Receiver<Assignment>) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(format!("stoker-worker-{id}"))
+        .spawn(move || {
+            for (job, done) in jobs {
+                job.run(id);
+                drop(job);
+                drop(done);
+            }
+        })
+}

@@ -1,0 +1,164 @@
+//! The page cache: how much of a dataset is resident (`mincore`), evicting it for a cold
+//! start on purpose (`posix_fadvise(DONTNEED)`), and reading it ahead.
+//!
+//! The page cache is the loader's first-level cache: a warm epoch gathers from memory,
+//! a cold one from storage. These calls let the crate measure and control which.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+
+use crate::dataset::{Dataset, MappedFile};
+use crate::error::{Error, Result};
+
+/// How much of some files is in the page cache.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Residency {
+    /// Pages resident.
+    pub resident: u64,
+    /// Pages in all.
+    pub pages: u64,
+}
+
+impl Residency {
+    /// Resident share, 0.0 to 1.0 (1.0 for nothing at all).
+    pub fn fraction(&self) -> f64 {
+        if self.pages == 0 {
+            1.0
+        } else {
+            self.resident as f64 / self.pages as f64
+        }
+    }
+
+    fn add(self, other: Residency) -> Residency {
+        Residency {
+            resident: self.resident + other.resident,
+            pages: self.pages + other.pages,
+        }
+    }
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
+}
+
+/// Page-cache residency of one mapped file.
+///
+/// # Errors
+/// [`Error::Io`] naming the file if `mincore` fails.
+pub fn file_residency(file: MappedFile<'_>) -> Result<Residency> {
+    let page = page_size();
+    let len = file.map.len();
+    if len == 0 {
+        return Ok(Residency::default());
+    }
+    let pages = len.div_ceil(page);
+    let mut vec = vec![0u8; pages];
+    // SAFETY: `file.map` is a live mapping (page-aligned, as every mmap is) of `len`
+    // bytes, and `vec` has one byte per page of it, as mincore requires.
+    let rc = unsafe { libc::mincore(file.map.as_ptr() as *mut libc::c_void, len, vec.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(Error::io(file.path, std::io::Error::last_os_error()));
+    }
+    Ok(Residency {
+        resident: vec.iter().filter(|&&b| b & 1 != 0).count() as u64,
+        pages: pages as u64,
+    })
+}
+
+/// Page-cache residency of every file of a dataset, summed.
+///
+/// # Errors
+/// As [`file_residency`].
+pub fn residency(dataset: &dyn Dataset) -> Result<Residency> {
+    dataset
+        .files()
+        .into_iter()
+        .try_fold(Residency::default(), |acc, f| Ok(acc.add(file_residency(f)?)))
+}
+
+/// Drops a mapped file from the page cache: unmaps its pages from this process
+/// (`madvise(DONTNEED)`, so they are no longer pinned by the mapping), then asks the
+/// kernel to discard them (`posix_fadvise(DONTNEED)`). Pages other processes map, or
+/// dirty pages, may stay; check with [`file_residency`].
+///
+/// # Errors
+/// [`Error::Io`] naming the file.
+pub fn evict_file(file: MappedFile<'_>) -> Result<()> {
+    if !file.map.is_empty() {
+        // SAFETY: the range is exactly a live, read-only, shared file mapping; DONTNEED on
+        // it only drops page-table entries, and later reads fault the file back in.
+        let rc = unsafe {
+            libc::madvise(
+                file.map.as_ptr() as *mut libc::c_void,
+                file.map.len(),
+                libc::MADV_DONTNEED,
+            )
+        };
+        if rc != 0 {
+            return Err(Error::io(file.path, std::io::Error::last_os_error()));
+        }
+    }
+    let f = File::open(file.path).map_err(|e| Error::io(file.path, e))?;
+    // SAFETY: a valid open descriptor; fadvise reads no memory of ours.
+    let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    if rc != 0 {
+        return Err(Error::io(file.path, std::io::Error::from_raw_os_error(rc)));
+    }
+    Ok(())
+}
+
+/// Evicts every file of a dataset (see [`evict_file`]).
+///
+/// # Errors
+/// As [`evict_file`].
+pub fn evict(dataset: &dyn Dataset) -> Result<()> {
+    dataset.files().into_iter().try_for_each(evict_file)
+}
+
+/// Reads a mapped file into the page cache: `madvise(WILLNEED)`, then one touch per page
+/// so it is resident when this returns. Returns the bytes touched.
+///
+/// # Errors
+/// [`Error::Io`] naming the file if the advice is refused.
+pub fn read_ahead_file(file: MappedFile<'_>) -> Result<u64> {
+    if file.map.is_empty() {
+        return Ok(0);
+    }
+    // SAFETY: the range is a live read-only mapping; WILLNEED only starts reads.
+    let rc = unsafe {
+        libc::madvise(
+            file.map.as_ptr() as *mut libc::c_void,
+            file.map.len(),
+            libc::MADV_WILLNEED,
+        )
+    };
+    if rc != 0 {
+        return Err(Error::io(file.path, std::io::Error::last_os_error()));
+    }
+    let page = page_size();
+    let mut sum = 0u8;
+    for i in (0..file.map.len()).step_by(page) {
+        // Volatile so the touch is not optimised away.
+        // SAFETY: `i < len`, inside the mapping.
+        sum ^= unsafe { std::ptr::read_volatile(file.map.as_ptr().add(i)) };
+    }
+    std::hint::black_box(sum);
+    Ok(file.map.len() as u64)
+}
+
+/// Reads every file of a dataset into the page cache (see [`read_ahead_file`]).
+///
+/// # Errors
+/// As [`read_ahead_file`].
+pub fn read_ahead(dataset: &dyn Dataset) -> Result<u64> {
+    dataset
+        .files()
+        .into_iter()
+        .try_fold(0, |acc, f| Ok(acc + read_ahead_file(f)?))
+}

@@ -1,0 +1,393 @@
+//! The order of samples in each epoch: a pure function of
+//! `(seed, epoch, rank, world_size)`, never of worker count, timing or machine.
+//!
+//! [`Order`] turns a dataset length, a [`Shuffle`], a [`Shard`] and a batch size into
+//! [`EpochOrder`]s, which compute the sample at any position directly (no table): a
+//! loader resumed at batch `k` computes batch `k` without replaying the ones before.
+
+mod permutation;
+mod shard;
+
+pub use permutation::Permutation;
+pub use shard::{Shard, ShardTail};
+
+use crate::error::{Error, Result};
+
+/// The splitmix64 finaliser: a fast, well-mixing bijection of `u64`.
+#[inline]
+pub(crate) const fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The key of `epoch`'s permutation under `seed`.
+const fn epoch_key(seed: u64, epoch: u64) -> u64 {
+    mix(mix(seed ^ 0x73_746f_6b65_72) ^ epoch.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+}
+
+/// How samples are ordered within an epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Shuffle {
+    /// File order, every epoch.
+    None,
+    /// A new uniform-looking permutation of all samples each epoch, from `(seed, epoch)`.
+    Full {
+        /// The seed.
+        seed: u64,
+    },
+    /// Quasi-random: the order of blocks of `block_rows` consecutive rows is shuffled,
+    /// then rows are shuffled within each window of `window` consecutive (shuffled)
+    /// blocks. A cold first epoch then reads a few blocks at a time, near-sequentially,
+    /// instead of jumping over the whole file for every sample.
+    Block {
+        /// The seed.
+        seed: u64,
+        /// Rows per block; `0` lets the loader pick about 1 MiB of rows.
+        block_rows: u64,
+        /// Blocks whose rows are mixed together.
+        window: u64,
+    },
+}
+
+impl Shuffle {
+    /// Block shuffle with the loader's default block size (about 1 MiB of rows) and a
+    /// window of 16 blocks.
+    pub const fn block(seed: u64) -> Shuffle {
+        Shuffle::Block {
+            seed,
+            block_rows: 0,
+            window: 16,
+        }
+    }
+}
+
+/// The per-rank batching of epochs of a dataset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Order {
+    len: u64,
+    shuffle: Shuffle,
+    shard: Shard,
+    batch_size: u64,
+    drop_last: bool,
+}
+
+impl Order {
+    /// The order of a dataset of `len` samples.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for `len == 0`, `batch_size == 0`, a block shuffle with zero
+    /// rows per block or a zero window, or a shard that leaves this rank no batch.
+    pub fn new(
+        len: u64,
+        shuffle: Shuffle,
+        shard: Shard,
+        batch_size: u64,
+        drop_last: bool,
+    ) -> Result<Order> {
+        if len == 0 {
+            return Err(Error::Config("the dataset is empty".into()));
+        }
+        if batch_size == 0 {
+            return Err(Error::Config("batch size must be at least 1".into()));
+        }
+        if let Shuffle::Block {
+            block_rows, window, ..
+        } = shuffle
+        {
+            if block_rows == 0 || window == 0 {
+                return Err(Error::Config(
+                    "block shuffle needs block_rows >= 1 and window >= 1".into(),
+                ));
+            }
+        }
+        let order = Order {
+            len,
+            shuffle,
+            shard,
+            batch_size,
+            drop_last,
+        };
+        if order.batches() == 0 {
+            return Err(Error::Config(format!(
+                "rank {} of {} gets {} of {len} samples: no {} batch of {batch_size}",
+                shard.rank(),
+                shard.world_size(),
+                order.samples(),
+                if drop_last { "full" } else { "single" },
+            )));
+        }
+        Ok(order)
+    }
+
+    /// Samples per epoch in the whole dataset.
+    pub const fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Always false: an empty order is refused by [`Order::new`].
+    pub const fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The shuffle.
+    pub const fn shuffle(&self) -> Shuffle {
+        self.shuffle
+    }
+
+    /// The shard.
+    pub const fn shard(&self) -> Shard {
+        self.shard
+    }
+
+    /// The batch size.
+    pub const fn batch_size(&self) -> u64 {
+        self.batch_size
+    }
+
+    /// Samples this rank sees per epoch (before `drop_last`).
+    pub const fn samples(&self) -> u64 {
+        self.shard.samples(self.len)
+    }
+
+    /// Batches per epoch on this rank.
+    pub const fn batches(&self) -> u64 {
+        let s = self.samples();
+        if self.drop_last {
+            s / self.batch_size
+        } else {
+            s.div_ceil(self.batch_size)
+        }
+    }
+
+    /// The order of `epoch`.
+    pub fn epoch(&self, epoch: u64) -> EpochOrder {
+        let kind = match self.shuffle {
+            Shuffle::None => Kind::Sequential,
+            Shuffle::Full { seed } => Kind::Full(Permutation::new(self.len, epoch_key(seed, epoch))),
+            Shuffle::Block {
+                seed,
+                block_rows,
+                window,
+            } => Kind::Block(BlockOrder::new(
+                self.len,
+                block_rows,
+                window,
+                epoch_key(seed, epoch),
+            )),
+        };
+        EpochOrder {
+            order: *self,
+            epoch,
+            kind,
+        }
+    }
+}
+
+/// The order of one epoch on one rank.
+#[derive(Debug, Clone)]
+pub struct EpochOrder {
+    order: Order,
+    epoch: u64,
+    kind: Kind,
+}
+
+#[derive(Debug, Clone)]
+enum Kind {
+    Sequential,
+    Full(Permutation),
+    Block(BlockOrder),
+}
+
+impl EpochOrder {
+    /// The epoch number.
+    pub const fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The sample at `position` of the epoch's global order (all ranks).
+    ///
+    /// # Panics
+    /// If `position >= len`.
+    #[inline]
+    pub fn global(&self, position: u64) -> u64 {
+        assert!(position < self.order.len, "position {position} past the epoch");
+        match &self.kind {
+            Kind::Sequential => position,
+            Kind::Full(p) => p.apply(position),
+            Kind::Block(b) => b.index(position),
+        }
+    }
+
+    /// This rank's `i`-th sample of the epoch.
+    #[inline]
+    pub fn sample(&self, i: u64) -> u64 {
+        self.global(self.order.shard.global_position(i, self.order.len))
+    }
+
+    /// Batches in the epoch.
+    pub const fn batches(&self) -> u64 {
+        self.order.batches()
+    }
+
+    /// Samples in batch `b` (the last one may be short unless `drop_last`).
+    pub fn batch_len(&self, b: u64) -> usize {
+        let start = b * self.order.batch_size;
+        (self.order.samples() - start).min(self.order.batch_size) as usize
+    }
+
+    /// Writes the sample indices of batch `b` into `out` (cleared first).
+    ///
+    /// # Panics
+    /// If `b >= batches()`.
+    pub fn batch(&self, b: u64, out: &mut Vec<u64>) {
+        assert!(b < self.batches(), "batch {b} past the epoch");
+        out.clear();
+        let start = b * self.order.batch_size;
+        out.extend((start..start + self.batch_len(b) as u64).map(|i| self.sample(i)));
+    }
+}
+
+/// Block shuffle: blocks of `rows` consecutive samples in a shuffled order, samples
+/// shuffled within windows of `window` blocks. The one short block (when `len` is not a
+/// multiple of the block size) is placed last within its window before the window's rows
+/// are shuffled, so every position still maps in O(1).
+#[derive(Debug, Clone)]
+struct BlockOrder {
+    rows: u64,
+    window: u64,
+    blocks: u64,
+    /// Rows missing from the last block (0 when it is full).
+    deficit: u64,
+    /// Shuffled order of the blocks.
+    block_perm: Permutation,
+    /// Shuffled position of the last (possibly short) block.
+    short_at: u64,
+    key: u64,
+}
+
+impl BlockOrder {
+    fn new(len: u64, rows: u64, window: u64, key: u64) -> BlockOrder {
+        let blocks = len.div_ceil(rows);
+        let block_perm = Permutation::new(blocks, key);
+        let short_at = block_perm.invert(blocks - 1);
+        BlockOrder {
+            rows,
+            window,
+            blocks,
+            deficit: blocks * rows - len,
+            block_perm,
+            short_at,
+            key,
+        }
+    }
+
+    fn index(&self, p: u64) -> u64 {
+        let span = self.window * self.rows;
+        let short_window = self.short_at / self.window;
+        let windows = self.blocks.div_ceil(self.window);
+        let mut w = p / span;
+        if w + 1 < windows && w + 1 > short_window && p >= (w + 1) * span - self.deficit {
+            w += 1;
+        }
+        let start = w * span - if w > short_window { self.deficit } else { 0 };
+        let first_block = w * self.window;
+        let nblocks = self.window.min(self.blocks - first_block);
+        let has_short = w == short_window;
+        let rows_w = nblocks * self.rows - if has_short { self.deficit } else { 0 };
+        let local = Permutation::new(rows_w, mix(self.key ^ mix(w + 1))).apply(p - start);
+        let full = if has_short { nblocks - 1 } else { nblocks };
+        if local < full * self.rows {
+            let k = local / self.rows;
+            let slot = if has_short && k >= self.short_at - first_block {
+                k + 1
+            } else {
+                k
+            };
+            self.block_perm.apply(first_block + slot) * self.rows + local % self.rows
+        } else {
+            (self.blocks - 1) * self.rows + (local - full * self.rows)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all(order: &Order, epoch: u64) -> Vec<u64> {
+        let e = order.epoch(epoch);
+        let mut v = Vec::new();
+        let mut b = Vec::new();
+        for k in 0..e.batches() {
+            e.batch(k, &mut b);
+            v.extend_from_slice(&b);
+        }
+        v
+    }
+
+    fn is_permutation(mut v: Vec<u64>, n: u64) -> bool {
+        v.sort_unstable();
+        v == (0..n).collect::<Vec<_>>()
+    }
+
+    #[test]
+    fn block_shuffle_is_a_permutation() {
+        for len in [1, 2, 7, 64, 100, 1000, 1001, 4097] {
+            for rows in [1, 3, 16, 64, 5000] {
+                for window in [1, 2, 5] {
+                    let s = Shuffle::Block {
+                        seed: len ^ rows,
+                        block_rows: rows,
+                        window,
+                    };
+                    let o = Order::new(len, s, Shard::single(), 7, false).unwrap();
+                    for epoch in 0..3 {
+                        assert!(
+                            is_permutation(all(&o, epoch), len),
+                            "len {len} rows {rows} window {window} epoch {epoch}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn block_shuffle_stays_local() {
+        // Within any run of `rows * window` positions, reads touch at most a few windows.
+        let (len, rows, window) = (100_000, 1000, 4);
+        let s = Shuffle::Block {
+            seed: 3,
+            block_rows: rows,
+            window,
+        };
+        let o = Order::new(len, s, Shard::single(), 100, false).unwrap();
+        let v = all(&o, 0);
+        let blocks: std::collections::HashSet<u64> = v[..4000].iter().map(|i| i / rows).collect();
+        assert!(blocks.len() <= 8, "{} blocks touched", blocks.len());
+        assert!(!is_permutation(v[..4000].to_vec(), 4000), "not shuffled at all");
+    }
+
+    #[test]
+    fn sequential_and_full() {
+        let o = Order::new(10, Shuffle::None, Shard::single(), 4, false).unwrap();
+        assert_eq!(all(&o, 5), (0..10).collect::<Vec<_>>());
+        assert_eq!(o.batches(), 3);
+        let o = Order::new(10, Shuffle::Full { seed: 1 }, Shard::single(), 4, true).unwrap();
+        assert_eq!(o.batches(), 2);
+        assert_eq!(all(&o, 0).len(), 8);
+        let o = Order::new(1000, Shuffle::Full { seed: 1 }, Shard::single(), 10, false).unwrap();
+        assert_ne!(all(&o, 0), all(&o, 1));
+        assert!(is_permutation(all(&o, 1), 1000));
+    }
+
+    #[test]
+    fn refuses_empty_work() {
+        assert!(Order::new(0, Shuffle::None, Shard::single(), 4, false).is_err());
+        assert!(Order::new(5, Shuffle::None, Shard::single(), 0, false).is_err());
+        assert!(Order::new(5, Shuffle::None, Shard::single(), 8, true).is_err());
+        let shard = Shard::new(3, 4).unwrap().with_tail(ShardTail::Drop);
+        assert!(Order::new(3, Shuffle::None, shard, 1, false).is_err());
+    }
+}
