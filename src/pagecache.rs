@@ -61,7 +61,13 @@ pub fn file_residency(file: MappedFile<'_>) -> Result<Residency> {
     let mut vec = vec![0u8; pages];
     // SAFETY: `file.map` is a live mapping (page-aligned, as every mmap is) of `len`
     // bytes, and `vec` has one byte per page of it, as mincore requires.
-    let rc = unsafe { libc::mincore(file.map.as_ptr() as *mut libc::c_void, len, vec.as_mut_ptr()) };
+    let rc = unsafe {
+        libc::mincore(
+            file.map.as_ptr() as *mut libc::c_void,
+            len,
+            vec.as_mut_ptr(),
+        )
+    };
     if rc != 0 {
         return Err(Error::io(file.path, std::io::Error::last_os_error()));
     }
@@ -79,7 +85,9 @@ pub fn residency(dataset: &dyn Dataset) -> Result<Residency> {
     dataset
         .files()
         .into_iter()
-        .try_fold(Residency::default(), |acc, f| Ok(acc.add(file_residency(f)?)))
+        .try_fold(Residency::default(), |acc, f| {
+            Ok(acc.add(file_residency(f)?))
+        })
 }
 
 /// Drops a mapped file from the page cache: unmaps its pages from this process

@@ -132,6 +132,12 @@ impl Dataset for NpyDataset {
 
     fn gather(&self, _epoch: u64, indices: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
         check_out(&self.columns, indices.len(), out)?;
+        if let Some(&index) = indices.iter().find(|&&i| i >= self.len) {
+            return Err(Error::OutOfRange {
+                index,
+                len: self.len,
+            });
+        }
         for (array, out) in self.arrays.iter().zip(out.iter_mut()) {
             let rb = array.row_bytes();
             if rb == 0 {
@@ -139,12 +145,6 @@ impl Dataset for NpyDataset {
             }
             let data = array.data();
             for (dst, &index) in out.chunks_exact_mut(rb).zip(indices) {
-                if index >= self.len {
-                    return Err(Error::OutOfRange {
-                        index,
-                        len: self.len,
-                    });
-                }
                 let start = index as usize * rb;
                 dst.copy_from_slice(&data[start..start + rb]);
             }

@@ -63,11 +63,12 @@ impl NpyHeader {
             .get(start..start + header_len)
             .ok_or_else(|| NpyProblem::Header("file ends inside the header".into()))?;
         let text = if utf8 {
-            std::str::from_utf8(text)
-                .map_err(|e| NpyProblem::Header(format!("not UTF-8: {e}")))?
+            std::str::from_utf8(text).map_err(|e| NpyProblem::Header(format!("not UTF-8: {e}")))?
         } else {
             if !text.is_ascii() {
-                return Err(NpyProblem::Header("not ASCII (version 1.0/2.0 header)".into()));
+                return Err(NpyProblem::Header(
+                    "not ASCII (version 1.0/2.0 header)".into(),
+                ));
             }
             // SAFETY-free: ASCII is valid UTF-8.
             std::str::from_utf8(text).map_err(|e| NpyProblem::Header(e.to_string()))?
@@ -122,7 +123,11 @@ fn parse_descr(descr: Value) -> std::result::Result<DType, NpyProblem> {
     let s = match descr {
         Value::Str(s) => s,
         Value::List => return Err(NpyProblem::DType("structured (a list of fields)".into())),
-        other => return Err(NpyProblem::Header(format!("descr is {other:?}, not a string"))),
+        other => {
+            return Err(NpyProblem::Header(format!(
+                "descr is {other:?}, not a string"
+            )))
+        }
     };
     let (order, code) = match s.chars().next() {
         Some(c @ ('<' | '>' | '|' | '=')) => (c, &s[1..]),
@@ -463,24 +468,57 @@ mod tests {
             3,
         ))
         .unwrap();
-        assert_eq!((h.dtype, h.shape.as_slice(), h.version), (DType::U8, &[7u64][..], (3, 0)));
+        assert_eq!(
+            (h.dtype, h.shape.as_slice(), h.version),
+            (DType::U8, &[7u64][..], (3, 0))
+        );
     }
 
     #[test]
     fn rejects_bad_headers() {
         let p = |d: &str| NpyHeader::parse(&header(d, 1)).unwrap_err();
-        assert_eq!(p("{'descr': '>f4', 'fortran_order': False, 'shape': (3,), }"), NpyProblem::BigEndian(">f4".into()));
-        assert_eq!(p("{'descr': '<f4', 'fortran_order': True, 'shape': (3,), }"), NpyProblem::FortranOrder);
-        assert_eq!(p("{'descr': '<f4', 'fortran_order': False, 'shape': (), }"), NpyProblem::ZeroDim);
-        assert!(matches!(p("{'descr': '|O', 'fortran_order': False, 'shape': (3,), }"), NpyProblem::DType(_)));
-        assert!(matches!(p("{'descr': [('a', '<i4')], 'fortran_order': False, 'shape': (3,), }"), NpyProblem::DType(_)));
+        assert_eq!(
+            p("{'descr': '>f4', 'fortran_order': False, 'shape': (3,), }"),
+            NpyProblem::BigEndian(">f4".into())
+        );
+        assert_eq!(
+            p("{'descr': '<f4', 'fortran_order': True, 'shape': (3,), }"),
+            NpyProblem::FortranOrder
+        );
+        assert_eq!(
+            p("{'descr': '<f4', 'fortran_order': False, 'shape': (), }"),
+            NpyProblem::ZeroDim
+        );
+        assert!(matches!(
+            p("{'descr': '|O', 'fortran_order': False, 'shape': (3,), }"),
+            NpyProblem::DType(_)
+        ));
+        assert!(matches!(
+            p("{'descr': [('a', '<i4')], 'fortran_order': False, 'shape': (3,), }"),
+            NpyProblem::DType(_)
+        ));
         assert!(matches!(p("{'descr': '<f4', 'fortran_order': False, 'shape': (99999999999, 99999999999, 999999), }"), NpyProblem::Overflow(_)));
-        assert!(matches!(p("{'descr': '<f4', 'shape': (3,), }"), NpyProblem::Header(_)));
-        assert!(matches!(p("{'descr': '<f4' 'fortran_order': False}"), NpyProblem::Header(_)));
+        assert!(matches!(
+            p("{'descr': '<f4', 'shape': (3,), }"),
+            NpyProblem::Header(_)
+        ));
+        assert!(matches!(
+            p("{'descr': '<f4' 'fortran_order': False}"),
+            NpyProblem::Header(_)
+        ));
         assert!(matches!(p("garbage"), NpyProblem::Header(_)));
-        assert_eq!(NpyHeader::parse(b"\x93NUMPX\x01\x00"), Err(NpyProblem::BadMagic));
-        assert_eq!(NpyHeader::parse(b"\x93NUMPY\x04\x00"), Err(NpyProblem::Version(4, 0)));
-        assert!(matches!(NpyHeader::parse(b"\x93NUMPY\x01\x00\xff\x00{"), Err(NpyProblem::Header(_))));
+        assert_eq!(
+            NpyHeader::parse(b"\x93NUMPX\x01\x00"),
+            Err(NpyProblem::BadMagic)
+        );
+        assert_eq!(
+            NpyHeader::parse(b"\x93NUMPY\x04\x00"),
+            Err(NpyProblem::Version(4, 0))
+        );
+        assert!(matches!(
+            NpyHeader::parse(b"\x93NUMPY\x01\x00\xff\x00{"),
+            Err(NpyProblem::Header(_))
+        ));
     }
 
     #[test]

@@ -74,7 +74,15 @@ impl TokenDataset {
         // SAFETY: read-only mapping of a dataset file treated as immutable while mapped
         // (see `NpyArray::open`).
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        Self::build(path, map, 0, len / dtype.size() as u64, dtype, seq_len, windows)
+        Self::build(
+            path,
+            map,
+            0,
+            len / dtype.size() as u64,
+            dtype,
+            seq_len,
+            windows,
+        )
     }
 
     /// Opens a 1-d `.npy` array of integer tokens.
@@ -82,7 +90,11 @@ impl TokenDataset {
     /// # Errors
     /// Anything [`NpyArray::open`] returns; [`Error::Dataset`] if the array is not 1-d
     /// integers or is too short for one window.
-    pub fn open_npy(path: impl AsRef<Path>, seq_len: usize, windows: Windows) -> Result<TokenDataset> {
+    pub fn open_npy(
+        path: impl AsRef<Path>,
+        seq_len: usize,
+        windows: Windows,
+    ) -> Result<TokenDataset> {
         let path = path.as_ref();
         let array = NpyArray::open(path)?;
         if array.shape().len() != 1 || !array.dtype().is_integer() {
@@ -164,7 +176,9 @@ impl TokenDataset {
             Windows::Consecutive => index * self.seq_len as u64,
             Windows::Random { seed } => {
                 let starts = self.tokens - self.seq_len as u64;
-                mix(mix(seed ^ 0x746f_6b65_6e73) ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ mix(index))
+                mix(mix(seed ^ 0x746f_6b65_6e73)
+                    ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                    ^ mix(index))
                     % starts
             }
         }

@@ -31,8 +31,9 @@ pub struct EpochStats {
 
 /// One epoch of batches, in order: an [`ExactSizeIterator`] of `Result<HostBatch>`.
 ///
-/// An error (a failed read, a worker panic) is yielded once and ends the epoch, so the
-/// iterator can yield fewer items than `len()` promised. Dropping the iterator stops the
+/// An error (a failed read, a worker panic, a consumer holding every buffer) is yielded
+/// once and ends the epoch, so the iterator can yield fewer items than `len()` promised;
+/// [`state`](Epoch::state) then points at the batch that failed, ready for a resume. Dropping the iterator stops the
 /// workers (each finishes at most the batch in hand), and returns every buffer not held
 /// by a [`HostBatch`] before `drop` returns.
 pub struct Epoch<'a> {
@@ -146,7 +147,10 @@ impl Iterator for Epoch<'_> {
         let ring = self.pending.len() as u64;
         loop {
             let slot = (self.next % ring) as usize;
-            if self.pending[slot].as_ref().is_some_and(|d| d.number == self.next) {
+            if self.pending[slot]
+                .as_ref()
+                .is_some_and(|d| d.number == self.next)
+            {
                 let done = self.pending[slot].take().expect("checked above");
                 return Some(self.deliver(done, asked, asked.elapsed()));
             }
@@ -159,6 +163,8 @@ impl Iterator for Epoch<'_> {
                 Err(RecvTimeoutError::Timeout) => {
                     let pool = &self.job.pool;
                     if pool.held.load(Ordering::Acquire) >= pool.size() {
+                        self.done = true;
+                        self.job.cancelled.store(true, Ordering::Release);
                         return Some(Err(Error::PoolExhausted {
                             buffers: pool.size(),
                         }));

@@ -178,8 +178,8 @@ impl LoaderBuilder {
         let mut workers = Vec::with_capacity(self.workers);
         for id in 0..self.workers {
             let (tx, rx) = crossbeam_channel::unbounded();
-            let handle = worker::spawn(id, rx)
-                .map_err(|e| Error::io(format!("<worker thread {id}>"), e))?;
+            let handle =
+                worker::spawn(id, rx).map_err(|e| Error::io(format!("<worker thread {id}>"), e))?;
             workers.push(Worker {
                 jobs: Some(tx),
                 handle: Some(handle),

@@ -206,11 +206,15 @@ impl Lease {
     }
 
     pub(crate) fn slot(&self) -> &Slot {
-        self.slot.as_ref().expect("a lease holds its slot until dropped")
+        self.slot
+            .as_ref()
+            .expect("a lease holds its slot until dropped")
     }
 
     pub(crate) fn slot_mut(&mut self) -> &mut Slot {
-        self.slot.as_mut().expect("a lease holds its slot until dropped")
+        self.slot
+            .as_mut()
+            .expect("a lease holds its slot until dropped")
     }
 
     pub(crate) fn pool(&self) -> &Arc<Pool> {

@@ -47,7 +47,9 @@ impl Job {
     /// Claims and assembles batches until the epoch is exhausted or cancelled.
     fn run(&self, worker: usize) {
         loop {
-            if self.cancelled.load(Ordering::Acquire) || self.next.load(Ordering::Relaxed) >= self.end {
+            if self.cancelled.load(Ordering::Acquire)
+                || self.next.load(Ordering::Relaxed) >= self.end
+            {
                 return;
             }
             // Take a buffer before claiming a number: the lowest unclaimed batch then
@@ -102,7 +104,9 @@ impl Job {
         let rows = slot.indices.len();
         let indices = std::mem::take(&mut slot.indices);
         let (mut parts, n) = self.layout.split(slot.bytes_mut(), rows);
-        let result = self.dataset.gather(self.order.epoch(), &indices, &mut parts[..n]);
+        let result = self
+            .dataset
+            .gather(self.order.epoch(), &indices, &mut parts[..n]);
         lease.slot_mut().indices = indices;
         result.map(|()| rows)
     }

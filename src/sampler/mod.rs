@@ -164,7 +164,9 @@ impl Order {
     pub fn epoch(&self, epoch: u64) -> EpochOrder {
         let kind = match self.shuffle {
             Shuffle::None => Kind::Sequential,
-            Shuffle::Full { seed } => Kind::Full(Permutation::new(self.len, epoch_key(seed, epoch))),
+            Shuffle::Full { seed } => {
+                Kind::Full(Permutation::new(self.len, epoch_key(seed, epoch)))
+            }
             Shuffle::Block {
                 seed,
                 block_rows,
@@ -211,7 +213,10 @@ impl EpochOrder {
     /// If `position >= len`.
     #[inline]
     pub fn global(&self, position: u64) -> u64 {
-        assert!(position < self.order.len, "position {position} past the epoch");
+        assert!(
+            position < self.order.len,
+            "position {position} past the epoch"
+        );
         match &self.kind {
             Kind::Sequential => position,
             Kind::Full(p) => p.apply(position),
@@ -366,7 +371,10 @@ mod tests {
         let v = all(&o, 0);
         let blocks: std::collections::HashSet<u64> = v[..4000].iter().map(|i| i / rows).collect();
         assert!(blocks.len() <= 8, "{} blocks touched", blocks.len());
-        assert!(!is_permutation(v[..4000].to_vec(), 4000), "not shuffled at all");
+        assert!(
+            !is_permutation(v[..4000].to_vec(), 4000),
+            "not shuffled at all"
+        );
     }
 
     #[test]

@@ -58,7 +58,11 @@ impl Permutation {
     /// If `x >= len()` (an internal invariant: callers pass positions they computed).
     #[inline]
     pub fn apply(&self, x: u64) -> u64 {
-        assert!(x < self.n, "position {x} outside a permutation of {}", self.n);
+        assert!(
+            x < self.n,
+            "position {x} outside a permutation of {}",
+            self.n
+        );
         let mut y = x;
         loop {
             y = self.encrypt(y);
@@ -137,8 +141,12 @@ mod tests {
 
     #[test]
     fn keys_give_different_orders() {
-        let a: Vec<u64> = (0..1000).map(|x| Permutation::new(1000, 1).apply(x)).collect();
-        let b: Vec<u64> = (0..1000).map(|x| Permutation::new(1000, 2).apply(x)).collect();
+        let a: Vec<u64> = (0..1000)
+            .map(|x| Permutation::new(1000, 1).apply(x))
+            .collect();
+        let b: Vec<u64> = (0..1000)
+            .map(|x| Permutation::new(1000, 2).apply(x))
+            .collect();
         let same = a.iter().zip(&b).filter(|(a, b)| a == b).count();
         assert!(same < 20, "{same} fixed points between two keys");
     }
@@ -149,9 +157,14 @@ mod tests {
         let n = 100_000u64;
         let p = Permutation::new(n, 42);
         let mean = (0..n).map(|x| p.apply(x).abs_diff(x) as f64).sum::<f64>() / n as f64;
-        assert!((mean / n as f64 - 1.0 / 3.0).abs() < 0.02, "mean displacement {mean}");
+        assert!(
+            (mean / n as f64 - 1.0 / 3.0).abs() < 0.02,
+            "mean displacement {mean}"
+        );
         // Neighbours land far apart.
-        let near = (0..n - 1).filter(|&x| p.apply(x).abs_diff(p.apply(x + 1)) < 100).count();
+        let near = (0..n - 1)
+            .filter(|&x| p.apply(x).abs_diff(p.apply(x + 1)) < 100)
+            .count();
         assert!(near < 500, "{near} neighbours stayed within 100");
     }
 

@@ -1,0 +1,438 @@
+//! Loader behaviour: order invariants (property tests), resumption, early drop,
+//! failures, buffer bounds.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use common::{CountingAlloc, Synth};
+use proptest::prelude::*;
+use stoker::{
+    Dataset, Error, Loader, LoaderState, NpyArray, NpyDataset, Shard, ShardTail, Shuffle,
+};
+
+/// Every batch of an epoch, as index lists, checking that content matches indices.
+fn epoch_indices(loader: &mut Loader, epoch: u64) -> Vec<Vec<u64>> {
+    let mut out = Vec::new();
+    for batch in loader.epoch(epoch).unwrap() {
+        let batch = batch.unwrap();
+        assert_eq!(batch.epoch(), epoch);
+        let ids: &[u64] = batch.column(0).unwrap();
+        let triples: &[u32] = batch.column(1).unwrap();
+        assert_eq!(ids, batch.indices(), "column content follows the indices");
+        for (&i, &t) in ids.iter().zip(triples) {
+            assert_eq!(t as u64, 3 * i);
+        }
+        assert_eq!(batch.number(), out.len() as u64);
+        out.push(batch.indices().to_vec());
+    }
+    out
+}
+
+fn shuffle_strategy() -> impl Strategy<Value = Shuffle> {
+    prop_oneof![
+        Just(Shuffle::None),
+        any::<u64>().prop_map(|seed| Shuffle::Full { seed }),
+        (any::<u64>(), 1u64..40, 1u64..5).prop_map(|(seed, block_rows, window)| {
+            Shuffle::Block {
+                seed,
+                block_rows,
+                window,
+            }
+        }),
+    ]
+}
+
+#[derive(Debug, Clone)]
+struct Setup {
+    n: u64,
+    batch: usize,
+    workers: usize,
+    prefetch: usize,
+    drop_last: bool,
+    world: u64,
+    tail: ShardTail,
+    shuffle: Shuffle,
+    epoch: u64,
+}
+
+fn setup_strategy() -> impl Strategy<Value = Setup> {
+    (
+        1u64..600,
+        1usize..40,
+        1usize..5,
+        1usize..6,
+        any::<bool>(),
+        1u64..5,
+        prop_oneof![Just(ShardTail::Pad), Just(ShardTail::Drop)],
+        shuffle_strategy(),
+        0u64..1000,
+    )
+        .prop_map(
+            |(n, batch, workers, prefetch, drop_last, world, tail, shuffle, epoch)| Setup {
+                n,
+                batch,
+                workers,
+                prefetch,
+                drop_last,
+                world,
+                tail,
+                shuffle,
+                epoch,
+            },
+        )
+}
+
+fn build(s: &Setup, rank: u64, workers: usize) -> stoker::Result<Loader> {
+    Loader::builder(Synth::new(s.n))
+        .batch_size(s.batch)
+        .workers(workers)
+        .prefetch(s.prefetch)
+        .drop_last(s.drop_last)
+        .shuffle(s.shuffle)
+        .shard(Shard::new(rank, s.world).unwrap().with_tail(s.tail))
+        .build()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn each_index_once_per_epoch_over_all_ranks(s in setup_strategy()) {
+        let per_rank = match s.tail {
+            ShardTail::Pad => s.n.div_ceil(s.world),
+            ShardTail::Drop => s.n / s.world,
+        };
+        let mut counts: HashMap<u64, u64> = HashMap::new();
+        let mut per_rank_sets = Vec::new();
+        for rank in 0..s.world {
+            let loader = build(&s, rank, s.workers);
+            let expected_batches = if s.drop_last { per_rank / s.batch as u64 } else { per_rank.div_ceil(s.batch as u64) };
+            let mut loader = match loader {
+                Ok(l) => l,
+                Err(Error::Config(_)) => { prop_assert_eq!(expected_batches, 0); return Ok(()); }
+                Err(e) => panic!("{e}"),
+            };
+            prop_assert_eq!(loader.batches(), expected_batches);
+            let batches = epoch_indices(&mut loader, s.epoch);
+            prop_assert_eq!(batches.len() as u64, expected_batches);
+            for (k, b) in batches.iter().enumerate() {
+                let full = k + 1 < batches.len() || s.drop_last || per_rank % s.batch as u64 == 0;
+                if full { prop_assert_eq!(b.len(), s.batch); }
+            }
+            let all: Vec<u64> = batches.concat();
+            for &i in &all {
+                prop_assert!(i < s.n);
+                *counts.entry(i).or_default() += 1;
+            }
+            per_rank_sets.push(all);
+        }
+        let total: u64 = counts.values().sum();
+        if !s.drop_last {
+            prop_assert_eq!(total, per_rank * s.world);
+            if s.tail == ShardTail::Drop {
+                prop_assert!(counts.values().all(|&c| c == 1), "an index repeats");
+            } else {
+                // Every index at least once; repeats only for the padding.
+                prop_assert_eq!(counts.len() as u64, s.n);
+                let repeats: u64 = counts.values().map(|c| c - 1).sum();
+                prop_assert_eq!(repeats, per_rank * s.world - s.n);
+            }
+        } else if s.tail == ShardTail::Drop {
+            prop_assert!(counts.values().all(|&c| c == 1), "an index repeats");
+        }
+        if s.tail == ShardTail::Drop {
+            // Shards are disjoint.
+            let mut seen = std::collections::HashSet::new();
+            for set in &per_rank_sets {
+                for &i in set { prop_assert!(seen.insert(i), "index {} on two ranks", i); }
+            }
+        }
+    }
+
+    #[test]
+    fn order_does_not_depend_on_workers(s in setup_strategy()) {
+        let rank = s.world - 1;
+        let (Ok(mut one), Ok(mut eight)) = (build(&s, rank, 1), build(&s, rank, 8)) else {
+            return Ok(());
+        };
+        prop_assert_eq!(epoch_indices(&mut one, s.epoch), epoch_indices(&mut eight, s.epoch));
+    }
+
+    #[test]
+    fn resume_yields_the_rest_of_the_epoch(s in setup_strategy(), cut in 0.0f64..1.0) {
+        let rank = 0;
+        let Ok(mut whole) = build(&s, rank, s.workers) else { return Ok(()); };
+        let expected = epoch_indices(&mut whole, s.epoch);
+        let k = ((expected.len() as f64) * cut) as usize;
+        let mut first = build(&s, rank, s.workers).unwrap();
+        let state = {
+            let mut it = first.epoch(s.epoch).unwrap();
+            for _ in 0..k { it.next().unwrap().unwrap(); }
+            it.state()
+        };
+        prop_assert_eq!(state, LoaderState { epoch: s.epoch, batch: k as u64 });
+        prop_assert_eq!(first.state(), state);
+        // A new loader, built from the saved state (as after a restart).
+        let json = serde_json::to_string(&state).unwrap();
+        let state: LoaderState = serde_json::from_str(&json).unwrap();
+        let mut resumed = Loader::builder(Synth::new(s.n))
+            .batch_size(s.batch).workers(s.workers).prefetch(s.prefetch).drop_last(s.drop_last)
+            .shuffle(s.shuffle).shard(Shard::new(rank, s.world).unwrap().with_tail(s.tail))
+            .resume(state).build().unwrap();
+        let it = resumed.epoch(s.epoch).unwrap();
+        prop_assert_eq!(it.len(), expected.len() - k);
+        let rest: Vec<Vec<u64>> = it.map(|b| b.unwrap().indices().to_vec()).collect();
+        prop_assert_eq!(&rest[..], &expected[k..]);
+        prop_assert_eq!(resumed.state(), LoaderState { epoch: s.epoch + 1, batch: 0 });
+        // The next epoch is whole again.
+        prop_assert_eq!(resumed.epoch(s.epoch + 1).unwrap().len(), expected.len());
+    }
+}
+
+#[test]
+fn epochs_differ_and_repeat_exactly() {
+    for shuffle in [Shuffle::Full { seed: 5 }, Shuffle::block(5)] {
+        let mk = || {
+            Loader::builder(Synth::new(5000))
+                .batch_size(100)
+                .shuffle(shuffle)
+                .workers(3)
+                .build()
+                .unwrap()
+        };
+        let mut a = mk();
+        let e0 = epoch_indices(&mut a, 0);
+        let e1 = epoch_indices(&mut a, 1);
+        assert_ne!(e0, e1, "{shuffle:?}: two epochs in the same order");
+        let mut b = mk();
+        assert_eq!(
+            epoch_indices(&mut b, 1),
+            e1,
+            "{shuffle:?}: not reproducible"
+        );
+    }
+}
+
+#[test]
+fn early_drop_returns_every_buffer_and_the_next_epoch_works() {
+    let mut loader = Loader::builder(Synth::new(10_000))
+        .batch_size(10)
+        .workers(4)
+        .prefetch(6)
+        .build()
+        .unwrap();
+    let buffers = loader.buffers();
+    assert_eq!(buffers, 8);
+    let kept = {
+        let mut it = loader.epoch(0).unwrap();
+        let kept = it.next().unwrap().unwrap();
+        let _ = it.next().unwrap().unwrap();
+        kept
+    };
+    // Dropping the epoch waited for the workers: all buffers but the one kept are back.
+    assert_eq!(loader.free_buffers(), buffers - 1);
+    drop(kept);
+    assert_eq!(loader.free_buffers(), buffers);
+    assert_eq!(epoch_indices(&mut loader, 1).len(), 1000);
+    assert_eq!(loader.free_buffers(), buffers);
+}
+
+#[test]
+fn a_read_error_reaches_the_consumer_and_ends_the_epoch() {
+    let mut ds = Synth::new(1000);
+    ds.fail_at = Some(517);
+    let mut loader = Loader::builder(ds)
+        .batch_size(10)
+        .shuffle(Shuffle::None)
+        .workers(3)
+        .build()
+        .unwrap();
+    for epoch in 0..2 {
+        let results: Vec<_> = loader
+            .epoch(epoch)
+            .unwrap()
+            .map(|b| b.map(|b| b.len()))
+            .collect();
+        assert_eq!(results.len(), 52, "51 good batches, then the error");
+        assert!(results[..51].iter().all(Result::is_ok));
+        let err = results[51].as_ref().unwrap_err();
+        assert!(matches!(err, Error::OutOfRange { index: 517, .. }), "{err}");
+        assert_eq!(loader.free_buffers(), loader.buffers());
+        // The state points at the failed batch, so a resume retries it.
+        assert_eq!(loader.state(), LoaderState { epoch, batch: 51 });
+    }
+}
+
+#[test]
+fn a_worker_panic_is_an_error_not_a_hang() {
+    let mut ds = Synth::new(1000);
+    ds.panic_at = Some(3);
+    let mut loader = Loader::builder(ds)
+        .batch_size(10)
+        .shuffle(Shuffle::Full { seed: 1 })
+        .workers(2)
+        .build()
+        .unwrap();
+    let results: Vec<_> = loader
+        .epoch(0)
+        .unwrap()
+        .map(|b| b.map(|b| b.len()))
+        .collect();
+    let err = results.last().unwrap().as_ref().unwrap_err();
+    match err {
+        Error::WorkerPanic { message, .. } => assert!(message.contains("sample 3"), "{message}"),
+        other => panic!("expected a worker panic, got {other}"),
+    }
+    // The workers survived: another epoch runs (and fails the same way).
+    let again: Vec<_> = loader
+        .epoch(1)
+        .unwrap()
+        .map(|b| b.map(|b| b.len()))
+        .collect();
+    assert!(again.last().unwrap().is_err());
+}
+
+#[test]
+fn holding_every_buffer_is_an_error_not_a_hang() {
+    let mut loader = Loader::builder(Synth::new(100))
+        .batch_size(10)
+        .workers(1)
+        .prefetch(1)
+        .held(1)
+        .build()
+        .unwrap();
+    let mut it = loader.epoch(0).unwrap();
+    let a = it.next().unwrap().unwrap();
+    let b = it.next().unwrap().unwrap();
+    let err = it.next().unwrap().unwrap_err();
+    assert!(matches!(err, Error::PoolExhausted { buffers: 2 }), "{err}");
+    // The error ends the epoch (a `collect()` must not loop on it) ...
+    assert!(it.next().is_none());
+    let state = it.state();
+    drop(it);
+    drop((a, b));
+    assert_eq!(state, LoaderState { epoch: 0, batch: 2 });
+    // ... and the epoch resumes where it stopped.
+    let mut resumed = Loader::builder(Synth::new(100))
+        .batch_size(10)
+        .resume(state)
+        .build()
+        .unwrap();
+    let rest: Vec<u64> = resumed
+        .epoch(0)
+        .unwrap()
+        .map(|b| b.unwrap().number())
+        .collect();
+    assert_eq!(rest, (2..10).collect::<Vec<_>>());
+}
+
+#[test]
+fn buffer_memory_is_allocated_once_and_bounded() {
+    let alloc = CountingAlloc::default();
+    let mut loader = Loader::builder(Synth::new(3000))
+        .batch_size(64)
+        .workers(3)
+        .prefetch(5)
+        .held(2)
+        .allocator(Arc::new(alloc.clone()))
+        .build()
+        .unwrap();
+    let per_batch = loader.layout().bytes();
+    assert_eq!(alloc.counts.calls.load(Ordering::SeqCst), 7);
+    assert_eq!(alloc.counts.bytes.load(Ordering::SeqCst), 7 * per_batch);
+    assert_eq!(loader.pool_bytes(), 7 * per_batch);
+    for epoch in 0..3 {
+        // Hold two batches at a time, as a consumer overlapping copies would.
+        let mut held = std::collections::VecDeque::new();
+        for batch in loader.epoch(epoch).unwrap() {
+            held.push_back(batch.unwrap());
+            if held.len() > 2 {
+                held.pop_front();
+            }
+        }
+    }
+    assert_eq!(
+        alloc.counts.calls.load(Ordering::SeqCst),
+        7,
+        "no allocation after build"
+    );
+    assert!(per_batch >= 64 * 12, "layout holds a batch");
+}
+
+#[test]
+fn dropping_the_loader_releases_everything() {
+    let ds = Arc::new(Synth::new(1000));
+    let mut loader = Loader::builder_shared(ds.clone())
+        .batch_size(10)
+        .workers(4)
+        .build()
+        .unwrap();
+    let kept = {
+        let mut it = loader.epoch(0).unwrap();
+        it.next().unwrap().unwrap()
+    };
+    drop(loader);
+    // Workers joined; their jobs and the loader's handle are gone.
+    assert_eq!(Arc::strong_count(&ds), 1);
+    // A batch may outlive its loader.
+    assert_eq!(kept.len(), 10);
+}
+
+#[test]
+fn bad_configurations_are_errors() {
+    let b = || Loader::builder(Synth::new(10));
+    assert!(matches!(b().batch_size(0).build(), Err(Error::Config(_))));
+    assert!(matches!(b().workers(0).build(), Err(Error::Config(_))));
+    assert!(matches!(b().prefetch(0).build(), Err(Error::Config(_))));
+    assert!(matches!(
+        b().batch_size(11).drop_last(true).build(),
+        Err(Error::Config(_))
+    ));
+    let past = LoaderState {
+        epoch: 0,
+        batch: 99,
+    };
+    assert!(matches!(b().resume(past).build(), Err(Error::Config(_))));
+}
+
+#[test]
+fn digits_end_to_end() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
+    let x = NpyArray::open(format!("{dir}/x.npy")).unwrap();
+    let y = NpyArray::open(format!("{dir}/y.npy")).unwrap();
+    let ds = NpyDataset::open(dir).unwrap();
+    assert_eq!(ds.len(), 1797);
+    assert_eq!(ds.columns()[0].name, "x");
+    assert_eq!(ds.columns()[1].name, "y");
+    let mut loader = Loader::builder(ds)
+        .batch_size(100)
+        .shuffle(Shuffle::Full { seed: 3 })
+        .workers(2)
+        .build()
+        .unwrap();
+    let mut seen = vec![0u32; 1797];
+    let mut label_counts = [0u32; 10];
+    for batch in loader.epoch(0).unwrap() {
+        let batch = batch.unwrap();
+        let pixels: &[u8] = batch.column_named("x").unwrap();
+        let labels: &[i64] = batch.column_named("y").unwrap();
+        assert!(batch.column::<f32>(0).is_err(), "dtype is checked");
+        for (k, &i) in batch.indices().iter().enumerate() {
+            seen[i as usize] += 1;
+            assert_eq!(&pixels[k * 64..(k + 1) * 64], x.row(i).unwrap());
+            assert_eq!(
+                labels[k],
+                i64::from_le_bytes(y.row(i).unwrap().try_into().unwrap())
+            );
+            label_counts[labels[k] as usize] += 1;
+        }
+    }
+    assert!(seen.iter().all(|&c| c == 1));
+    assert!(
+        label_counts.iter().all(|&c| (170..=190).contains(&c)),
+        "{label_counts:?}"
+    );
+}
