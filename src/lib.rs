@@ -30,8 +30,10 @@
 
 #![warn(missing_docs)]
 
+pub mod bench;
 pub mod dataset;
 mod error;
+pub mod gen;
 pub mod loader;
 pub mod pagecache;
 pub mod sampler;
@@ -43,6 +45,6 @@ pub use dataset::{
 pub use error::{Error, NpyProblem, Result};
 pub use loader::{
     BatchLayout, BatchTiming, Epoch, EpochStats, HostAlloc, HostBatch, HostMemory, Loader,
-    LoaderBuilder, LoaderState, PlainAlloc, Startup,
+    LoaderBuilder, LoaderState, PlainAlloc, Startup, DEFAULT_PREFETCH_BYTES,
 };
 pub use sampler::{EpochOrder, Order, Permutation, Shard, ShardTail, Shuffle};

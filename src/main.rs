@@ -1,1 +1,311 @@
-fn main() {}
+//! The `stoker` command: `gen`, `inspect`, `bench`.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use stoker::bench::{self, BenchConfig};
+use stoker::gen::{self, ClassificationSpec};
+use stoker::{pagecache, Dataset, MappedFile, NpyArray, NpyDataset};
+
+/// Keeps a GPU fed: a prefetching, shuffling loader over memory-mapped datasets.
+#[derive(Parser)]
+#[command(name = "stoker", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Write a learnable classification set (x.npy u8, y.npy i64), or a token stream.
+    Gen {
+        /// Output directory (classification) or file (with --tokens).
+        #[arg(long)]
+        out: PathBuf,
+        /// Samples.
+        #[arg(long, default_value_t = 200_000)]
+        samples: u64,
+        /// Shape of one sample, e.g. 3x32x32.
+        #[arg(long, default_value = "3x32x32", value_parser = parse_shape)]
+        shape: Shape,
+        /// Classes.
+        #[arg(long, default_value_t = 10)]
+        classes: u32,
+        /// Noise amplitude around each class prototype (0-255).
+        #[arg(long, default_value_t = 96)]
+        noise: u8,
+        /// Seed.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Write a raw u16 token stream of this many tokens to --out instead.
+        #[arg(long)]
+        tokens: Option<u64>,
+        /// Vocabulary size of the token stream.
+        #[arg(long, default_value_t = 50_257)]
+        vocab: u32,
+    },
+    /// Print each .npy file's shape, dtype, rows, bytes and page-cache residency.
+    Inspect {
+        /// .npy files or directories of them.
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+    },
+    /// Measure the loader against a bare gather (the roofline), warm and cold.
+    Bench {
+        /// Directory holding x.npy and y.npy (made with `stoker gen` if missing).
+        #[arg(long, default_value = "data/cifar")]
+        data: PathBuf,
+        /// Write the figures as JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Samples per batch.
+        #[arg(long, default_value_t = 256)]
+        batch: usize,
+        /// Loader workers (and roofline threads).
+        #[arg(long, default_value_t = 2)]
+        workers: usize,
+        /// Prefetch depth (default: about 32 MiB of batches).
+        #[arg(long)]
+        prefetch: Option<usize>,
+        /// Timed passes of each.
+        #[arg(long, default_value_t = 11)]
+        reps: usize,
+        /// Skip the cold-cache epochs.
+        #[arg(long)]
+        no_cold: bool,
+    },
+}
+
+/// A sample shape such as `3x32x32`.
+#[derive(Debug, Clone)]
+struct Shape(Vec<u64>);
+
+fn parse_shape(s: &str) -> Result<Shape, String> {
+    s.split(['x', 'X', ','])
+        .map(|d| {
+            d.trim()
+                .parse::<u64>()
+                .map_err(|_| format!("bad dimension {d:?} in {s:?}"))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Shape)
+}
+
+fn progress(len: u64, what: &str) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr());
+    if !std::io::stderr().is_terminal() {
+        bar.set_draw_target(ProgressDrawTarget::hidden());
+    }
+    bar.set_style(
+        ProgressStyle::with_template(&format!(
+            "{what} {{bar:30}} {{pos}}/{{len}} {{per_sec}} eta {{eta}}"
+        ))
+        .expect("static template"),
+    );
+    bar
+}
+
+/// Makes the default classification set in `dir` unless it is already there.
+fn ensure_dataset(dir: &Path) -> stoker::Result<()> {
+    if dir.join("x.npy").is_file() && dir.join("y.npy").is_file() {
+        return Ok(());
+    }
+    let spec = ClassificationSpec::default();
+    eprintln!(
+        "making {} ({} samples of {:?} u8, {} classes)",
+        dir.display(),
+        spec.samples,
+        spec.shape,
+        spec.classes
+    );
+    gen::classification(dir, &spec, &progress(spec.samples, "gen"))?;
+    Ok(())
+}
+
+fn inspect(paths: &[PathBuf]) -> ExitCode {
+    let mut failed = false;
+    println!(
+        "{:<40} {:>18} {:>8} {:>10} {:>12} {:>9}",
+        "file", "shape", "dtype", "rows", "bytes", "resident"
+    );
+    let mut files = Vec::new();
+    for p in paths {
+        match std::fs::read_dir(p) {
+            Ok(entries) => {
+                let mut v: Vec<PathBuf> = entries
+                    .filter_map(|e| e.ok().map(|e| e.path()))
+                    .filter(|p| p.extension().is_some_and(|e| e == "npy"))
+                    .collect();
+                v.sort();
+                if v.is_empty() {
+                    eprintln!("error: {}: no .npy file in this directory", p.display());
+                    failed = true;
+                }
+                files.extend(v);
+            }
+            Err(_) => files.push(p.clone()),
+        }
+    }
+    for f in files {
+        match NpyArray::open(&f) {
+            Ok(a) => {
+                let res = pagecache::file_residency(MappedFile {
+                    path: a.path(),
+                    map: a.mapping(),
+                })
+                .map(|r| format!("{:.0}%", 100.0 * r.fraction()))
+                .unwrap_or_else(|_| "?".into());
+                println!(
+                    "{:<40} {:>18} {:>8} {:>10} {:>12} {:>9}",
+                    f.display(),
+                    stoker::dataset::shape_string(a.shape()),
+                    a.dtype().name(),
+                    a.rows(),
+                    a.mapping().len(),
+                    res
+                );
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                failed = true;
+            }
+        }
+    }
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+fn run_bench(data: &Path, json: Option<&Path>, cfg: BenchConfig) -> stoker::Result<()> {
+    ensure_dataset(data)?;
+    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(data)?);
+    eprintln!(
+        "bench: {} samples, batch {}, {} workers, prefetch {}, {} reps{}",
+        ds.len(),
+        cfg.batch,
+        cfg.workers,
+        cfg.prefetch.map_or("default".into(), |p| p.to_string()),
+        cfg.reps,
+        if cfg.cold { ", then cold epochs" } else { "" }
+    );
+    let report = bench::run(ds, &cfg)?;
+    println!(
+        "warm page cache, full shuffle, batch {}, {} threads:",
+        cfg.batch, cfg.workers
+    );
+    println!(
+        "  roofline (bare gather)  {:>10.0} samples/s  {:>6.2} GB/s  {:>6.0} us/batch gather",
+        report.roofline.samples_per_s,
+        report.roofline.gb_per_s,
+        report.roofline.gather_us_per_batch
+    );
+    println!(
+        "  loader                  {:>10.0} samples/s  {:>6.2} GB/s  {:>6.0} us/batch gather  = {:.1}% of roofline (median of paired runs), stalled on {:.0}% of batches",
+        report.loader.samples_per_s,
+        report.loader.gb_per_s,
+        report.loader.gather_us_per_batch,
+        100.0 * report.ratio,
+        100.0 * report.loader.stalled_share
+    );
+    for c in &report.cold {
+        println!(
+            "cold cache, {:<5} shuffle: {:>7.2} s  {:>10.0} samples/s  (resident {:.0}% -> {:.0}%)",
+            c.shuffle,
+            c.seconds,
+            c.samples_per_s,
+            100.0 * c.residency_before.fraction(),
+            100.0 * c.residency_after.fraction()
+        );
+    }
+    if let Some(path) = json {
+        let text = serde_json::to_string_pretty(&report).expect("the report serialises");
+        std::fs::write(path, text + "\n").map_err(|e| stoker::Error::Io {
+            path: path.to_path_buf(),
+            source: e,
+        })?;
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Inspect { paths } => return inspect(&paths),
+        Command::Gen {
+            out,
+            samples,
+            shape,
+            classes,
+            noise,
+            seed,
+            tokens,
+            vocab,
+        } => match tokens {
+            Some(n) => gen::token_stream(&out, n, vocab, seed).map(|p| {
+                println!("wrote {} ({n} u16 tokens, vocab {vocab})", p.display());
+            }),
+            None => {
+                let spec = ClassificationSpec {
+                    samples,
+                    shape: shape.0,
+                    classes,
+                    noise,
+                    seed,
+                };
+                gen::classification(&out, &spec, &progress(samples, "gen")).map(|(x, y)| {
+                    println!("wrote {} and {}", x.display(), y.display());
+                })
+            }
+        },
+        Command::Bench {
+            data,
+            json,
+            batch,
+            workers,
+            prefetch,
+            reps,
+            no_cold,
+        } => run_bench(
+            &data,
+            json.as_deref(),
+            BenchConfig {
+                batch,
+                workers,
+                prefetch,
+                reps: reps.max(1),
+                seed: 0,
+                cold: !no_cold,
+            },
+        ),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Cli::command().debug_assert();
+        let cli = Cli::try_parse_from(["stoker", "gen", "--out", "d", "--shape", "1x8x8"]).unwrap();
+        match cli.command {
+            Command::Gen { shape, .. } => assert_eq!(shape.0, vec![1, 8, 8]),
+            _ => panic!("parsed the wrong subcommand"),
+        }
+        assert!(Cli::try_parse_from(["stoker", "gen", "--out", "d", "--shape", "3xq"]).is_err());
+    }
+}

@@ -4,7 +4,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use super::batch::{BatchTiming, HostBatch};
 use super::worker::{Done, Job};
@@ -25,6 +25,8 @@ pub struct EpochStats {
     pub gather: Duration,
     /// Time the consumer spent blocked in `next()`.
     pub waited: Duration,
+    /// Calls to `next()` that found their batch not ready and had to block.
+    pub stalls: u64,
     /// From the epoch's start to its first batch.
     pub first_batch: Option<Duration>,
 }
@@ -40,7 +42,6 @@ pub struct Epoch<'a> {
     state: &'a mut LoaderState,
     job: Arc<Job>,
     results: Receiver<Done>,
-    cancel: Option<Sender<()>>,
     finished: Receiver<()>,
     pending: Vec<Option<Done>>,
     next: u64,
@@ -54,7 +55,6 @@ impl<'a> Epoch<'a> {
         state: &'a mut LoaderState,
         job: Arc<Job>,
         results: Receiver<Done>,
-        cancel: Sender<()>,
         finished: Receiver<()>,
         start: u64,
     ) -> Epoch<'a> {
@@ -63,7 +63,6 @@ impl<'a> Epoch<'a> {
             state,
             job,
             results,
-            cancel: Some(cancel),
             finished,
             pending: (0..ring).map(|_| None).collect(),
             next: start,
@@ -94,7 +93,7 @@ impl<'a> Epoch<'a> {
             Ok(rows) => rows,
             Err(e) => {
                 self.done = true;
-                self.job.cancelled.store(true, Ordering::Release);
+                self.job.cancel();
                 return Err(e);
             }
         };
@@ -145,6 +144,7 @@ impl Iterator for Epoch<'_> {
         }
         let asked = Instant::now();
         let ring = self.pending.len() as u64;
+        let mut stalled = false;
         loop {
             let slot = (self.next % ring) as usize;
             if self.pending[slot]
@@ -152,8 +152,16 @@ impl Iterator for Epoch<'_> {
                 .is_some_and(|d| d.number == self.next)
             {
                 let done = self.pending[slot].take().expect("checked above");
+                self.stats.stalls += u64::from(stalled);
                 return Some(self.deliver(done, asked, asked.elapsed()));
             }
+            if let Ok(done) = self.results.try_recv() {
+                let slot = (done.number % ring) as usize;
+                debug_assert!(self.pending[slot].is_none(), "two batches in one slot");
+                self.pending[slot] = Some(done);
+                continue;
+            }
+            stalled = true;
             match self.results.recv_timeout(STALL_CHECK) {
                 Ok(done) => {
                     let slot = (done.number % ring) as usize;
@@ -164,7 +172,7 @@ impl Iterator for Epoch<'_> {
                     let pool = &self.job.pool;
                     if pool.held.load(Ordering::Acquire) >= pool.size() {
                         self.done = true;
-                        self.job.cancelled.store(true, Ordering::Release);
+                        self.job.cancel();
                         return Some(Err(Error::PoolExhausted {
                             buffers: pool.size(),
                         }));
@@ -193,9 +201,8 @@ impl std::iter::FusedIterator for Epoch<'_> {}
 
 impl Drop for Epoch<'_> {
     fn drop(&mut self) {
-        self.job.cancelled.store(true, Ordering::Release);
-        // Disconnecting the cancel channel wakes workers waiting for a buffer.
-        drop(self.cancel.take());
+        // Wakes workers waiting for a buffer; each then leaves the job.
+        self.job.cancel();
         // Each worker drops its `finished` sender once it has left this job; the channel
         // disconnects when all of them have.
         while self.finished.recv().is_ok() {}

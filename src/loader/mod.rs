@@ -28,6 +28,9 @@ use crate::sampler::{Order, Shard, Shuffle};
 use pool::Pool;
 use worker::{Assignment, Job};
 
+/// Bytes of prefetched batches the loader aims for when no prefetch depth is given.
+pub const DEFAULT_PREFETCH_BYTES: usize = 32 << 20;
+
 /// Where a loader stands: `batch` batches of epoch `epoch` have been delivered.
 ///
 /// Save it with a checkpoint; a loader built with [`LoaderBuilder::resume`] yields exactly
@@ -88,7 +91,12 @@ impl LoaderBuilder {
         self
     }
 
-    /// Batches assembled ahead of the consumer (default `2 * workers`).
+    /// Batches assembled ahead of the consumer.
+    ///
+    /// The default is about [`DEFAULT_PREFETCH_BYTES`] of batches, at least
+    /// `2 * workers` and at most 64: deep enough that workers do not run out of buffers
+    /// while the consumer waits for a CPU (on 2 cores with 2 workers, 4 buffers reached
+    /// 75% of the bare-gather roofline and 32 reached 89%; see `BENCHMARKS.md`).
     pub fn prefetch(mut self, n: usize) -> Self {
         self.prefetch = Some(n);
         self
@@ -130,10 +138,6 @@ impl LoaderBuilder {
         if self.workers == 0 {
             return Err(Error::Config("workers must be at least 1".into()));
         }
-        let prefetch = self.prefetch.unwrap_or(2 * self.workers);
-        if prefetch == 0 {
-            return Err(Error::Config("prefetch must be at least 1".into()));
-        }
         let columns = self.dataset.columns();
         let shuffle = match self.shuffle {
             Shuffle::Block {
@@ -168,6 +172,12 @@ impl LoaderBuilder {
             }
         }
         let layout = Arc::new(BatchLayout::new(columns, self.batch_size)?);
+        let prefetch = self.prefetch.unwrap_or_else(|| {
+            (DEFAULT_PREFETCH_BYTES / layout.bytes()).clamp(2 * self.workers, 64)
+        });
+        if prefetch == 0 {
+            return Err(Error::Config("prefetch must be at least 1".into()));
+        }
         let pool = Pool::new(
             self.allocator.as_ref(),
             prefetch + self.held,
@@ -284,7 +294,6 @@ impl Loader {
             _ => 0,
         };
         let (results_tx, results_rx) = crossbeam_channel::unbounded();
-        let (cancel_tx, cancel_rx) = crossbeam_channel::bounded(0);
         let (finished_tx, finished_rx) = crossbeam_channel::bounded(0);
         let job = Arc::new(Job {
             order: self.order.epoch(epoch),
@@ -294,7 +303,6 @@ impl Loader {
             next: AtomicU64::new(start),
             end: self.order.batches(),
             cancelled: AtomicBool::new(false),
-            cancel: cancel_rx,
             results: results_tx,
         });
         for w in &self.workers {
@@ -312,7 +320,6 @@ impl Loader {
             &mut self.state,
             job,
             results_rx,
-            cancel_tx,
             finished_rx,
             start,
         ))

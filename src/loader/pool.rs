@@ -2,11 +2,9 @@
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
-use std::sync::atomic::AtomicUsize;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-
-use crossbeam_channel::{Receiver, Sender};
 
 use crate::error::{Error, Result};
 
@@ -124,9 +122,13 @@ impl Slot {
 }
 
 /// The pool: `size` slots of `bytes` each, allocated once.
+///
+/// Free slots form a stack: the slot released last is lent first, so in steady state a
+/// worker writes into a buffer that is still in the CPU caches, the way a bare gather
+/// reusing one buffer does.
 pub(crate) struct Pool {
-    free_tx: Sender<Slot>,
-    pub(crate) free_rx: Receiver<Slot>,
+    free: Mutex<Free>,
+    available: Condvar,
     size: usize,
     bytes: usize,
     /// Slots currently inside a `HostBatch` handed to the consumer.
@@ -142,8 +144,8 @@ impl Pool {
         bytes: usize,
         batch_size: usize,
     ) -> Result<Arc<Pool>> {
-        let (free_tx, free_rx) = crossbeam_channel::bounded(size);
         let start = Instant::now();
+        let mut free = Vec::with_capacity(size);
         for _ in 0..size {
             let slot = Slot {
                 mem: alloc.alloc(bytes)?,
@@ -156,17 +158,59 @@ impl Pool {
                     message: format!("the allocator returned only {} bytes", slot.mem.len()),
                 });
             }
-            free_tx.send(slot).expect("the pool holds its own receiver");
+            free.push(slot);
         }
         Ok(Arc::new(Pool {
-            free_tx,
-            free_rx,
+            free: Mutex::new(Free {
+                slots: free,
+                waiting: 0,
+            }),
+            available: Condvar::new(),
             size,
             bytes,
             held: AtomicUsize::new(0),
             allocator: alloc.name(),
             alloc_time: start.elapsed(),
         }))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Free> {
+        // Nothing panics while holding the lock; recover the data if something did.
+        self.free.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes the most recently released slot, waiting for one; `None` once `cancelled`
+    /// is set (and [`wake_all`](Pool::wake_all) called).
+    pub(crate) fn take(&self, cancelled: &AtomicBool) -> Option<Slot> {
+        let mut free = self.lock();
+        loop {
+            if cancelled.load(Ordering::Acquire) {
+                return None;
+            }
+            if let Some(slot) = free.slots.pop() {
+                return Some(slot);
+            }
+            free.waiting += 1;
+            free = self.available.wait(free).unwrap_or_else(|e| e.into_inner());
+            free.waiting -= 1;
+        }
+    }
+
+    fn put(&self, slot: Slot) {
+        let mut free = self.lock();
+        free.slots.push(slot);
+        let wake = free.waiting > 0;
+        drop(free);
+        if wake {
+            self.available.notify_one();
+        }
+    }
+
+    /// Wakes every waiter so it can see a cancellation flag set before the call.
+    pub(crate) fn wake_all(&self) {
+        // Taking the lock orders this after any waiter's flag check.
+        drop(self.lock());
+        self.available.notify_all();
     }
 
     pub(crate) fn size(&self) -> usize {
@@ -187,8 +231,15 @@ impl Pool {
 
     /// Slots waiting in the pool right now.
     pub(crate) fn free(&self) -> usize {
-        self.free_rx.len()
+        self.lock().slots.len()
     }
+}
+
+/// The free stack and how many threads wait on it (so a release wakes no one, and
+/// makes no system call, when nobody waits).
+struct Free {
+    slots: Vec<Slot>,
+    waiting: usize,
 }
 
 /// A slot lent out of the pool; dropping it gives the slot back.
@@ -225,9 +276,7 @@ impl Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         if let Some(slot) = self.slot.take() {
-            // The channel's capacity is the pool size and the pool owns a receiver, so
-            // this never blocks and never fails.
-            let _ = self.pool.free_tx.try_send(slot);
+            self.pool.put(slot);
         }
     }
 }

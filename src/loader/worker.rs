@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use crossbeam_channel::{select, Receiver, Sender};
+use crossbeam_channel::{Receiver, Sender};
 
 use super::batch::BatchLayout;
 use super::pool::{Lease, Pool};
@@ -34,9 +34,6 @@ pub(crate) struct Job {
     pub(crate) next: AtomicU64,
     pub(crate) end: u64,
     pub(crate) cancelled: AtomicBool,
-    /// Never sent on: it disconnects when the epoch is dropped, waking workers blocked
-    /// on the pool.
-    pub(crate) cancel: Receiver<()>,
     pub(crate) results: Sender<Done>,
 }
 
@@ -44,6 +41,12 @@ pub(crate) struct Job {
 pub(crate) type Assignment = (Arc<Job>, Sender<()>);
 
 impl Job {
+    /// Stops every worker on this job: those waiting for a buffer wake up and leave.
+    pub(crate) fn cancel(&self) {
+        self.cancelled.store(true, Ordering::Release);
+        self.pool.wake_all();
+    }
+
     /// Claims and assembles batches until the epoch is exhausted or cancelled.
     fn run(&self, worker: usize) {
         loop {
@@ -54,17 +57,10 @@ impl Job {
             }
             // Take a buffer before claiming a number: the lowest unclaimed batch then
             // always has a buffer, so in-order delivery cannot deadlock.
-            let slot = select! {
-                recv(self.pool.free_rx) -> slot => match slot {
-                    Ok(slot) => slot,
-                    Err(_) => return,
-                },
-                recv(self.cancel) -> _ => return,
+            let Some(slot) = self.pool.take(&self.cancelled) else {
+                return;
             };
             let mut lease = Lease::new(slot, Arc::clone(&self.pool));
-            if self.cancelled.load(Ordering::Acquire) {
-                return;
-            }
             let number = self.next.fetch_add(1, Ordering::Relaxed);
             if number >= self.end {
                 return;
@@ -91,7 +87,7 @@ impl Job {
             };
             // A send fails only when the epoch is gone; the lease then returns itself.
             if self.results.send(done).is_err() || failed {
-                self.cancelled.store(true, Ordering::Release);
+                self.cancel();
                 return;
             }
         }

@@ -23,7 +23,7 @@ pub(crate) const fn mix(mut z: u64) -> u64 {
 
 /// The key of `epoch`'s permutation under `seed`.
 const fn epoch_key(seed: u64, epoch: u64) -> u64 {
-    mix(mix(seed ^ 0x73_746f_6b65_72) ^ epoch.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+    mix(mix(seed ^ 0x0073_746f_6b65_72) ^ epoch.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15))
 }
 
 /// How samples are ordered within an epoch.
@@ -249,7 +249,15 @@ impl EpochOrder {
         assert!(b < self.batches(), "batch {b} past the epoch");
         out.clear();
         let start = b * self.order.batch_size;
-        out.extend((start..start + self.batch_len(b) as u64).map(|i| self.sample(i)));
+        let (shard, len) = (self.order.shard, self.order.len);
+        out.extend(
+            (start..start + self.batch_len(b) as u64).map(|i| shard.global_position(i, len)),
+        );
+        match &self.kind {
+            Kind::Sequential => {}
+            Kind::Full(p) => p.apply_in_place(out),
+            Kind::Block(o) => out.iter_mut().for_each(|x| *x = o.index(*x)),
+        }
     }
 }
 

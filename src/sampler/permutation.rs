@@ -87,6 +87,36 @@ impl Permutation {
         }
     }
 
+    /// Replaces each position in `xs` by its image: the same values as
+    /// [`apply`](Permutation::apply), several times faster on a batch because the first
+    /// pass is branch-free and lets the CPU overlap the independent rounds of many
+    /// positions; only the few that land at or past `len()` walk again.
+    ///
+    /// # Panics
+    /// If a position is `>= len()`.
+    pub fn apply_in_place(&self, xs: &mut [u64]) {
+        assert!(
+            xs.iter().all(|&x| x < self.n),
+            "position outside a permutation of {}",
+            self.n
+        );
+        for x in xs.iter_mut() {
+            *x = self.encrypt(*x);
+        }
+        for x in xs.iter_mut() {
+            while *x >= self.n {
+                *x = self.encrypt(*x);
+            }
+        }
+    }
+
+    /// The round function: the top `high_bits` bits of a keyed multiplicative hash of
+    /// the low part (the high bits of a product depend on every bit of its input).
+    #[inline(always)]
+    fn round(lo: u64, k: u64, high_bits: u32) -> u64 {
+        ((lo ^ k).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ k) >> (64 - high_bits)
+    }
+
     /// One pass of the network on `bits`-bit values. Each round splits the value into
     /// a high part (`bits - low` bits) and a low part (`low` bits), and returns
     /// `low << (bits - low) | (high ^ F(low))`: invertible whatever the split sizes.
@@ -97,11 +127,10 @@ impl Permutation {
         }
         let high_bits = self.bits - self.low;
         let low_mask = (1u64 << self.low) - 1;
-        let high_mask = (1u64 << high_bits) - 1;
         for &k in &self.keys {
             let lo = x & low_mask;
             let hi = x >> self.low;
-            x = (lo << high_bits) | ((hi ^ mix(lo ^ k)) & high_mask);
+            x = (lo << high_bits) | (hi ^ Self::round(lo, k, high_bits));
         }
         x
     }
@@ -114,7 +143,7 @@ impl Permutation {
         let high_mask = (1u64 << high_bits) - 1;
         for &k in self.keys.iter().rev() {
             let lo = y >> high_bits;
-            let hi = (y ^ mix(lo ^ k)) & high_mask;
+            let hi = (y & high_mask) ^ Self::round(lo, k, high_bits);
             y = (hi << self.low) | lo;
         }
         y
@@ -137,6 +166,35 @@ mod tests {
                 assert_eq!(p.invert(y), x);
             }
         }
+    }
+
+    #[test]
+    fn batched_application_matches_one_by_one() {
+        for n in [1u64, 2, 3, 100, 1000, 200_000, 1 << 20, (1 << 20) + 1] {
+            let p = Permutation::new(n, n ^ 77);
+            let mut xs: Vec<u64> = (0..n.min(5000)).map(|i| (i * 7919) % n).collect();
+            let one: Vec<u64> = xs.iter().map(|&x| p.apply(x)).collect();
+            p.apply_in_place(&mut xs);
+            assert_eq!(xs, one, "n={n}");
+        }
+    }
+
+    #[test]
+    fn positions_spread_uniformly() {
+        // Where position 0 lands, over many keys: a chi-square test against uniform over
+        // 16 buckets (15 degrees of freedom; 37.7 is the 0.1% critical value).
+        let n = 1000u64;
+        let mut buckets = [0f64; 16];
+        let keys = 16_000u64;
+        for k in 0..keys {
+            buckets[(Permutation::new(n, k).apply(0) * 16 / n) as usize] += 1.0;
+        }
+        let expected = keys as f64 / 16.0;
+        let chi2: f64 = buckets
+            .iter()
+            .map(|b| (b - expected).powi(2) / expected)
+            .sum();
+        assert!(chi2 < 37.7, "chi-square {chi2}: {buckets:?}");
     }
 
     #[test]

@@ -1,0 +1,301 @@
+//! The loader against its roofline, measured in one run.
+//!
+//! The roofline is a bare random gather of the same rows, in the same order, from the
+//! same mapping, through the same [`Dataset::gather`], into one reused buffer per thread,
+//! on the same number of threads. Whatever the loader adds (claiming batches, buffer
+//! recycling, in-order delivery, waking the consumer) shows as the gap between the two.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::dataset::Dataset;
+use crate::error::Result;
+use crate::loader::{BatchLayout, EpochStats, Loader};
+use crate::pagecache::{self, Residency};
+use crate::sampler::{Order, Shard, Shuffle};
+
+/// What to measure.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BenchConfig {
+    /// Samples per batch.
+    pub batch: usize,
+    /// Loader workers, and roofline threads.
+    pub workers: usize,
+    /// Loader prefetch depth (`None`: the loader's default).
+    pub prefetch: Option<usize>,
+    /// Timed passes of each (after one untimed warm pass each).
+    pub reps: usize,
+    /// Shuffle seed.
+    pub seed: u64,
+    /// Also measure cold-cache epochs (evicting the files first).
+    pub cold: bool,
+}
+
+impl Default for BenchConfig {
+    fn default() -> Self {
+        BenchConfig {
+            batch: 256,
+            workers: 2,
+            prefetch: None,
+            reps: 11,
+            seed: 0,
+            cold: true,
+        }
+    }
+}
+
+/// Throughput over repeated passes.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Throughput {
+    /// Median samples per second.
+    pub samples_per_s: f64,
+    /// Median gigabytes (1e9 bytes) of sample data per second.
+    pub gb_per_s: f64,
+    /// Seconds of each timed pass, in order.
+    pub seconds: Vec<f64>,
+    /// Median thread-time per batch spent gathering, in microseconds.
+    pub gather_us_per_batch: f64,
+    /// Median share of batches the consumer had to wait for (loader only).
+    pub stalled_share: f64,
+}
+
+impl Throughput {
+    fn from_runs(
+        runs: &[Duration],
+        gathers: &mut [f64],
+        stalls: &mut [f64],
+        samples: u64,
+        bytes: u64,
+    ) -> Throughput {
+        gathers.sort_by(f64::total_cmp);
+        stalls.sort_by(f64::total_cmp);
+        let mut secs: Vec<f64> = runs.iter().map(Duration::as_secs_f64).collect();
+        let seconds = secs.clone();
+        secs.sort_by(f64::total_cmp);
+        let median = secs[secs.len() / 2];
+        Throughput {
+            samples_per_s: samples as f64 / median,
+            gb_per_s: bytes as f64 / median / 1e9,
+            seconds,
+            gather_us_per_batch: gathers[gathers.len() / 2],
+            stalled_share: stalls.get(stalls.len() / 2).copied().unwrap_or(0.0),
+        }
+    }
+}
+
+/// One epoch from a cold page cache.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ColdEpoch {
+    /// `full` or `block`.
+    pub shuffle: String,
+    /// Epoch time.
+    pub seconds: f64,
+    /// Samples per second.
+    pub samples_per_s: f64,
+    /// Residency of the dataset's files before the epoch (after eviction).
+    pub residency_before: Residency,
+    /// Residency after it.
+    pub residency_after: Residency,
+}
+
+/// The dataset measured.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DatasetInfo {
+    /// Samples.
+    pub samples: u64,
+    /// Bytes per sample over all columns.
+    pub row_bytes: usize,
+    /// Bytes of the files.
+    pub file_bytes: u64,
+}
+
+/// Everything `stoker bench` measures.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BenchReport {
+    /// The dataset.
+    pub dataset: DatasetInfo,
+    /// The configuration.
+    pub config: BenchConfig,
+    /// Logical CPUs of the machine.
+    pub cpus: usize,
+    /// The bare gather.
+    pub roofline: Throughput,
+    /// The loader (warm page cache, full shuffle).
+    pub loader: Throughput,
+    /// Loader throughput over roofline throughput: the median over timed repetitions of
+    /// the ratio within each back-to-back pair (so drift on a shared machine cancels).
+    pub ratio: f64,
+    /// The per-pair ratios, in order.
+    pub ratios: Vec<f64>,
+    /// Cold-cache epochs, full then block shuffle.
+    pub cold: Vec<ColdEpoch>,
+}
+
+/// One pass of the roofline: the epoch's batches (`indices`, cut every `batch`) gathered
+/// by `threads` threads, each into its own reused buffer.
+///
+/// # Errors
+/// The first error a gather returns.
+pub fn roofline_pass(
+    dataset: &dyn Dataset,
+    epoch: u64,
+    indices: &[u64],
+    layout: &BatchLayout,
+    threads: usize,
+) -> Result<Duration> {
+    let batch = layout.batch_size();
+    let batches = indices.len().div_ceil(batch);
+    let next = AtomicUsize::new(0);
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| -> Result<()> {
+                    let mut buf = vec![0u8; layout.bytes()];
+                    loop {
+                        let b = next.fetch_add(1, Ordering::Relaxed);
+                        if b >= batches {
+                            return Ok(());
+                        }
+                        let ids = &indices[b * batch..((b + 1) * batch).min(indices.len())];
+                        let (mut parts, n) = layout.split(&mut buf, ids.len());
+                        dataset.gather(epoch, ids, &mut parts[..n])?;
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .try_for_each(|w| w.join().expect("roofline threads do not panic"))
+    })?;
+    Ok(start.elapsed())
+}
+
+/// Runs one epoch of `loader`, dropping each batch as it arrives; returns its wall time
+/// and sample count.
+///
+/// # Errors
+/// The first error the epoch yields.
+pub fn loader_epoch(loader: &mut Loader, epoch: u64) -> Result<(Duration, EpochStats)> {
+    let start = Instant::now();
+    let mut it = loader.epoch(epoch)?;
+    for batch in it.by_ref() {
+        batch?;
+    }
+    Ok((start.elapsed(), it.stats()))
+}
+
+fn build(dataset: &Arc<dyn Dataset>, cfg: &BenchConfig, shuffle: Shuffle) -> Result<Loader> {
+    let mut b = Loader::builder_shared(Arc::clone(dataset))
+        .batch_size(cfg.batch)
+        .workers(cfg.workers)
+        .shuffle(shuffle);
+    if let Some(p) = cfg.prefetch {
+        b = b.prefetch(p);
+    }
+    b.build()
+}
+
+/// Measures the loader against the roofline on a page-cached dataset, then (if asked)
+/// full against block shuffle from a cold cache.
+///
+/// # Errors
+/// Any error of the dataset, the loader or the page-cache calls.
+pub fn run(dataset: Arc<dyn Dataset>, cfg: &BenchConfig) -> Result<BenchReport> {
+    let shuffle = Shuffle::Full { seed: cfg.seed };
+    let mut loader = build(&dataset, cfg, shuffle)?;
+    let order = Order::new(
+        dataset.len(),
+        shuffle,
+        Shard::single(),
+        cfg.batch as u64,
+        false,
+    )?;
+    let layout = loader.layout().clone();
+    let prefetch = loader.prefetch();
+    let samples = order.samples();
+    let row_bytes: usize = dataset.columns().iter().map(|c| c.row_bytes).sum();
+    let bytes = samples * row_bytes as u64;
+
+    pagecache::read_ahead(dataset.as_ref())?;
+    let mut indices = Vec::with_capacity(samples as usize);
+    let mut roof = Vec::new();
+    let mut load = Vec::new();
+    let (mut roof_gather, mut load_gather) = (Vec::new(), Vec::new());
+    let mut stalls = Vec::new();
+    let batches = order.batches() as f64;
+    let mut batch = Vec::new();
+    for rep in 0..=cfg.reps {
+        let epoch = rep as u64;
+        let e = order.epoch(epoch);
+        indices.clear();
+        for b in 0..e.batches() {
+            e.batch(b, &mut batch);
+            indices.extend_from_slice(&batch);
+        }
+        // Alternate the two so that drift on a shared machine hits both alike.
+        let r = roofline_pass(dataset.as_ref(), epoch, &indices, &layout, cfg.workers)?;
+        let (l, stats) = loader_epoch(&mut loader, epoch)?;
+        debug_assert_eq!(stats.samples, samples);
+        if rep > 0 {
+            roof.push(r);
+            load.push(l);
+            // Every roofline thread gathers for the whole pass.
+            roof_gather.push(r.as_secs_f64() * cfg.workers as f64 / batches * 1e6);
+            load_gather.push(stats.gather.as_secs_f64() / batches * 1e6);
+            stalls.push(stats.stalls as f64 / batches);
+        }
+    }
+    let ratios: Vec<f64> = roof
+        .iter()
+        .zip(&load)
+        .map(|(r, l)| r.as_secs_f64() / l.as_secs_f64())
+        .collect();
+    let mut sorted = ratios.clone();
+    sorted.sort_by(f64::total_cmp);
+    let ratio = sorted[sorted.len() / 2];
+    let roofline = Throughput::from_runs(&roof, &mut roof_gather, &mut [], samples, bytes);
+    let loader_tp = Throughput::from_runs(&load, &mut load_gather, &mut stalls, samples, bytes);
+    drop(loader);
+
+    let mut cold = Vec::new();
+    if cfg.cold {
+        for (name, shuffle) in [
+            ("full", Shuffle::Full { seed: cfg.seed }),
+            ("block", Shuffle::block(cfg.seed)),
+        ] {
+            let mut loader = build(&dataset, cfg, shuffle)?;
+            pagecache::evict(dataset.as_ref())?;
+            let before = pagecache::residency(dataset.as_ref())?;
+            let (t, stats) = loader_epoch(&mut loader, 0)?;
+            let n = stats.samples;
+            let after = pagecache::residency(dataset.as_ref())?;
+            cold.push(ColdEpoch {
+                shuffle: name.into(),
+                seconds: t.as_secs_f64(),
+                samples_per_s: n as f64 / t.as_secs_f64(),
+                residency_before: before,
+                residency_after: after,
+            });
+        }
+        pagecache::read_ahead(dataset.as_ref())?;
+    }
+    Ok(BenchReport {
+        dataset: DatasetInfo {
+            samples: dataset.len(),
+            row_bytes,
+            file_bytes: dataset.files().iter().map(|f| f.map.len() as u64).sum(),
+        },
+        config: BenchConfig {
+            prefetch: Some(prefetch),
+            ..cfg.clone()
+        },
+        cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        ratio,
+        ratios,
+        roofline,
+        loader: loader_tp,
+        cold,
+    })
+}

@@ -1,0 +1,232 @@
+//! Synthetic datasets: a learnable classification set (class prototypes plus noise) and
+//! a token stream, written as files the loader reads. Large sets are written in parallel
+//! straight into memory-mapped output files, so they never need to fit in RAM twice.
+
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
+
+use indicatif::ProgressBar;
+use memmap2::MmapMut;
+use rand::rngs::Xoshiro256PlusPlus;
+use rand::{Rng, RngExt, SeedableRng};
+use rayon::prelude::*;
+
+use crate::dataset::{shape_string, DType};
+use crate::error::{Error, Result};
+use crate::sampler::mix;
+
+/// The header of a version 1.0 `.npy` file holding a C-order array, padded so the data
+/// starts at a multiple of 64 bytes, as NumPy does.
+///
+/// # Panics
+/// If the header would exceed the 65,535 bytes of format 1.0 (a shape with thousands of
+/// axes).
+pub fn npy_header(dtype: DType, shape: &[u64]) -> Vec<u8> {
+    let dict = format!(
+        "{{'descr': '{}', 'fortran_order': False, 'shape': {}, }}",
+        dtype.descr(),
+        shape_string(shape)
+    );
+    let unpadded = 10 + dict.len() + 1;
+    let total = unpadded.next_multiple_of(64);
+    let header_len = total - 10;
+    assert!(header_len <= u16::MAX as usize, "npy header too long");
+    let mut out = Vec::with_capacity(total);
+    out.extend_from_slice(b"\x93NUMPY\x01\x00");
+    out.extend_from_slice(&(header_len as u16).to_le_bytes());
+    out.extend_from_slice(dict.as_bytes());
+    out.resize(total - 1, b' ');
+    out.push(b'\n');
+    out
+}
+
+/// An `.npy` file being written through a mutable memory map. The file is created under
+/// a temporary name and renamed into place by [`finish`](NpyWriter::finish), so a reader
+/// never sees a half-written file.
+pub struct NpyWriter {
+    path: PathBuf,
+    tmp: PathBuf,
+    map: MmapMut,
+    offset: usize,
+}
+
+impl NpyWriter {
+    /// Creates `path` for an array of `dtype` and `shape`.
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming the file; [`Error::Config`] if the size overflows.
+    pub fn create(path: impl AsRef<Path>, dtype: DType, shape: &[u64]) -> Result<NpyWriter> {
+        let path = path.as_ref().to_path_buf();
+        let header = npy_header(dtype, shape);
+        let data = shape
+            .iter()
+            .try_fold(dtype.size() as u64, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| Error::Config(format!("shape {} overflows", shape_string(shape))))?;
+        let mut tmp = path.clone().into_os_string();
+        tmp.push(".partial");
+        let tmp = PathBuf::from(tmp);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)
+            .map_err(|e| Error::io(&tmp, e))?;
+        file.set_len(header.len() as u64 + data)
+            .map_err(|e| Error::io(&tmp, e))?;
+        // SAFETY: the file was just created by this process under a private temporary
+        // name; nothing else maps or resizes it while the writer lives.
+        let mut map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| Error::io(&tmp, e))?;
+        map[..header.len()].copy_from_slice(&header);
+        Ok(NpyWriter {
+            path,
+            tmp,
+            map,
+            offset: header.len(),
+        })
+    }
+
+    /// The data bytes, to fill.
+    pub fn data_mut(&mut self) -> &mut [u8] {
+        &mut self.map[self.offset..]
+    }
+
+    /// Flushes and renames the file into place.
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming the file.
+    pub fn finish(self) -> Result<PathBuf> {
+        self.map.flush().map_err(|e| Error::io(&self.tmp, e))?;
+        drop(self.map);
+        std::fs::rename(&self.tmp, &self.path).map_err(|e| Error::io(&self.path, e))?;
+        Ok(self.path)
+    }
+}
+
+/// What [`classification`] writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClassificationSpec {
+    /// Samples.
+    pub samples: u64,
+    /// Shape of one sample, e.g. `[3, 32, 32]`.
+    pub shape: Vec<u64>,
+    /// Classes (at most 256).
+    pub classes: u32,
+    /// Noise amplitude: each byte is its class prototype plus a uniform value in
+    /// `-noise..=noise`, clamped to 0..=255.
+    pub noise: u8,
+    /// Seed.
+    pub seed: u64,
+}
+
+impl Default for ClassificationSpec {
+    fn default() -> Self {
+        ClassificationSpec {
+            samples: 200_000,
+            shape: vec![3, 32, 32],
+            classes: 10,
+            noise: 96,
+            seed: 0,
+        }
+    }
+}
+
+/// Writes a learnable classification set to `dir/x.npy` (u8, `(samples, *shape)`) and
+/// `dir/y.npy` (i64 labels): each class has a random prototype image and each sample is
+/// its class's prototype plus uniform noise. Deterministic in the spec, whatever the
+/// thread count. Returns the two paths.
+///
+/// # Errors
+/// [`Error::Config`] for zero samples or classes, more than 256 classes or an empty
+/// shape; [`Error::Io`] naming the file that could not be written.
+pub fn classification(
+    dir: impl AsRef<Path>,
+    spec: &ClassificationSpec,
+    progress: &ProgressBar,
+) -> Result<(PathBuf, PathBuf)> {
+    let dir = dir.as_ref();
+    if spec.samples == 0 || spec.classes == 0 || spec.classes > 256 {
+        return Err(Error::Config(
+            "need at least one sample and 1 to 256 classes".into(),
+        ));
+    }
+    let row: u64 = spec.shape.iter().product();
+    if spec.shape.is_empty() || row == 0 {
+        return Err(Error::Config("a sample needs a non-empty shape".into()));
+    }
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let row = row as usize;
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(spec.seed);
+    let mut prototypes = vec![0u8; row * spec.classes as usize];
+    rng.fill_bytes(&mut prototypes);
+    let label = |i: u64| (mix(spec.seed ^ mix(i + 1)) % spec.classes as u64) as i64;
+
+    let mut x_shape = vec![spec.samples];
+    x_shape.extend_from_slice(&spec.shape);
+    let mut x = NpyWriter::create(dir.join("x.npy"), DType::U8, &x_shape)?;
+    let mut y = NpyWriter::create(dir.join("y.npy"), DType::I64, &[spec.samples])?;
+    progress.set_length(spec.samples);
+    const CHUNK: usize = 512;
+    let noise = spec.noise as i32;
+    x.data_mut()
+        .par_chunks_mut(row * CHUNK)
+        .zip(y.data_mut().par_chunks_mut(8 * CHUNK))
+        .enumerate()
+        .for_each(|(chunk, (xs, ys))| {
+            let first = (chunk * CHUNK) as u64;
+            let mut rng =
+                Xoshiro256PlusPlus::seed_from_u64(mix(spec.seed ^ 0x006e_6f69_7365) ^ first);
+            for (k, (xr, yr)) in xs
+                .chunks_exact_mut(row)
+                .zip(ys.chunks_exact_mut(8))
+                .enumerate()
+            {
+                let c = label(first + k as u64);
+                yr.copy_from_slice(&c.to_le_bytes());
+                let proto = &prototypes[c as usize * row..(c as usize + 1) * row];
+                for (out, &p) in xr.iter_mut().zip(proto) {
+                    let v = p as i32 + rng.random_range(-noise..=noise);
+                    *out = v.clamp(0, 255) as u8;
+                }
+            }
+            progress.inc((xs.len() / row) as u64);
+        });
+    let x = x.finish()?;
+    let y = y.finish()?;
+    progress.finish();
+    Ok((x, y))
+}
+
+/// Writes `tokens` little-endian `u16` tokens below `vocab` to `path` (a raw `.bin`),
+/// drawn from a seeded first-order chain (each token depends on the one before), so a
+/// model has something to learn.
+///
+/// # Errors
+/// [`Error::Config`] for `vocab` outside `2..=65536`; [`Error::Io`] naming the file.
+pub fn token_stream(path: impl AsRef<Path>, tokens: u64, vocab: u32, seed: u64) -> Result<PathBuf> {
+    let path = path.as_ref();
+    if !(2..=65_536).contains(&vocab) {
+        return Err(Error::Config("vocab must be in 2..=65536".into()));
+    }
+    let file = File::create(path).map_err(|e| Error::io(path, e))?;
+    file.set_len(tokens * 2).map_err(|e| Error::io(path, e))?;
+    if tokens == 0 {
+        return Ok(path.to_path_buf());
+    }
+    // SAFETY: the file was just created and sized by this process; nothing else maps it.
+    let mut map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| Error::io(path, e))?;
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    let mut prev = 0u32;
+    for t in map.chunks_exact_mut(2) {
+        // Mostly a fixed successor of the previous token, sometimes a random jump.
+        let next = if rng.random_range(0..4u32) == 0 {
+            rng.random_range(0..vocab)
+        } else {
+            (prev.wrapping_mul(31).wrapping_add(7)) % vocab
+        };
+        t.copy_from_slice(&(next as u16).to_le_bytes());
+        prev = next;
+    }
+    map.flush().map_err(|e| Error::io(path, e))?;
+    Ok(path.to_path_buf())
+}
