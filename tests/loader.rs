@@ -173,7 +173,7 @@ proptest! {
             for _ in 0..k { it.next().unwrap().unwrap(); }
             it.state()
         };
-        prop_assert_eq!(state, LoaderState { epoch: s.epoch, batch: k as u64 });
+        prop_assert_eq!((state.epoch, state.batch), (s.epoch, k as u64));
         prop_assert_eq!(first.state(), state);
         // A new loader, built from the saved state (as after a restart).
         let json = serde_json::to_string(&state).unwrap();
@@ -186,7 +186,7 @@ proptest! {
         prop_assert_eq!(it.len(), expected.len() - k);
         let rest: Vec<Vec<u64>> = it.map(|b| b.unwrap().indices().to_vec()).collect();
         prop_assert_eq!(&rest[..], &expected[k..]);
-        prop_assert_eq!(resumed.state(), LoaderState { epoch: s.epoch + 1, batch: 0 });
+        prop_assert_eq!((resumed.state().epoch, resumed.state().batch), (s.epoch + 1, 0));
         // The next epoch is whole again.
         prop_assert_eq!(resumed.epoch(s.epoch + 1).unwrap().len(), expected.len());
     }
@@ -262,7 +262,7 @@ fn a_read_error_reaches_the_consumer_and_ends_the_epoch() {
         assert!(matches!(err, Error::OutOfRange { index: 517, .. }), "{err}");
         assert_eq!(loader.free_buffers(), loader.buffers());
         // The state points at the failed batch, so a resume retries it.
-        assert_eq!(loader.state(), LoaderState { epoch, batch: 51 });
+        assert_eq!((loader.state().epoch, loader.state().batch), (epoch, 51));
     }
 }
 
@@ -314,7 +314,7 @@ fn holding_every_buffer_is_an_error_not_a_hang() {
     let state = it.state();
     drop(it);
     drop((a, b));
-    assert_eq!(state, LoaderState { epoch: 0, batch: 2 });
+    assert_eq!((state.epoch, state.batch), (0, 2));
     // ... and the epoch resumes where it stopped.
     let mut resumed = Loader::builder(Synth::new(100))
         .batch_size(10)
@@ -391,11 +391,35 @@ fn bad_configurations_are_errors() {
         b().batch_size(11).drop_last(true).build(),
         Err(Error::Config(_))
     ));
-    let past = LoaderState {
-        epoch: 0,
-        batch: 99,
-    };
+    let past = LoaderState::new(0, 99);
     assert!(matches!(b().resume(past).build(), Err(Error::Config(_))));
+}
+
+#[test]
+fn a_resume_is_neither_lost_nor_misapplied() {
+    let mk = |seed| {
+        Loader::builder(Synth::new(100))
+            .batch_size(10)
+            .shuffle(Shuffle::Full { seed })
+    };
+    let mut saved = mk(1).build().unwrap();
+    let state = {
+        let mut it = saved.epoch(3).unwrap();
+        it.next().unwrap().unwrap();
+        it.state()
+    };
+    // Another seed means another order: refused, naming the cause.
+    let err = mk(2).resume(state).build().unwrap_err();
+    assert!(err.to_string().contains("another order"), "{err}");
+    // Asking for an earlier epoch first would silently drop the resume: refused.
+    let mut resumed = mk(1).resume(state).build().unwrap();
+    assert!(matches!(resumed.epoch(0), Err(Error::Config(_))));
+    assert_eq!(resumed.epoch(3).unwrap().len(), 9);
+    // Once used, the resume is spent: the same epoch again is whole.
+    assert_eq!(resumed.epoch(3).unwrap().len(), 10);
+    // A hand-made state (no fingerprint) is accepted.
+    let mut manual = mk(2).resume(LoaderState::new(1, 4)).build().unwrap();
+    assert_eq!(manual.epoch(1).unwrap().len(), 6);
 }
 
 #[test]

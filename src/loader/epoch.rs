@@ -105,10 +105,7 @@ impl<'a> Epoch<'a> {
             waited,
         };
         self.next += 1;
-        *self.state = LoaderState {
-            epoch: self.epoch(),
-            batch: self.next,
-        };
+        self.state.batch = self.next;
         self.stats.batches += 1;
         self.stats.samples += rows as u64;
         self.stats.gather += done.end - done.start;
@@ -136,10 +133,8 @@ impl Iterator for Epoch<'_> {
         }
         if self.next >= self.job.end {
             self.done = true;
-            *self.state = LoaderState {
-                epoch: self.epoch() + 1,
-                batch: 0,
-            };
+            self.state.epoch = self.epoch() + 1;
+            self.state.batch = 0;
             return None;
         }
         let asked = Instant::now();

@@ -35,12 +35,30 @@ pub const DEFAULT_PREFETCH_BYTES: usize = 32 << 20;
 ///
 /// Save it with a checkpoint; a loader built with [`LoaderBuilder::resume`] yields exactly
 /// the rest of that epoch. After a whole epoch `e`, the state is `(e + 1, 0)`.
+///
+/// `order` fingerprints what the order depends on (dataset length, shuffle and seed,
+/// shard, batch size, `drop_last`): resuming a loader configured differently is an
+/// error rather than a silently different epoch. `0` skips that check.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct LoaderState {
     /// The epoch.
     pub epoch: u64,
     /// Batches of it already delivered.
     pub batch: u64,
+    /// Fingerprint of the loader's order ([`Order::fingerprint`]); 0 for unchecked.
+    #[serde(default)]
+    pub order: u64,
+}
+
+impl LoaderState {
+    /// A state for `epoch` after `batch` batches, without an order fingerprint.
+    pub const fn new(epoch: u64, batch: u64) -> LoaderState {
+        LoaderState {
+            epoch,
+            batch,
+            order: 0,
+        }
+    }
 }
 
 /// One-off costs paid when the loader was built.
@@ -121,8 +139,9 @@ impl LoaderBuilder {
         self
     }
 
-    /// Resume from a saved state: the first call to [`Loader::epoch`] with
-    /// `state.epoch` yields only the batches after `state.batch`.
+    /// Resume from a saved state: [`Loader::epoch`] for `state.epoch` yields only the
+    /// batches after `state.batch` (once); asking for an earlier epoch first is an error,
+    /// a later one abandons the resume.
     pub fn resume(mut self, state: LoaderState) -> Self {
         self.resume = Some(state);
         self
@@ -162,6 +181,15 @@ impl LoaderBuilder {
             self.drop_last,
         )?;
         if let Some(r) = self.resume {
+            if r.order != 0 && r.order != order.fingerprint() {
+                return Err(Error::Config(format!(
+                    "the resume state was saved by a loader with another order (dataset \
+                     length, shuffle, seed, shard, batch size or drop_last differ): \
+                     fingerprint {:#x}, this loader's is {:#x}",
+                    r.order,
+                    order.fingerprint()
+                )));
+            }
             if r.batch > order.batches() {
                 return Err(Error::Config(format!(
                     "resume state is at batch {} of epoch {}, which has {} batches",
@@ -206,7 +234,11 @@ impl LoaderBuilder {
             pool,
             workers,
             prefetch,
-            state: self.resume.unwrap_or_default(),
+            state: self.resume.unwrap_or(LoaderState {
+                epoch: 0,
+                batch: 0,
+                order: order.fingerprint(),
+            }),
             resume: self.resume,
             startup,
         })
@@ -287,12 +319,19 @@ impl Loader {
     /// only), the iterator starts after the batches already consumed.
     ///
     /// # Errors
-    /// None today; the `Result` leaves room for backends whose start can fail.
+    /// [`Error::Config`] if the loader was built to resume a later epoch than `epoch`.
     pub fn epoch(&mut self, epoch: u64) -> Result<Epoch<'_>> {
-        let start = match self.resume.take() {
-            Some(r) if r.epoch == epoch => r.batch,
+        let start = match self.resume {
+            Some(r) if epoch < r.epoch => {
+                return Err(Error::Config(format!(
+                    "this loader resumes epoch {} at batch {}: epoch {epoch} comes before it",
+                    r.epoch, r.batch
+                )))
+            }
+            Some(r) if epoch == r.epoch => r.batch,
             _ => 0,
         };
+        self.resume = None;
         let (results_tx, results_rx) = crossbeam_channel::unbounded();
         let (finished_tx, finished_rx) = crossbeam_channel::bounded(0);
         let job = Arc::new(Job {
@@ -315,6 +354,7 @@ impl Loader {
         self.state = LoaderState {
             epoch,
             batch: start,
+            order: self.order.fingerprint(),
         };
         Ok(Epoch::new(
             &mut self.state,

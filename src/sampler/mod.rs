@@ -23,7 +23,7 @@ pub(crate) const fn mix(mut z: u64) -> u64 {
 
 /// The key of `epoch`'s permutation under `seed`.
 const fn epoch_key(seed: u64, epoch: u64) -> u64 {
-    mix(mix(seed ^ 0x0073_746f_6b65_72) ^ epoch.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+    mix(mix(seed ^ 0x7374_6f6b_6572) ^ epoch.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15))
 }
 
 /// How samples are ordered within an epoch.
@@ -118,6 +118,40 @@ impl Order {
             )));
         }
         Ok(order)
+    }
+
+    /// A non-zero fingerprint of everything the order depends on: equal fingerprints
+    /// give equal epochs.
+    pub fn fingerprint(&self) -> u64 {
+        let (kind, seed, rows, window) = match self.shuffle {
+            Shuffle::None => (1, 0, 0, 0),
+            Shuffle::Full { seed } => (2, seed, 0, 0),
+            Shuffle::Block {
+                seed,
+                block_rows,
+                window,
+            } => (3, seed, block_rows, window),
+        };
+        let tail = match self.shard.tail() {
+            ShardTail::Pad => 1,
+            ShardTail::Drop => 2,
+        };
+        [
+            self.len,
+            kind,
+            seed,
+            rows,
+            window,
+            self.shard.rank(),
+            self.shard.world_size(),
+            tail,
+            self.batch_size,
+            u64::from(self.drop_last),
+        ]
+        .iter()
+        .fold(0x006f_7264_6572u64, |h, &v| {
+            mix(h ^ mix(v.wrapping_add(0x9e37_79b9_7f4a_7c15)))
+        }) | 1
     }
 
     /// Samples per epoch in the whole dataset.
