@@ -2,7 +2,7 @@
 //! a token stream, written as files the loader reads. Large sets are written in parallel
 //! straight into memory-mapped output files, so they never need to fit in RAM twice.
 
-use std::fs::{File, OpenOptions};
+use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
 
 use indicatif::ProgressBar;
@@ -208,7 +208,14 @@ pub fn token_stream(path: impl AsRef<Path>, tokens: u64, vocab: u32, seed: u64) 
     if !(2..=65_536).contains(&vocab) {
         return Err(Error::Config("vocab must be in 2..=65536".into()));
     }
-    let file = File::create(path).map_err(|e| Error::io(path, e))?;
+    // Read access too: a shared writable mapping needs it.
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+        .map_err(|e| Error::io(path, e))?;
     file.set_len(tokens * 2).map_err(|e| Error::io(path, e))?;
     if tokens == 0 {
         return Ok(path.to_path_buf());

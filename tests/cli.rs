@@ -1,0 +1,127 @@
+//! The `stoker` command end to end: inspect, gen, bench.
+
+use std::path::Path;
+use std::process::Command;
+
+use stoker::{Dataset, NpyDataset};
+
+fn stoker(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_stoker"))
+        .args(args)
+        .output()
+        .expect("the stoker binary runs")
+}
+
+fn fixture(name: &str) -> String {
+    format!("{}/tests/fixtures/npy/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn inspect_prints_good_files_and_fails_on_bad_ones() {
+    let digits = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
+    let out = stoker(&["inspect", digits]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("(1797, 8, 8)") && text.contains("uint8"),
+        "{text}"
+    );
+    assert!(text.contains("(1797,)") && text.contains("int64"), "{text}");
+
+    let bad = fixture("bad_magic.npy");
+    let out = stoker(&["inspect", &fixture("good_v1_float32.npy"), &bad]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("bad_magic.npy") && err.contains("bad magic"),
+        "{err}"
+    );
+    // The good file is still listed.
+    assert!(String::from_utf8_lossy(&out.stdout).contains("float32"));
+
+    let out = stoker(&["inspect", "/no/such/file.npy"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/no/such/file.npy"));
+}
+
+#[test]
+fn gen_then_bench_writes_the_figures() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("set");
+    let data_s = data.to_str().unwrap();
+    let out = stoker(&[
+        "gen",
+        "--out",
+        data_s,
+        "--samples",
+        "3000",
+        "--shape",
+        "3x8x8",
+        "--classes",
+        "4",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ds = NpyDataset::open(&data).unwrap();
+    assert_eq!(ds.len(), 3000);
+    assert_eq!(ds.columns()[0].shape, vec![3, 8, 8]);
+    assert!(!Path::new(&format!("{data_s}/x.npy.partial")).exists());
+
+    let json = dir.path().join("bench.json");
+    let out = stoker(&[
+        "bench",
+        "--data",
+        data_s,
+        "--json",
+        json.to_str().unwrap(),
+        "--reps",
+        "1",
+        "--batch",
+        "64",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    for path in ["/loader/samples_per_s", "/roofline/samples_per_s", "/ratio"] {
+        let v = report.pointer(path).and_then(|v| v.as_f64());
+        assert!(v.is_some_and(|v| v > 0.0), "{path} in {report}");
+    }
+    assert_eq!(report["cold"].as_array().map(Vec::len), Some(2));
+
+    let tokens = dir.path().join("t.bin");
+    let out = stoker(&[
+        "gen",
+        "--out",
+        tokens.to_str().unwrap(),
+        "--tokens",
+        "1000",
+        "--vocab",
+        "300",
+    ]);
+    assert!(out.status.success());
+    assert_eq!(std::fs::metadata(&tokens).unwrap().len(), 2000);
+}
+
+#[test]
+fn bad_arguments_are_errors_not_panics() {
+    let out = stoker(&["gen", "--out", "x", "--shape", "3xq"]);
+    assert_eq!(out.status.code(), Some(2));
+    let out = stoker(&[
+        "bench",
+        "--data",
+        &fixture("dir"),
+        "--batch",
+        "0",
+        "--reps",
+        "1",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("batch size"));
+}
