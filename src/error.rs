@@ -84,6 +84,19 @@ pub enum Error {
         /// The pool's size.
         buffers: usize,
     },
+    /// A label outside the classifier's classes.
+    #[error("label {label} is outside 0..{classes}{}", match sample { Some(s) => format!(" (sample {s})"), None => String::new() })]
+    Label {
+        /// The label.
+        label: i64,
+        /// The number of classes.
+        classes: usize,
+        /// The dataset index of the sample, when known.
+        sample: Option<u64>,
+    },
+    /// The CUDA backend was asked for and is not available, or a CUDA call failed.
+    #[error("CUDA: {0}")]
+    Cuda(String),
     /// A host buffer could not be allocated.
     #[error("allocating a {bytes}-byte host buffer ({allocator}): {message}")]
     Alloc {

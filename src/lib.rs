@@ -37,6 +37,7 @@ pub mod gen;
 pub mod loader;
 pub mod pagecache;
 pub mod sampler;
+pub mod train;
 
 pub use dataset::{
     Column, DType, Dataset, Element, MappedFile, NpyArray, NpyDataset, NpyHeader, TokenDataset,
