@@ -31,6 +31,7 @@
 #![warn(missing_docs)]
 
 pub mod bench;
+pub mod cpu;
 pub mod dataset;
 mod error;
 pub mod gen;

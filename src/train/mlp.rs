@@ -46,10 +46,18 @@ impl Normalize {
         }
         let n = bytes.len() as f64;
         let mean = bytes.iter().map(|&b| b as f64).sum::<f64>() / n;
-        let var = bytes.iter().map(|&b| (b as f64 - mean).powi(2)).sum::<f64>() / n;
+        let var = bytes
+            .iter()
+            .map(|&b| (b as f64 - mean).powi(2))
+            .sum::<f64>()
+            / n;
         Normalize {
             mean: mean as f32,
-            inv_std: if var > 0.0 { (1.0 / var.sqrt()) as f32 } else { 1.0 },
+            inv_std: if var > 0.0 {
+                (1.0 / var.sqrt()) as f32
+            } else {
+                1.0
+            },
         }
     }
 }
@@ -106,7 +114,10 @@ impl Mlp {
             )));
         }
         if !(config.lr.is_finite() && config.lr > 0.0) {
-            return Err(Error::Config(format!("learning rate {} is not positive", config.lr)));
+            return Err(Error::Config(format!(
+                "learning rate {} is not positive",
+                config.lr
+            )));
         }
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(config.seed);
         let mut init = |n: usize, fan_in: usize| -> Vec<f32> {
@@ -165,9 +176,16 @@ fn gemm(
         return;
     }
     // The furthest element each operand is read or written at must be in bounds.
-    let last = |rows: usize, cols: usize, rs: usize, cs: usize| (rows - 1) * rs + (cols.max(1) - 1) * cs;
-    assert!(k == 0 || last(m, k, rsa, csa) < a.len(), "gemm: a is too short");
-    assert!(k == 0 || last(k, n, rsb, csb) < b.len(), "gemm: b is too short");
+    let last =
+        |rows: usize, cols: usize, rs: usize, cs: usize| (rows - 1) * rs + (cols.max(1) - 1) * cs;
+    assert!(
+        k == 0 || last(m, k, rsa, csa) < a.len(),
+        "gemm: a is too short"
+    );
+    assert!(
+        k == 0 || last(k, n, rsb, csb) < b.len(),
+        "gemm: b is too short"
+    );
     assert!(last(m, n, rsc, 1) < c.len(), "gemm: c is too short");
     // SAFETY: the asserts above show every index the product touches lies inside the
     // slices; `c` is borrowed mutably and distinct from `a` and `b`.
@@ -205,14 +223,38 @@ fn forward(mlp: &Mlp, ws: &mut Workspace, norm: Normalize, x: &[u8], n: usize) {
     for row in ws.h[..n * h].chunks_exact_mut(h) {
         row.copy_from_slice(&mlp.b1);
     }
-    gemm(n, d, h, 1.0, &ws.x, (d, 1), &mlp.w1, (h, 1), 1.0, &mut ws.h, h);
+    gemm(
+        n,
+        d,
+        h,
+        1.0,
+        &ws.x,
+        (d, 1),
+        &mlp.w1,
+        (h, 1),
+        1.0,
+        &mut ws.h,
+        h,
+    );
     for v in &mut ws.h[..n * h] {
         *v = v.max(0.0);
     }
     for row in ws.z[..n * c].chunks_exact_mut(c) {
         row.copy_from_slice(&mlp.b2);
     }
-    gemm(n, h, c, 1.0, &ws.h, (h, 1), &mlp.w2, (c, 1), 1.0, &mut ws.z, c);
+    gemm(
+        n,
+        h,
+        c,
+        1.0,
+        &ws.h,
+        (h, 1),
+        &mlp.w2,
+        (c, 1),
+        1.0,
+        &mut ws.z,
+        c,
+    );
 }
 
 fn check_labels(y: &[i64], classes: usize, indices: &[u64]) -> Result<()> {
@@ -238,7 +280,12 @@ pub fn loss(mlp: &Mlp, ws: &mut Workspace, norm: Normalize, x: &[u8], y: &[i64])
     let mut sum = 0.0f64;
     for (row, &label) in ws.z[..n * c].chunks_exact(c).zip(y) {
         let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let lse = max as f64 + row.iter().map(|&v| ((v - max) as f64).exp()).sum::<f64>().ln();
+        let lse = max as f64
+            + row
+                .iter()
+                .map(|&v| ((v - max) as f64).exp())
+                .sum::<f64>()
+                .ln();
         sum += lse - row[label as usize] as f64;
     }
     Ok(sum / n.max(1) as f64)
@@ -303,21 +350,57 @@ pub fn step(
     metrics.samples += n as u64;
 
     // dh = dz W2^T, masked by the ReLU (uses W2 before its update).
-    gemm(n, c, h, 1.0, &ws.z, (c, 1), &mlp.w2, (1, c), 0.0, &mut ws.dh, h);
+    gemm(
+        n,
+        c,
+        h,
+        1.0,
+        &ws.z,
+        (c, 1),
+        &mlp.w2,
+        (1, c),
+        0.0,
+        &mut ws.dh,
+        h,
+    );
     for (g, &a) in ws.dh[..n * h].iter_mut().zip(&ws.h[..n * h]) {
         if a <= 0.0 {
             *g = 0.0;
         }
     }
     // W2 -= lr h^T dz ; b2 -= lr sum(dz)
-    gemm(h, n, c, -lr, &ws.h, (1, h), &ws.z, (c, 1), 1.0, &mut mlp.w2, c);
+    gemm(
+        h,
+        n,
+        c,
+        -lr,
+        &ws.h,
+        (1, h),
+        &ws.z,
+        (c, 1),
+        1.0,
+        &mut mlp.w2,
+        c,
+    );
     for row in ws.z[..n * c].chunks_exact(c) {
         for (b, &g) in mlp.b2.iter_mut().zip(row) {
             *b -= lr * g;
         }
     }
     // W1 -= lr x^T dh ; b1 -= lr sum(dh)
-    gemm(d, n, h, -lr, &ws.x, (1, d), &ws.dh, (h, 1), 1.0, &mut mlp.w1, h);
+    gemm(
+        d,
+        n,
+        h,
+        -lr,
+        &ws.x,
+        (1, d),
+        &ws.dh,
+        (h, 1),
+        1.0,
+        &mut mlp.w1,
+        h,
+    );
     for row in ws.dh[..n * h].chunks_exact(h) {
         for (b, &g) in mlp.b1.iter_mut().zip(row) {
             *b -= lr * g;
@@ -351,7 +434,16 @@ mod tests {
         let mut ws = Workspace::new(&mlp.config, 6);
         // One step with lr = 1 moves each parameter by minus its gradient.
         let mut stepped = mlp.clone();
-        step(&mut stepped, &mut ws, norm, &x, &y, &[], &mut Metrics::default()).unwrap();
+        step(
+            &mut stepped,
+            &mut ws,
+            norm,
+            &x,
+            &y,
+            &[],
+            &mut Metrics::default(),
+        )
+        .unwrap();
         let eps = 1e-2f32;
         let check = |get: &dyn Fn(&Mlp) -> &Vec<f32>, set: &dyn Fn(&mut Mlp) -> &mut Vec<f32>| {
             for i in 0..get(&mlp).len() {
@@ -381,11 +473,38 @@ mod tests {
         let (mut mlp, x, _, norm) = tiny();
         let mut ws = Workspace::new(&mlp.config, 6);
         let y = vec![0, 1, 3, 0, 0, 0];
-        let err = step(&mut mlp, &mut ws, norm, &x, &y, &[10, 11, 12, 13, 14, 15], &mut Metrics::default())
-            .unwrap_err();
-        assert!(matches!(err, Error::Label { label: 3, classes: 3, sample: Some(12) }), "{err}");
+        let err = step(
+            &mut mlp,
+            &mut ws,
+            norm,
+            &x,
+            &y,
+            &[10, 11, 12, 13, 14, 15],
+            &mut Metrics::default(),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Label {
+                    label: 3,
+                    classes: 3,
+                    sample: Some(12)
+                }
+            ),
+            "{err}"
+        );
         let y = vec![0, -1, 0, 0, 0, 0];
-        assert!(step(&mut mlp, &mut ws, norm, &x, &y, &[], &mut Metrics::default()).is_err());
+        assert!(step(
+            &mut mlp,
+            &mut ws,
+            norm,
+            &x,
+            &y,
+            &[],
+            &mut Metrics::default()
+        )
+        .is_err());
     }
 
     #[test]
@@ -395,7 +514,16 @@ mod tests {
         let mut ws = Workspace::new(&mlp.config, 6);
         let before = loss(&mlp, &mut ws, norm, &x, &y).unwrap();
         for _ in 0..50 {
-            step(&mut mlp, &mut ws, norm, &x, &y, &[], &mut Metrics::default()).unwrap();
+            step(
+                &mut mlp,
+                &mut ws,
+                norm,
+                &x,
+                &y,
+                &[],
+                &mut Metrics::default(),
+            )
+            .unwrap();
         }
         let after = loss(&mlp, &mut ws, norm, &x, &y).unwrap();
         assert!(after < before * 0.5, "{before} -> {after}");

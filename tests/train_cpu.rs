@@ -1,0 +1,157 @@
+//! The CPU backend learns: digits, a generated CIFAR-shaped set, and bad labels.
+
+use std::sync::Arc;
+
+use indicatif::ProgressBar;
+use stoker::cpu::CpuTrainer;
+use stoker::gen::{self, ClassificationSpec, NpyWriter};
+use stoker::train::{Mlp, MlpConfig, Normalize};
+use stoker::{DType, Dataset, Error, Loader, NpyArray, NpyDataset, Shuffle};
+
+fn trainer_for(ds: &Arc<dyn Dataset>, loader: &Loader, hidden: usize, lr: f32) -> CpuTrainer {
+    let inputs = ds.columns()[0].row_bytes;
+    let mlp = Mlp::new(MlpConfig {
+        inputs,
+        hidden,
+        classes: 10,
+        lr,
+        seed: 1,
+    })
+    .unwrap();
+    let sample: Vec<u8> = (0..ds.len().min(512))
+        .flat_map(|i| {
+            let mut row = vec![0u8; inputs];
+            let mut y = vec![0u8; 8];
+            ds.gather(0, &[i], &mut [&mut row, &mut y]).unwrap();
+            row
+        })
+        .collect();
+    CpuTrainer::new(mlp, Normalize::fit(&sample), loader.layout(), (0, 1), 3).unwrap()
+}
+
+#[test]
+fn digits_reach_90_percent_within_10_epochs() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
+    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(dir).unwrap());
+    let mut loader = Loader::builder_shared(ds.clone())
+        .batch_size(64)
+        .shuffle(Shuffle::Full { seed: 4 })
+        .workers(2)
+        .build()
+        .unwrap();
+    let mut trainer = trainer_for(&ds, &loader, 64, 0.1);
+    let mut best = 0.0;
+    for epoch in 0..10 {
+        let out = trainer.train_epoch(loader.epoch(epoch).unwrap()).unwrap();
+        assert_eq!(out.metrics.samples, 1797);
+        assert_eq!(out.batches, 29);
+        best = out.metrics.accuracy();
+        if best >= 0.9 {
+            break;
+        }
+    }
+    assert!(best >= 0.9, "training accuracy {best}");
+}
+
+#[test]
+fn a_generated_cifar_shaped_set_reaches_95_percent() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = ClassificationSpec {
+        samples: 4000,
+        ..ClassificationSpec::default()
+    };
+    gen::classification(dir.path(), &spec, &ProgressBar::hidden()).unwrap();
+    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(dir.path()).unwrap());
+    let mut loader = Loader::builder_shared(ds.clone())
+        .batch_size(128)
+        .workers(2)
+        .build()
+        .unwrap();
+    let mut trainer = trainer_for(&ds, &loader, 32, 0.05);
+    let mut acc = 0.0;
+    for epoch in 0..5 {
+        acc = trainer
+            .train_epoch(loader.epoch(epoch).unwrap())
+            .unwrap()
+            .metrics
+            .accuracy();
+        if acc >= 0.95 {
+            break;
+        }
+    }
+    assert!(acc >= 0.95, "training accuracy {acc}");
+}
+
+#[test]
+fn shuffled_labels_do_not_learn() {
+    // The same images with labels that do not follow them: a loader that mixed up
+    // samples and labels would look like this, and must not pass the tests above.
+    let dir = tempfile::tempdir().unwrap();
+    let spec = ClassificationSpec {
+        samples: 4000,
+        ..ClassificationSpec::default()
+    };
+    gen::classification(dir.path(), &spec, &ProgressBar::hidden()).unwrap();
+    let y = NpyArray::open(dir.path().join("y.npy")).unwrap();
+    let mut w = NpyWriter::create(dir.path().join("y.npy"), DType::I64, &[4000]).unwrap();
+    for (i, out) in w.data_mut().chunks_exact_mut(8).enumerate() {
+        out.copy_from_slice(y.row(((i * 7919) % 4000) as u64).unwrap());
+    }
+    drop(y);
+    w.finish().unwrap();
+    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(dir.path()).unwrap());
+    let mut loader = Loader::builder_shared(ds.clone())
+        .batch_size(128)
+        .workers(2)
+        .build()
+        .unwrap();
+    let mut trainer = trainer_for(&ds, &loader, 32, 0.05);
+    let mut acc = 0.0;
+    for epoch in 0..3 {
+        acc = trainer
+            .train_epoch(loader.epoch(epoch).unwrap())
+            .unwrap()
+            .metrics
+            .accuracy();
+    }
+    assert!(acc < 0.5, "learned from mismatched labels: {acc}");
+}
+
+#[test]
+fn a_bad_label_is_an_error_naming_the_sample_and_nothing_hangs() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut x = NpyWriter::create(dir.path().join("x.npy"), DType::U8, &[300, 4]).unwrap();
+    x.data_mut()
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, b)| *b = i as u8);
+    x.finish().unwrap();
+    let mut y = NpyWriter::create(dir.path().join("y.npy"), DType::I64, &[300]).unwrap();
+    for (i, out) in y.data_mut().chunks_exact_mut(8).enumerate() {
+        let label: i64 = if i == 123 { 42 } else { (i % 10) as i64 };
+        out.copy_from_slice(&label.to_le_bytes());
+    }
+    y.finish().unwrap();
+    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(dir.path()).unwrap());
+    let mut loader = Loader::builder_shared(ds.clone())
+        .batch_size(16)
+        .workers(2)
+        .build()
+        .unwrap();
+    let mut trainer = trainer_for(&ds, &loader, 8, 0.1);
+    let err = trainer.train_epoch(loader.epoch(0).unwrap()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Label {
+                label: 42,
+                sample: Some(123),
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // Buffers came back and the next epoch starts (and fails the same way).
+    assert_eq!(loader.free_buffers(), loader.buffers());
+    assert!(trainer.train_epoch(loader.epoch(1).unwrap()).is_err());
+}
