@@ -32,7 +32,9 @@
 
 pub mod bench;
 pub mod cpu;
+pub mod cuda;
 pub mod dataset;
+pub mod device;
 mod error;
 pub mod gen;
 pub mod loader;

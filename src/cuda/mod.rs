@@ -1,0 +1,54 @@
+//! The CUDA backend. Everything here compiles on any machine: libcuda and NVRTC are
+//! opened at run time, and [`probe`] finds out whether they are there before anything
+//! touches them (cudarc panics when libcuda is missing).
+
+mod nvrtc;
+
+use std::sync::Arc;
+
+pub use cudarc::driver::CudaContext;
+pub use nvrtc::{candidates as nvrtc_candidates, Nvrtc};
+
+/// A usable CUDA device: its context, NVRTC, and what it is.
+#[derive(Debug, Clone)]
+pub struct Cuda {
+    /// The context on device 0.
+    pub ctx: Arc<CudaContext>,
+    /// NVRTC, for compiling kernels.
+    pub nvrtc: Arc<Nvrtc>,
+    /// The device's name.
+    pub name: String,
+    /// Compute capability.
+    pub arch: (i32, i32),
+    /// How long creating the context took (a warm-up cost).
+    pub context_time: std::time::Duration,
+}
+
+/// Looks for libcuda, a device and NVRTC, in that order.
+///
+/// # Errors
+/// A one-line reason: "no libcuda found", "no CUDA device: ...", "NVRTC not found:
+/// looked for ...".
+pub fn probe() -> Result<Cuda, String> {
+    // SAFETY: only tries to open the library; returns false instead of panicking.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err("no libcuda found (looked for libcuda.so and libcuda.so.1)".into());
+    }
+    let start = std::time::Instant::now();
+    let ctx = std::panic::catch_unwind(|| CudaContext::new(0))
+        .map_err(|_| "no CUDA device: the driver panicked while creating a context".to_string())?
+        .map_err(|e| format!("no CUDA device: {e}"))?;
+    let context_time = start.elapsed();
+    let nvrtc = Nvrtc::load()?;
+    let name = ctx.name().unwrap_or_else(|_| "unknown CUDA device".into());
+    let arch = ctx
+        .compute_capability()
+        .map_err(|e| format!("CUDA device without a compute capability: {e}"))?;
+    Ok(Cuda {
+        ctx,
+        nvrtc: Arc::new(nvrtc),
+        name,
+        arch,
+        context_time,
+    })
+}

@@ -1,0 +1,46 @@
+//! Backend selection never panics, and says why it falls back.
+
+use stoker::device::{Device, DeviceChoice};
+use stoker::Error;
+
+#[test]
+fn auto_picks_cuda_or_says_why_not() {
+    match Device::auto() {
+        Device::Cuda(c) => {
+            println!(
+                "CUDA: {} sm_{}{}, NVRTC {:?}",
+                c.name,
+                c.arch.0,
+                c.arch.1,
+                c.nvrtc.version()
+            );
+            assert!(Device::select(DeviceChoice::Cuda).is_ok());
+        }
+        Device::Cpu { reason } => {
+            let reason = reason.expect("auto gives a reason for the CPU");
+            println!("skipping CUDA checks: {reason}");
+            assert!(
+                reason.starts_with("no libcuda found")
+                    || reason.starts_with("no CUDA device")
+                    || reason.starts_with("NVRTC not found"),
+                "{reason}"
+            );
+            // Asking for CUDA where there is none is an error with the same reason.
+            match Device::select(DeviceChoice::Cuda) {
+                Err(Error::Cuda(r)) => assert_eq!(r, reason),
+                other => panic!("expected a CUDA error, got {other:?}"),
+            }
+        }
+    }
+    let cpu = Device::select(DeviceChoice::Cpu).unwrap();
+    assert!(cpu.fallback_reason().is_none());
+    assert!(cpu.name().starts_with("cpu"));
+}
+
+#[test]
+fn nvrtc_search_names_every_major_version() {
+    let c = stoker::cuda::nvrtc_candidates();
+    for name in ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"] {
+        assert!(c.iter().any(|p| p == name), "{name} not searched: {c:?}");
+    }
+}
