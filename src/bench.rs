@@ -285,7 +285,7 @@ pub fn run(dataset: Arc<dyn Dataset>, cfg: &BenchConfig) -> Result<BenchReport> 
         dataset: DatasetInfo {
             samples: dataset.len(),
             row_bytes,
-            file_bytes: dataset.files().iter().map(|f| f.map.len() as u64).sum(),
+            file_bytes: dataset.files().iter().map(|f| f.bytes().len() as u64).sum(),
         },
         config: BenchConfig {
             prefetch: Some(prefetch),

@@ -97,6 +97,12 @@ pub enum Error {
     /// The CUDA backend was asked for and is not available, or a CUDA call failed.
     #[error("CUDA: {0}")]
     Cuda(String),
+    /// The loader's workers stopped without delivering a batch (a worker thread died).
+    #[error("the loader's workers stopped without delivering batch {batch}")]
+    WorkersStopped {
+        /// The batch that never came.
+        batch: u64,
+    },
     /// A host buffer could not be allocated.
     #[error("allocating a {bytes}-byte host buffer ({allocator}): {message}")]
     Alloc {

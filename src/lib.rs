@@ -39,6 +39,7 @@ mod error;
 pub mod gen;
 pub mod loader;
 pub mod pagecache;
+pub mod report;
 pub mod sampler;
 pub mod train;
 

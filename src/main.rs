@@ -153,12 +153,9 @@ fn inspect(paths: &[PathBuf]) -> ExitCode {
     for f in files {
         match NpyArray::open(&f) {
             Ok(a) => {
-                let res = pagecache::file_residency(MappedFile {
-                    path: a.path(),
-                    map: a.mapping(),
-                })
-                .map(|r| format!("{:.0}%", 100.0 * r.fraction()))
-                .unwrap_or_else(|_| "?".into());
+                let res = pagecache::file_residency(MappedFile::new(a.path(), a.mapping()))
+                    .map(|r| format!("{:.0}%", 100.0 * r.fraction()))
+                    .unwrap_or_else(|_| "?".into());
                 println!(
                     "{:<40} {:>18} {:>8} {:>10} {:>12} {:>9}",
                     f.display(),

@@ -53,7 +53,7 @@ fn page_size() -> usize {
 /// [`Error::Io`] naming the file if `mincore` fails.
 pub fn file_residency(file: MappedFile<'_>) -> Result<Residency> {
     let page = page_size();
-    let len = file.map.len();
+    let len = file.bytes().len();
     if len == 0 {
         return Ok(Residency::default());
     }
@@ -63,13 +63,13 @@ pub fn file_residency(file: MappedFile<'_>) -> Result<Residency> {
     // bytes, and `vec` has one byte per page of it, as mincore requires.
     let rc = unsafe {
         libc::mincore(
-            file.map.as_ptr() as *mut libc::c_void,
+            file.bytes().as_ptr() as *mut libc::c_void,
             len,
             vec.as_mut_ptr(),
         )
     };
     if rc != 0 {
-        return Err(Error::io(file.path, std::io::Error::last_os_error()));
+        return Err(Error::io(file.path(), std::io::Error::last_os_error()));
     }
     Ok(Residency {
         resident: vec.iter().filter(|&&b| b & 1 != 0).count() as u64,
@@ -98,25 +98,29 @@ pub fn residency(dataset: &dyn Dataset) -> Result<Residency> {
 /// # Errors
 /// [`Error::Io`] naming the file.
 pub fn evict_file(file: MappedFile<'_>) -> Result<()> {
-    if !file.map.is_empty() {
-        // SAFETY: the range is exactly a live, read-only, shared file mapping; DONTNEED on
-        // it only drops page-table entries, and later reads fault the file back in.
+    if !file.bytes().is_empty() {
+        // SAFETY: `MappedFile` can only wrap a `memmap2::Mmap`: the range is exactly a
+        // live, read-only, shared file mapping. DONTNEED on it only drops page-table
+        // entries; later reads fault the file back in.
         let rc = unsafe {
             libc::madvise(
-                file.map.as_ptr() as *mut libc::c_void,
-                file.map.len(),
+                file.bytes().as_ptr() as *mut libc::c_void,
+                file.bytes().len(),
                 libc::MADV_DONTNEED,
             )
         };
         if rc != 0 {
-            return Err(Error::io(file.path, std::io::Error::last_os_error()));
+            return Err(Error::io(file.path(), std::io::Error::last_os_error()));
         }
     }
-    let f = File::open(file.path).map_err(|e| Error::io(file.path, e))?;
+    let f = File::open(file.path()).map_err(|e| Error::io(file.path(), e))?;
     // SAFETY: a valid open descriptor; fadvise reads no memory of ours.
     let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
     if rc != 0 {
-        return Err(Error::io(file.path, std::io::Error::from_raw_os_error(rc)));
+        return Err(Error::io(
+            file.path(),
+            std::io::Error::from_raw_os_error(rc),
+        ));
     }
     Ok(())
 }
@@ -135,29 +139,29 @@ pub fn evict(dataset: &dyn Dataset) -> Result<()> {
 /// # Errors
 /// [`Error::Io`] naming the file if the advice is refused.
 pub fn read_ahead_file(file: MappedFile<'_>) -> Result<u64> {
-    if file.map.is_empty() {
+    if file.bytes().is_empty() {
         return Ok(0);
     }
     // SAFETY: the range is a live read-only mapping; WILLNEED only starts reads.
     let rc = unsafe {
         libc::madvise(
-            file.map.as_ptr() as *mut libc::c_void,
-            file.map.len(),
+            file.bytes().as_ptr() as *mut libc::c_void,
+            file.bytes().len(),
             libc::MADV_WILLNEED,
         )
     };
     if rc != 0 {
-        return Err(Error::io(file.path, std::io::Error::last_os_error()));
+        return Err(Error::io(file.path(), std::io::Error::last_os_error()));
     }
     let page = page_size();
     let mut sum = 0u8;
-    for i in (0..file.map.len()).step_by(page) {
+    for i in (0..file.bytes().len()).step_by(page) {
         // Volatile so the touch is not optimised away.
         // SAFETY: `i < len`, inside the mapping.
-        sum ^= unsafe { std::ptr::read_volatile(file.map.as_ptr().add(i)) };
+        sum ^= unsafe { std::ptr::read_volatile(file.bytes().as_ptr().add(i)) };
     }
     std::hint::black_box(sum);
-    Ok(file.map.len() as u64)
+    Ok(file.bytes().len() as u64)
 }
 
 /// Reads every file of a dataset into the page cache (see [`read_ahead_file`]).

@@ -460,3 +460,74 @@ fn digits_end_to_end() {
         "{label_counts:?}"
     );
 }
+
+/// Regressions from review: sizes and settings at the edges are errors or work, never
+/// panics or undefined behaviour.
+#[test]
+fn extreme_settings_are_errors_or_work() {
+    let huge = Loader::builder(Synth::new(10))
+        .batch_size(usize::MAX - 300)
+        .build();
+    assert!(matches!(huge, Err(Error::Config(_))), "{huge:?}");
+    let many = Loader::builder(Synth::new(1000))
+        .workers(40)
+        .build()
+        .unwrap();
+    assert!(many.prefetch() >= 80);
+    let mut wide = Loader::builder(Synth::new(1000))
+        .batch_size(7)
+        .shuffle(Shuffle::Block {
+            seed: 1,
+            block_rows: 2,
+            window: u64::MAX,
+        })
+        .build()
+        .unwrap();
+    let mut all: Vec<u64> = epoch_indices(&mut wide, 0).concat();
+    all.sort_unstable();
+    assert_eq!(all, (0..1000).collect::<Vec<_>>());
+    let overflow = Loader::builder(Synth::new(10))
+        .prefetch(usize::MAX)
+        .held(2)
+        .build();
+    assert!(matches!(overflow, Err(Error::Config(_))));
+}
+
+#[test]
+fn invalid_shards_do_not_deserialize() {
+    assert!(serde_json::from_str::<Shard>(r#"{"rank":0,"world_size":0}"#).is_err());
+    assert!(serde_json::from_str::<Shard>(r#"{"rank":5,"world_size":2}"#).is_err());
+    let ok: Shard = serde_json::from_str(r#"{"rank":1,"world_size":2,"tail":"Drop"}"#).unwrap();
+    assert_eq!(
+        (ok.rank(), ok.world_size(), ok.tail()),
+        (1, 2, ShardTail::Drop)
+    );
+}
+
+#[test]
+fn batches_held_by_another_thread_are_not_a_deadlock() {
+    // A copy thread keeps each batch a while (as a DMA in flight would), so the
+    // consumer side holds every buffer for a moment: not an error while batches come back.
+    let mut loader = Loader::builder(Synth::new(200))
+        .batch_size(20)
+        .workers(2)
+        .prefetch(2)
+        .held(0)
+        .build()
+        .unwrap();
+    let (tx, rx) = crossbeam_channel::unbounded::<stoker::HostBatch>();
+    let holder = std::thread::spawn(move || {
+        for b in rx {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            drop(b);
+        }
+    });
+    let mut n = 0;
+    for batch in loader.epoch(0).unwrap() {
+        tx.send(batch.unwrap()).unwrap();
+        n += 1;
+    }
+    drop(tx);
+    holder.join().unwrap();
+    assert_eq!(n, 10);
+}

@@ -155,10 +155,7 @@ impl Dataset for NpyDataset {
     fn files(&self) -> Vec<MappedFile<'_>> {
         self.arrays
             .iter()
-            .map(|a| MappedFile {
-                path: a.path(),
-                map: a.mapping(),
-            })
+            .map(|a| MappedFile::new(a.path(), a.mapping()))
             .collect()
     }
 }

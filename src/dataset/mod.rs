@@ -34,12 +34,30 @@ pub struct Column {
 }
 
 /// A file a dataset reads through a memory map.
+///
+/// Only a real file mapping can be wrapped (the page-cache calls advise the kernel on
+/// its pages, which must not be ordinary memory).
 #[derive(Debug, Clone, Copy)]
 pub struct MappedFile<'a> {
+    path: &'a Path,
+    map: &'a memmap2::Mmap,
+}
+
+impl<'a> MappedFile<'a> {
+    /// The mapping `map` of the file at `path`.
+    pub fn new(path: &'a Path, map: &'a memmap2::Mmap) -> MappedFile<'a> {
+        MappedFile { path, map }
+    }
+
     /// The file's path.
-    pub path: &'a Path,
+    pub fn path(&self) -> &'a Path {
+        self.path
+    }
+
     /// The whole mapping.
-    pub map: &'a [u8],
+    pub fn bytes(&self) -> &'a [u8] {
+        self.map
+    }
 }
 
 /// A source of fixed-size samples, each made of one row per column.

@@ -94,12 +94,16 @@ impl NpyHeader {
         Ok(header)
     }
 
-    /// Total bytes of the data, checked for overflow.
+    /// Total bytes of the data, checked for overflow, as is the size of one row (which
+    /// a zero first dimension would otherwise hide).
     fn data_bytes(&self) -> std::result::Result<u64, NpyProblem> {
-        self.shape
-            .iter()
-            .try_fold(self.dtype.size() as u64, |acc, &d| acc.checked_mul(d))
-            .filter(|&b| b <= isize::MAX as u64)
+        let fits = |dims: &[u64]| {
+            dims.iter()
+                .try_fold(self.dtype.size() as u64, |acc, &d| acc.checked_mul(d))
+                .filter(|&b| b <= isize::MAX as u64)
+        };
+        fits(&self.shape[1..])
+            .and_then(|_| fits(&self.shape))
             .ok_or_else(|| NpyProblem::Overflow(shape_string(&self.shape)))
     }
 }
@@ -507,6 +511,11 @@ mod tests {
             NpyProblem::Header(_)
         ));
         assert!(matches!(p("garbage"), NpyProblem::Header(_)));
+        // Zero rows must not hide a row size that overflows.
+        assert!(matches!(
+            p("{'descr': '<f4', 'fortran_order': False, 'shape': (0, 4294967296, 4294967296), }"),
+            NpyProblem::Overflow(_)
+        ));
         assert_eq!(
             NpyHeader::parse(b"\x93NUMPX\x01\x00"),
             Err(NpyProblem::BadMagic)

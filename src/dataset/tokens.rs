@@ -130,8 +130,8 @@ impl TokenDataset {
         seq_len: usize,
         windows: Windows,
     ) -> Result<TokenDataset> {
-        if seq_len == 0 {
-            return Err(Error::Config("seq_len must be at least 1".into()));
+        if seq_len == 0 || seq_len >= (isize::MAX as usize) / 8 {
+            return Err(Error::Config(format!("seq_len {seq_len} is out of range")));
         }
         if tokens < seq_len as u64 + 1 {
             return Err(Error::dataset(
@@ -210,9 +210,6 @@ impl Dataset for TokenDataset {
     }
 
     fn files(&self) -> Vec<MappedFile<'_>> {
-        vec![MappedFile {
-            path: &self.path,
-            map: &self.map,
-        }]
+        vec![MappedFile::new(&self.path, &self.map)]
     }
 }

@@ -38,6 +38,12 @@ impl BatchLayout {
                 columns.len()
             )));
         }
+        if let Some(c) = columns.iter().find(|c| c.row_bytes % c.dtype.size() != 0) {
+            return Err(Error::Config(format!(
+                "column {} has {} bytes per sample, not a whole number of {}",
+                c.name, c.row_bytes, c.dtype
+            )));
+        }
         let mut offsets = Vec::with_capacity(columns.len());
         let mut at = 0usize;
         for c in columns {
@@ -50,6 +56,11 @@ impl BatchLayout {
             at = size.ok_or_else(|| {
                 Error::Config(format!("a batch of {batch_size} samples overflows memory"))
             })?;
+        }
+        if at > isize::MAX as usize / 2 {
+            return Err(Error::Config(format!(
+                "a batch of {batch_size} samples needs {at} bytes"
+            )));
         }
         Ok(BatchLayout {
             columns: columns.to_vec(),
@@ -272,6 +283,8 @@ impl std::fmt::Debug for HostBatch {
 
 impl Drop for HostBatch {
     fn drop(&mut self) {
-        self.lease.pool().held.fetch_sub(1, Ordering::AcqRel);
+        let pool = self.lease.pool();
+        pool.released.fetch_add(1, Ordering::AcqRel);
+        pool.held.fetch_sub(1, Ordering::AcqRel);
     }
 }

@@ -4,15 +4,20 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError};
+use crossbeam_channel::{Receiver, RecvTimeoutError, TryRecvError};
 
 use super::batch::{BatchTiming, HostBatch};
 use super::worker::{Done, Job};
 use super::LoaderState;
 use crate::error::{Error, Result};
 
-/// How long `next()` waits before checking whether the consumer holds every buffer.
+/// How long `next()` waits before checking whether progress is still possible.
 const STALL_CHECK: Duration = Duration::from_millis(50);
+
+/// How long the consumer side may hold every buffer, releasing none, before `next()`
+/// calls it a deadlock. Long enough for another thread (a copy stream waiting for its
+/// DMA) to release a batch it holds.
+const EXHAUSTED_GRACE: Duration = Duration::from_secs(1);
 
 /// What the consumer side of an epoch measured.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
@@ -133,13 +138,14 @@ impl Iterator for Epoch<'_> {
         }
         if self.next >= self.job.end {
             self.done = true;
-            self.state.epoch = self.epoch() + 1;
+            self.state.epoch = self.epoch().saturating_add(1);
             self.state.batch = 0;
             return None;
         }
         let asked = Instant::now();
         let ring = self.pending.len() as u64;
         let mut stalled = false;
+        let mut stuck: Option<(Instant, u64)> = None;
         loop {
             let slot = (self.next % ring) as usize;
             if self.pending[slot]
@@ -166,11 +172,36 @@ impl Iterator for Epoch<'_> {
                 Err(RecvTimeoutError::Timeout) => {
                     let pool = &self.job.pool;
                     if pool.held.load(Ordering::Acquire) >= pool.size() {
-                        self.done = true;
-                        self.job.cancel();
-                        return Some(Err(Error::PoolExhausted {
-                            buffers: pool.size(),
-                        }));
+                        let released = pool.released.load(Ordering::Acquire);
+                        match stuck {
+                            Some((since, r)) if r == released => {
+                                if since.elapsed() >= EXHAUSTED_GRACE {
+                                    self.done = true;
+                                    self.job.cancel();
+                                    return Some(Err(Error::PoolExhausted {
+                                        buffers: pool.size(),
+                                    }));
+                                }
+                            }
+                            _ => stuck = Some((Instant::now(), released)),
+                        }
+                    } else {
+                        stuck = None;
+                    }
+                    if matches!(self.finished.try_recv(), Err(TryRecvError::Disconnected)) {
+                        // Every worker has left the job: whatever it sent is queued.
+                        while let Ok(done) = self.results.try_recv() {
+                            let slot = (done.number % ring) as usize;
+                            self.pending[slot] = Some(done);
+                        }
+                        let slot = (self.next % ring) as usize;
+                        if !self.pending[slot]
+                            .as_ref()
+                            .is_some_and(|d| d.number == self.next)
+                        {
+                            self.done = true;
+                            return Some(Err(Error::WorkersStopped { batch: self.next }));
+                        }
                     }
                 }
                 Err(RecvTimeoutError::Disconnected) => {

@@ -201,14 +201,19 @@ impl LoaderBuilder {
         }
         let layout = Arc::new(BatchLayout::new(columns, self.batch_size)?);
         let prefetch = self.prefetch.unwrap_or_else(|| {
-            (DEFAULT_PREFETCH_BYTES / layout.bytes()).clamp(2 * self.workers, 64)
+            (DEFAULT_PREFETCH_BYTES / layout.bytes())
+                .min(64)
+                .max(self.workers.saturating_mul(2))
         });
         if prefetch == 0 {
             return Err(Error::Config("prefetch must be at least 1".into()));
         }
+        let buffers = prefetch
+            .checked_add(self.held)
+            .ok_or_else(|| Error::Config("prefetch + held overflows".into()))?;
         let pool = Pool::new(
             self.allocator.as_ref(),
-            prefetch + self.held,
+            buffers,
             layout.bytes(),
             self.batch_size,
         )?;

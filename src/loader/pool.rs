@@ -2,7 +2,7 @@
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -81,7 +81,14 @@ impl HostAlloc for PlainAlloc {
     }
 
     fn alloc(&self, bytes: usize) -> Result<Box<dyn HostMemory>> {
-        let size = bytes.max(1).next_multiple_of(BUFFER_ALIGN);
+        let size = bytes
+            .max(1)
+            .checked_next_multiple_of(BUFFER_ALIGN)
+            .ok_or_else(|| Error::Alloc {
+                bytes,
+                allocator: "plain",
+                message: "size overflows".into(),
+            })?;
         let layout = Layout::from_size_align(size, BUFFER_ALIGN).map_err(|e| Error::Alloc {
             bytes,
             allocator: "plain",
@@ -115,9 +122,11 @@ impl Slot {
         unsafe { std::slice::from_raw_parts(self.mem.as_ptr(), self.mem.len()) }
     }
 
-    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as above, and `&mut self` makes this the only access.
-        unsafe { std::slice::from_raw_parts_mut(self.mem.as_ptr(), self.mem.len()) }
+    /// The buffer's bytes and the index list, borrowed apart.
+    pub(crate) fn parts_mut(&mut self) -> (&mut [u8], &mut Vec<u64>) {
+        // SAFETY: as above, and `&mut self` makes this the only access to the memory.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(self.mem.as_ptr(), self.mem.len()) };
+        (bytes, &mut self.indices)
     }
 }
 
@@ -133,6 +142,8 @@ pub(crate) struct Pool {
     bytes: usize,
     /// Slots currently inside a `HostBatch` handed to the consumer.
     pub(crate) held: AtomicUsize,
+    /// `HostBatch`es dropped so far (on any thread).
+    pub(crate) released: AtomicU64,
     allocator: &'static str,
     alloc_time: Duration,
 }
@@ -151,6 +162,13 @@ impl Pool {
                 mem: alloc.alloc(bytes)?,
                 indices: Vec::with_capacity(batch_size),
             };
+            if slot.mem.as_ptr() as usize % 256 != 0 {
+                return Err(Error::Alloc {
+                    bytes,
+                    allocator: alloc.name(),
+                    message: "the allocator returned memory not aligned to 256 bytes".into(),
+                });
+            }
             if slot.mem.len() < bytes {
                 return Err(Error::Alloc {
                     bytes,
@@ -169,6 +187,7 @@ impl Pool {
             size,
             bytes,
             held: AtomicUsize::new(0),
+            released: AtomicU64::new(0),
             allocator: alloc.name(),
             alloc_time: start.elapsed(),
         }))

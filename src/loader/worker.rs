@@ -95,16 +95,13 @@ impl Job {
 
     /// Writes batch `number` into the lease's buffer; returns its sample count.
     fn assemble(&self, lease: &mut Lease, number: u64) -> Result<usize> {
-        let slot = lease.slot_mut();
-        self.order.batch(number, &mut slot.indices);
-        let rows = slot.indices.len();
-        let indices = std::mem::take(&mut slot.indices);
-        let (mut parts, n) = self.layout.split(slot.bytes_mut(), rows);
-        let result = self
-            .dataset
-            .gather(self.order.epoch(), &indices, &mut parts[..n]);
-        lease.slot_mut().indices = indices;
-        result.map(|()| rows)
+        let (bytes, indices) = lease.slot_mut().parts_mut();
+        self.order.batch(number, indices);
+        let rows = indices.len();
+        let (mut parts, n) = self.layout.split(bytes, rows);
+        self.dataset
+            .gather(self.order.epoch(), indices, &mut parts[..n])
+            .map(|()| rows)
     }
 }
 

@@ -270,7 +270,11 @@ impl EpochOrder {
     }
 
     /// Samples in batch `b` (the last one may be short unless `drop_last`).
+    ///
+    /// # Panics
+    /// If `b >= batches()`.
     pub fn batch_len(&self, b: u64) -> usize {
+        assert!(b < self.batches(), "batch {b} past the epoch");
         let start = b * self.order.batch_size;
         (self.order.samples() - start).min(self.order.batch_size) as usize
     }
@@ -315,7 +319,12 @@ struct BlockOrder {
 
 impl BlockOrder {
     fn new(len: u64, rows: u64, window: u64, key: u64) -> BlockOrder {
+        // Neither clamp changes the order (a block longer than the data, or a window
+        // wider than all blocks, is one window either way); both keep `window * rows`
+        // below `2 * len`, so no product overflows.
+        let rows = rows.min(len);
         let blocks = len.div_ceil(rows);
+        let window = window.min(blocks);
         let block_perm = Permutation::new(blocks, key);
         let short_at = block_perm.invert(blocks - 1);
         BlockOrder {

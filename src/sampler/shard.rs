@@ -18,10 +18,27 @@ pub enum ShardTail {
 /// Ranks take interleaved positions of the shared epoch order (position `i * world + rank`),
 /// so shards are disjoint, equal in size, and together cover the epoch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "RawShard")]
 pub struct Shard {
     rank: u64,
     world_size: u64,
     tail: ShardTail,
+}
+
+/// A shard as stored, validated into a [`Shard`] on deserialisation.
+#[derive(serde::Deserialize)]
+struct RawShard {
+    rank: u64,
+    world_size: u64,
+    #[serde(default)]
+    tail: ShardTail,
+}
+
+impl TryFrom<RawShard> for Shard {
+    type Error = Error;
+    fn try_from(r: RawShard) -> Result<Shard> {
+        Ok(Shard::new(r.rank, r.world_size)?.with_tail(r.tail))
+    }
 }
 
 impl Default for Shard {

@@ -1,0 +1,255 @@
+//! Epoch reports: per-epoch figures, the warm-up split, the human table and JSON.
+
+mod progress;
+
+pub use progress::EpochProgress;
+
+use crate::cpu::EpochOutcome;
+use crate::pagecache::Residency;
+
+/// Figures of one epoch.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct EpochRow {
+    /// The epoch number.
+    pub epoch: u64,
+    /// Wall time, seconds.
+    pub wall_s: f64,
+    /// Samples trained on.
+    pub samples: u64,
+    /// Samples per second.
+    pub samples_per_s: f64,
+    /// Sample data per second, GB (1e9 bytes).
+    pub gb_per_s: f64,
+    /// From the epoch's start to its first batch, seconds.
+    pub first_batch_s: f64,
+    /// Worker time assembling batches, summed over workers, seconds.
+    pub gather_s: f64,
+    /// Time the pipeline waited for the loader, seconds.
+    pub wait_data_s: f64,
+    /// Time copying batches to the device (or device slots), seconds.
+    pub copy_s: f64,
+    /// Time in the training step, seconds.
+    pub compute_s: f64,
+    /// Share of batches the pipeline had to wait for.
+    pub stalled_share: f64,
+    /// Page-cache residency of the dataset at the epoch's start.
+    pub residency_start: Residency,
+    /// And at its end.
+    pub residency_end: Residency,
+    /// Mean training loss.
+    pub loss: f64,
+    /// Training accuracy (predictions before each step's update).
+    pub accuracy: f64,
+}
+
+impl EpochRow {
+    /// The row of an epoch's outcome.
+    pub fn new(
+        epoch: u64,
+        out: &EpochOutcome,
+        bytes_per_sample: u64,
+        residency: (Residency, Residency),
+    ) -> EpochRow {
+        let wall = out.wall.as_secs_f64().max(1e-9);
+        let samples = out.metrics.samples;
+        EpochRow {
+            epoch,
+            wall_s: wall,
+            samples,
+            samples_per_s: samples as f64 / wall,
+            gb_per_s: (samples * bytes_per_sample) as f64 / wall / 1e9,
+            first_batch_s: out.loader.first_batch.unwrap_or_default().as_secs_f64(),
+            gather_s: out.stages.gather.as_secs_f64(),
+            wait_data_s: out.stages.wait_data.as_secs_f64(),
+            copy_s: out.stages.copy.as_secs_f64(),
+            compute_s: out.stages.compute.as_secs_f64(),
+            stalled_share: out.loader.stalls as f64 / out.loader.batches.max(1) as f64,
+            residency_start: residency.0,
+            residency_end: residency.1,
+            loss: out.metrics.loss(),
+            accuracy: out.metrics.accuracy(),
+        }
+    }
+}
+
+/// One-off costs paid before the first epoch, seconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct Setup {
+    /// Creating the CUDA context (0 on the CPU).
+    pub cuda_context_s: f64,
+    /// Compiling kernels or loading them from the cache (0 on the CPU).
+    pub kernels_s: f64,
+    /// Allocating the loader's host-buffer pool.
+    pub pool_alloc_s: f64,
+    /// Starting the loader's worker threads.
+    pub worker_start_s: f64,
+    /// Opening and mapping the dataset.
+    pub dataset_open_s: f64,
+    /// An explicit warm-up (`--warmup`), when asked for.
+    pub warmup_s: f64,
+}
+
+/// Why the first epoch took longer than the steady ones, each cause measured.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct Warmup {
+    /// First epoch's wall time.
+    pub first_s: f64,
+    /// Median wall time of the later epochs.
+    pub steady_s: f64,
+    /// `first_s - steady_s`.
+    pub excess_s: f64,
+    /// Extra time the pipeline waited for data in epoch 1 (cold page cache), over the
+    /// steady median.
+    pub cold_cache_s: f64,
+    /// Extra time in the training step (first launches, cold caches).
+    pub compute_s: f64,
+    /// Extra copy time.
+    pub copy_s: f64,
+    /// What is left: `excess_s` minus the causes above.
+    pub unexplained_s: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+impl Warmup {
+    /// The split of epoch 1 against the median of the others; `None` with fewer than
+    /// two epochs.
+    pub fn of(rows: &[EpochRow]) -> Option<Warmup> {
+        let (first, rest) = rows.split_first()?;
+        if rest.is_empty() {
+            return None;
+        }
+        let m = |f: fn(&EpochRow) -> f64| median(rest.iter().map(f).collect());
+        let steady = m(|r| r.wall_s);
+        let excess = first.wall_s - steady;
+        let cold = first.wait_data_s - m(|r| r.wait_data_s);
+        let compute = first.compute_s - m(|r| r.compute_s);
+        let copy = first.copy_s - m(|r| r.copy_s);
+        Some(Warmup {
+            first_s: first.wall_s,
+            steady_s: steady,
+            excess_s: excess,
+            cold_cache_s: cold,
+            compute_s: compute,
+            copy_s: copy,
+            unexplained_s: excess - cold - compute - copy,
+        })
+    }
+}
+
+/// Everything `stoker train` measured.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TrainReport {
+    /// The device the step ran on.
+    pub device: String,
+    /// Why not CUDA, when the CPU ran instead.
+    pub fallback_reason: Option<String>,
+    /// The dataset directory.
+    pub data: String,
+    /// Samples per epoch.
+    pub samples: u64,
+    /// Bytes per sample.
+    pub bytes_per_sample: u64,
+    /// Batch size, workers, prefetch, shuffle, hidden units, learning rate.
+    pub config: serde_json::Value,
+    /// One-off costs before epoch 1.
+    pub setup: Setup,
+    /// Per-epoch figures.
+    pub epochs: Vec<EpochRow>,
+    /// The warm-up split, with two or more epochs.
+    pub warmup: Option<Warmup>,
+}
+
+fn pct(r: Residency) -> String {
+    format!("{:.0}%", 100.0 * r.fraction())
+}
+
+impl TrainReport {
+    /// The epoch table.
+    pub fn table(&self) -> String {
+        let mut s = format!(
+            "{:>5} {:>7} {:>10} {:>6} {:>7} {:>7} {:>7} {:>7} {:>8} {:>9} {:>7} {:>6}\n",
+            "epoch",
+            "wall s",
+            "samples/s",
+            "GB/s",
+            "first",
+            "gather",
+            "wait",
+            "copy",
+            "compute",
+            "resident",
+            "loss",
+            "acc"
+        );
+        for r in &self.epochs {
+            s += &format!(
+                "{:>5} {:>7.2} {:>10.0} {:>6.2} {:>6.3}s {:>6.2}s {:>6.2}s {:>6.2}s {:>7.2}s {:>4}>{:<4} {:>7.4} {:>5.1}%\n",
+                r.epoch,
+                r.wall_s,
+                r.samples_per_s,
+                r.gb_per_s,
+                r.first_batch_s,
+                r.gather_s,
+                r.wait_data_s,
+                r.copy_s,
+                r.compute_s,
+                pct(r.residency_start),
+                pct(r.residency_end),
+                r.loss,
+                100.0 * r.accuracy
+            );
+        }
+        s
+    }
+
+    /// The warm-up explanation.
+    pub fn warmup_text(&self) -> String {
+        let st = &self.setup;
+        let mut s = format!(
+            "setup before epoch 0: dataset open {:.3} s, pool allocation {:.3} s, worker start {:.4} s",
+            st.dataset_open_s, st.pool_alloc_s, st.worker_start_s
+        );
+        if st.cuda_context_s > 0.0 || st.kernels_s > 0.0 {
+            s += &format!(
+                ", CUDA context {:.3} s, kernels {:.3} s",
+                st.cuda_context_s, st.kernels_s
+            );
+        }
+        if st.warmup_s > 0.0 {
+            s += &format!(", explicit warm-up {:.3} s", st.warmup_s);
+        }
+        s.push('\n');
+        let Some(w) = &self.warmup else {
+            s += "one epoch only: no steady epochs to compare the first with\n";
+            return s;
+        };
+        let first = &self.epochs[0];
+        s += &format!(
+            "epoch 0 took {:.2} s against a steady {:.2} s (median of the later epochs): {:+.2} s\n",
+            w.first_s, w.steady_s, w.excess_s
+        );
+        s += &format!(
+            "  cold page cache (waiting for data): {:+.3} s  (resident {} -> {})\n",
+            w.cold_cache_s,
+            pct(first.residency_start),
+            pct(first.residency_end)
+        );
+        s += &format!(
+            "  slower training step (first runs):  {:+.3} s\n",
+            w.compute_s
+        );
+        s += &format!("  slower copies:                      {:+.3} s\n", w.copy_s);
+        s += &format!(
+            "  unexplained:                        {:+.3} s\n",
+            w.unexplained_s
+        );
+        s
+    }
+}

@@ -1,0 +1,81 @@
+//! Per-epoch progress: an indicatif bar on a terminal, plain periodic lines otherwise.
+
+use std::io::IsTerminal;
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+/// Progress of one epoch, on stderr.
+pub struct EpochProgress {
+    bar: Option<ProgressBar>,
+    epoch: u64,
+    total: u64,
+    done: u64,
+    bytes_per_sample: u64,
+    start: Instant,
+    last_line: Instant,
+    every: Duration,
+}
+
+impl EpochProgress {
+    /// Starts the bar for `epoch` of `total` samples; `quiet` draws nothing at all.
+    pub fn new(epoch: u64, total: u64, bytes_per_sample: u64, quiet: bool) -> EpochProgress {
+        let bar = (!quiet && std::io::stderr().is_terminal()).then(|| {
+            let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+            bar.set_style(
+                ProgressStyle::with_template(
+                    "epoch {prefix:>3} {bar:28.cyan/blue} {pos:>8}/{len} {msg} eta {eta}",
+                )
+                .expect("static template")
+                .progress_chars("=> "),
+            );
+            bar.set_prefix(epoch.to_string());
+            bar
+        });
+        EpochProgress {
+            bar,
+            epoch,
+            total,
+            done: 0,
+            bytes_per_sample,
+            start: Instant::now(),
+            last_line: Instant::now(),
+            every: if quiet {
+                Duration::MAX
+            } else {
+                Duration::from_secs(2)
+            },
+        }
+    }
+
+    /// Records `samples` more, with the share of time so far stalled on data.
+    pub fn advance(&mut self, samples: u64, stalled: f64) {
+        self.done += samples;
+        let secs = self.start.elapsed().as_secs_f64().max(1e-9);
+        let rate = self.done as f64 / secs;
+        let msg = format!(
+            "{:>9.0} samples/s {:>7.1} MB/s stalled {:>3.0}%",
+            rate,
+            rate * self.bytes_per_sample as f64 / 1e6,
+            100.0 * stalled
+        );
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(self.done);
+                bar.set_message(msg);
+            }
+            None if self.last_line.elapsed() >= self.every => {
+                self.last_line = Instant::now();
+                eprintln!("epoch {} {}/{} {msg}", self.epoch, self.done, self.total);
+            }
+            None => {}
+        }
+    }
+
+    /// Clears the bar.
+    pub fn finish(self) {
+        if let Some(bar) = self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
