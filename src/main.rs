@@ -8,8 +8,10 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use stoker::bench::{self, BenchConfig};
+use stoker::device::DeviceChoice;
 use stoker::gen::{self, ClassificationSpec};
-use stoker::{pagecache, Dataset, MappedFile, NpyArray, NpyDataset};
+use stoker::train::TrainConfig;
+use stoker::{pagecache, Dataset, MappedFile, NpyArray, NpyDataset, Shuffle};
 
 /// Keeps a GPU fed: a prefetching, shuffling loader over memory-mapped datasets.
 #[derive(Parser)]
@@ -21,6 +23,48 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Train an MLP classifier for some epochs and explain where the time went.
+    Train {
+        /// Directory holding x.npy (u8) and y.npy (i64); made with `stoker gen` if missing.
+        #[arg(long, default_value = "data/cifar")]
+        data: PathBuf,
+        /// Epochs.
+        #[arg(long, default_value_t = 5)]
+        epochs: u64,
+        /// Samples per batch.
+        #[arg(long, default_value_t = 256)]
+        batch: usize,
+        /// Loader workers.
+        #[arg(long, default_value_t = 2)]
+        workers: usize,
+        /// Prefetch depth (default: about 32 MiB of batches).
+        #[arg(long)]
+        prefetch: Option<usize>,
+        /// Sample order.
+        #[arg(long, value_enum, default_value_t = ShuffleArg::Full)]
+        shuffle: ShuffleArg,
+        /// Seed of the order and the weights.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Where the training step runs.
+        #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+        device: DeviceChoice,
+        /// Hidden units (sets the compute per batch).
+        #[arg(long, default_value_t = 64)]
+        hidden: usize,
+        /// Learning rate.
+        #[arg(long, default_value_t = 0.05)]
+        lr: f32,
+        /// Evict the dataset from the page cache before epoch 0.
+        #[arg(long)]
+        cold: bool,
+        /// Pay the one-off costs (read the files ahead) before epoch 0.
+        #[arg(long)]
+        warmup: bool,
+        /// Write every figure as JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Write a learnable classification set (x.npy u8, y.npy i64), or a token stream.
     Gen {
         /// Output directory (classification) or file (with --tokens).
@@ -78,6 +122,14 @@ enum Command {
         #[arg(long)]
         no_cold: bool,
     },
+}
+
+/// `--shuffle full|block|none`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ShuffleArg {
+    Full,
+    Block,
+    None,
 }
 
 /// A sample shape such as `3x32x32`.
@@ -221,11 +273,41 @@ fn run_bench(data: &Path, json: Option<&Path>, cfg: BenchConfig) -> stoker::Resu
         );
     }
     if let Some(path) = json {
-        let text = serde_json::to_string_pretty(&report).expect("the report serialises");
-        std::fs::write(path, text + "\n").map_err(|e| stoker::Error::Io {
-            path: path.to_path_buf(),
-            source: e,
-        })?;
+        write_json(path, &report)?;
+    }
+    Ok(())
+}
+
+fn write_json(path: &Path, value: &impl serde::Serialize) -> stoker::Result<()> {
+    let text = serde_json::to_string_pretty(value).expect("reports serialise");
+    std::fs::write(path, text + "\n").map_err(|e| stoker::Error::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })
+}
+
+fn run_train(config: TrainConfig, json: Option<&Path>) -> stoker::Result<()> {
+    ensure_dataset(&config.data)?;
+    let report = stoker::train::run(&config)?;
+    println!("device: {}", report.device);
+    if let Some(reason) = &report.fallback_reason {
+        println!("  (CPU backend: {reason})");
+    }
+    println!(
+        "data: {} ({} samples of {} bytes), batch {}, {} workers, {:?} shuffle, hidden {}\n",
+        report.data,
+        report.samples,
+        report.bytes_per_sample,
+        config.batch,
+        config.workers,
+        config.shuffle,
+        config.hidden
+    );
+    print!("{}", report.table());
+    println!();
+    print!("{}", report.warmup_text());
+    if let Some(path) = json {
+        write_json(path, &report)?;
     }
     Ok(())
 }
@@ -233,6 +315,42 @@ fn run_bench(data: &Path, json: Option<&Path>, cfg: BenchConfig) -> stoker::Resu
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Train {
+            data,
+            epochs,
+            batch,
+            workers,
+            prefetch,
+            shuffle,
+            seed,
+            device,
+            hidden,
+            lr,
+            cold,
+            warmup,
+            json,
+        } => run_train(
+            TrainConfig {
+                data,
+                epochs,
+                batch,
+                workers,
+                prefetch,
+                shuffle: match shuffle {
+                    ShuffleArg::Full => Shuffle::Full { seed },
+                    ShuffleArg::Block => Shuffle::block(seed),
+                    ShuffleArg::None => Shuffle::None,
+                },
+                device,
+                hidden,
+                lr,
+                cold,
+                warmup,
+                seed,
+                quiet: false,
+            },
+            json.as_deref(),
+        ),
         Command::Inspect { paths } => return inspect(&paths),
         Command::Gen {
             out,

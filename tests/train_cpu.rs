@@ -155,3 +155,43 @@ fn a_bad_label_is_an_error_naming_the_sample_and_nothing_hangs() {
     assert_eq!(loader.free_buffers(), loader.buffers());
     assert!(trainer.train_epoch(loader.epoch(1).unwrap()).is_err());
 }
+
+#[test]
+fn the_main_job_reports_every_epoch_and_the_warmup_split() {
+    let config = stoker::train::TrainConfig {
+        data: concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits").into(),
+        epochs: 3,
+        batch: 64,
+        workers: 2,
+        prefetch: None,
+        shuffle: Shuffle::Full { seed: 1 },
+        device: stoker::device::DeviceChoice::Cpu,
+        hidden: 32,
+        lr: 0.1,
+        cold: true,
+        warmup: false,
+        seed: 1,
+        quiet: true,
+    };
+    let report = stoker::train::run(&config).unwrap();
+    assert_eq!(report.epochs.len(), 3);
+    assert_eq!(report.samples, 1797);
+    for row in &report.epochs {
+        assert_eq!(row.samples, 1797);
+        assert!(row.wall_s > 0.0 && row.samples_per_s > 0.0);
+        assert!(row.compute_s > 0.0 && row.gather_s > 0.0);
+        assert!(
+            row.residency_end.fraction() > 0.99,
+            "read back in: {:?}",
+            row.residency_end
+        );
+    }
+    let w = report.warmup.expect("three epochs give a split");
+    let sum = w.cold_cache_s + w.compute_s + w.copy_s + w.unexplained_s;
+    assert!((sum - w.excess_s).abs() < 1e-9, "the split adds up");
+    assert!(report.table().lines().count() == 4);
+    assert!(report.warmup_text().contains("unexplained"));
+    let json = serde_json::to_value(&report).unwrap();
+    assert!(json.pointer("/epochs/2/loss").is_some());
+    assert!(json.pointer("/warmup/cold_cache_s").is_some());
+}

@@ -113,6 +113,20 @@ impl CpuTrainer {
     /// The first error of the loader or the step (a bad label, say); the epoch stops
     /// there and the loader's workers are stopped.
     pub fn train_epoch(&mut self, epoch: Epoch<'_>) -> Result<EpochOutcome> {
+        self.train_epoch_with(epoch, &mut |_, _| {})
+    }
+
+    /// [`train_epoch`](CpuTrainer::train_epoch), calling `progress(samples, stalled)`
+    /// after each batch with the batch's sample count and the share of time so far the
+    /// compute stage waited for data.
+    ///
+    /// # Errors
+    /// As [`train_epoch`](CpuTrainer::train_epoch).
+    pub fn train_epoch_with(
+        &mut self,
+        epoch: Epoch<'_>,
+        progress: &mut dyn FnMut(u64, f64),
+    ) -> Result<EpochOutcome> {
         let start = Instant::now();
         let (free_tx, free_rx) = bounded::<usize>(self.slots.len());
         let (full_tx, full_rx) = bounded::<usize>(self.slots.len());
@@ -164,6 +178,8 @@ impl CpuTrainer {
                     drop(slot);
                     out.stages.compute += t.elapsed();
                     out.batches += 1;
+                    let elapsed = start.elapsed().as_secs_f64().max(1e-9);
+                    progress(n as u64, out.stages.wait_copy.as_secs_f64() / elapsed);
                     let _ = free_tx.send(i);
                 }
             })();

@@ -1,0 +1,161 @@
+//! The main job: train the MLP on a dataset for some epochs, timing everything.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::cpu::CpuTrainer;
+use crate::dataset::{Dataset, NpyDataset};
+use crate::device::{Device, DeviceChoice};
+use crate::error::{Error, Result};
+use crate::loader::Loader;
+use crate::pagecache;
+use crate::report::{EpochProgress, EpochRow, Setup, TrainReport, Warmup};
+use crate::sampler::Shuffle;
+use crate::train::{Mlp, MlpConfig, Normalize};
+
+/// What `stoker train` runs.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TrainConfig {
+    /// Directory with `x.npy` (u8 inputs) and `y.npy` (i64 labels).
+    pub data: PathBuf,
+    /// Epochs.
+    pub epochs: u64,
+    /// Samples per batch.
+    pub batch: usize,
+    /// Loader workers.
+    pub workers: usize,
+    /// Prefetch depth (`None`: the loader's default).
+    pub prefetch: Option<usize>,
+    /// Sample order.
+    pub shuffle: Shuffle,
+    /// Where the step runs.
+    pub device: DeviceChoice,
+    /// Hidden units.
+    pub hidden: usize,
+    /// Learning rate.
+    pub lr: f32,
+    /// Evict the dataset from the page cache before epoch 0.
+    pub cold: bool,
+    /// Pay the one-off costs (read-ahead of the files) before epoch 0.
+    pub warmup: bool,
+    /// Seed of the weights.
+    pub seed: u64,
+    /// Draw no progress bars.
+    pub quiet: bool,
+}
+
+/// Trains as `config` says and reports every figure.
+///
+/// # Errors
+/// Anything the dataset, the loader, the backend or the step returns; [`Error::Cuda`]
+/// when CUDA is asked for and not usable.
+pub fn run(config: &TrainConfig) -> Result<TrainReport> {
+    let device = Device::select(config.device)?;
+    let mut setup = Setup::default();
+    let fallback_reason = device.fallback_reason().map(str::to_string);
+    let device_name = match &device {
+        Device::Cuda(c) => {
+            setup.cuda_context_s = c.context_time.as_secs_f64();
+            eprintln!(
+                "note: {} found, but the CUDA training step is not wired into `stoker train` \
+                 yet: running the CPU backend",
+                c.name
+            );
+            format!(
+                "cpu ({} threads; CUDA step pending)",
+                rayon::current_num_threads()
+            )
+        }
+        Device::Cpu { .. } => device.name(),
+    };
+
+    let t = Instant::now();
+    let ds = NpyDataset::open(&config.data)?;
+    let labels = ds
+        .arrays()
+        .get(1)
+        .ok_or_else(|| Error::dataset(&config.data, "needs a second column of labels (y.npy)"))?;
+    if labels.dtype() != crate::DType::I64 || labels.row_bytes() != 8 {
+        return Err(Error::dataset(
+            labels.path(),
+            "labels must be one int64 per sample",
+        ));
+    }
+    let max = labels
+        .data()
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .try_fold(0i64, |m, l| if l < 0 { Err(l) } else { Ok(m.max(l)) })
+        .map_err(|l| Error::dataset(labels.path(), format!("negative label {l}")))?;
+    let classes = (max + 1).max(2) as usize;
+    let inputs = ds.columns()[0].row_bytes;
+    let ds: Arc<dyn Dataset> = Arc::new(ds);
+    setup.dataset_open_s = t.elapsed().as_secs_f64();
+
+    if config.cold {
+        pagecache::evict(ds.as_ref())?;
+    }
+    let mut builder = Loader::builder_shared(Arc::clone(&ds))
+        .batch_size(config.batch)
+        .workers(config.workers)
+        .shuffle(config.shuffle);
+    if let Some(p) = config.prefetch {
+        builder = builder.prefetch(p);
+    }
+    let mut loader = builder.build()?;
+    setup.pool_alloc_s = loader.startup().pool_alloc.as_secs_f64();
+    setup.worker_start_s = loader.startup().threads.as_secs_f64();
+
+    let probe: Vec<u64> = (0..ds.len().min(512)).collect();
+    let mut x = vec![0u8; probe.len() * inputs];
+    let mut y = vec![0u8; probe.len() * 8];
+    ds.gather(0, &probe, &mut [&mut x, &mut y])?;
+    let mlp = Mlp::new(MlpConfig {
+        inputs,
+        hidden: config.hidden,
+        classes,
+        lr: config.lr,
+        seed: config.seed,
+    })?;
+    let mut trainer = CpuTrainer::new(mlp, Normalize::fit(&x), loader.layout(), (0, 1), 3)?;
+    if config.cold {
+        // The probe above read a few pages back in; start truly cold.
+        pagecache::evict(ds.as_ref())?;
+    }
+    if config.warmup {
+        let t = Instant::now();
+        pagecache::read_ahead(ds.as_ref())?;
+        setup.warmup_s = t.elapsed().as_secs_f64();
+    }
+
+    let bytes_per_sample: u64 = ds.columns().iter().map(|c| c.row_bytes as u64).sum();
+    let samples = loader.order().samples();
+    let mut rows = Vec::new();
+    for epoch in 0..config.epochs {
+        let before = pagecache::residency(ds.as_ref())?;
+        let mut bar = EpochProgress::new(epoch, samples, bytes_per_sample, config.quiet);
+        let out = trainer.train_epoch_with(loader.epoch(epoch)?, &mut |n, stalled| {
+            bar.advance(n, stalled)
+        })?;
+        bar.finish();
+        let after = pagecache::residency(ds.as_ref())?;
+        rows.push(EpochRow::new(
+            epoch,
+            &out,
+            bytes_per_sample,
+            (before, after),
+        ));
+    }
+    Ok(TrainReport {
+        device: device_name,
+        fallback_reason,
+        data: config.data.display().to_string(),
+        samples,
+        bytes_per_sample,
+        config: serde_json::to_value(config).expect("the config serialises"),
+        setup,
+        warmup: Warmup::of(&rows),
+        epochs: rows,
+    })
+}
