@@ -242,7 +242,7 @@ impl TrainReport {
             pct(first.residency_end)
         );
         s += &format!(
-            "  slower training step (first runs):  {:+.3} s\n",
+            "  slower training step:              {:+.3} s\n",
             w.compute_s
         );
         s += &format!("  slower copies:                      {:+.3} s\n", w.copy_s);
