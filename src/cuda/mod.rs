@@ -2,12 +2,18 @@
 //! opened at run time, and [`probe`] finds out whether they are there before anything
 //! touches them (cudarc panics when libcuda is missing).
 
+mod kernels;
 mod nvrtc;
+mod pinned;
+mod trainer;
 
 use std::sync::Arc;
 
 pub use cudarc::driver::CudaContext;
+pub use kernels::{cache_dir, KernelOrigin, Kernels, SOURCE};
 pub use nvrtc::{candidates as nvrtc_candidates, Nvrtc};
+pub use pinned::{PinnedAlloc, PinnedKind};
+pub use trainer::CudaTrainer;
 
 /// A usable CUDA device: its context, NVRTC, and what it is.
 #[derive(Debug, Clone)]

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::cpu::CpuTrainer;
+use crate::cuda::{CudaTrainer, Kernels, PinnedAlloc, PinnedKind};
 use crate::dataset::{Dataset, NpyDataset};
 use crate::device::{Device, DeviceChoice};
 use crate::error::{Error, Result};
@@ -13,6 +14,12 @@ use crate::pagecache;
 use crate::report::{EpochProgress, EpochRow, Setup, TrainReport, Warmup};
 use crate::sampler::Shuffle;
 use crate::train::{Mlp, MlpConfig, Normalize};
+
+/// The trainer of either backend.
+enum Backend {
+    Cpu(Box<CpuTrainer>),
+    Cuda(Box<CudaTrainer>),
+}
 
 /// What `stoker train` runs.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -54,20 +61,16 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
     let device = Device::select(config.device)?;
     let mut setup = Setup::default();
     let fallback_reason = device.fallback_reason().map(str::to_string);
-    let device_name = match &device {
+    let device_name = device.name();
+    let kernels = match &device {
         Device::Cuda(c) => {
             setup.cuda_context_s = c.context_time.as_secs_f64();
-            eprintln!(
-                "note: {} found, but the CUDA training step is not wired into `stoker train` \
-                 yet: running the CPU backend",
-                c.name
-            );
-            format!(
-                "cpu ({} threads; CUDA step pending)",
-                rayon::current_num_threads()
-            )
+            let t = Instant::now();
+            let k = Kernels::load(c)?;
+            setup.kernels_s = t.elapsed().as_secs_f64();
+            Some(k)
         }
-        Device::Cpu { .. } => device.name(),
+        Device::Cpu { .. } => None,
     };
 
     let t = Instant::now();
@@ -103,6 +106,12 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
     if let Some(p) = config.prefetch {
         builder = builder.prefetch(p);
     }
+    if let Device::Cuda(c) = &device {
+        builder = builder.allocator(Arc::new(PinnedAlloc::new(
+            Arc::clone(&c.ctx),
+            PinnedKind::Plain,
+        )));
+    }
     let mut loader = builder.build()?;
     setup.pool_alloc_s = loader.startup().pool_alloc.as_secs_f64();
     setup.worker_start_s = loader.startup().threads.as_secs_f64();
@@ -118,7 +127,25 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
         lr: config.lr,
         seed: config.seed,
     })?;
-    let mut trainer = CpuTrainer::new(mlp, Normalize::fit(&x), loader.layout(), (0, 1), 3)?;
+    let norm = Normalize::fit(&x);
+    let mut trainer = match (&device, kernels) {
+        (Device::Cuda(c), Some(k)) => Backend::Cuda(Box::new(CudaTrainer::new(
+            c.clone(),
+            k,
+            &mlp,
+            norm,
+            loader.layout(),
+            (0, 1),
+            4,
+        )?)),
+        _ => Backend::Cpu(Box::new(CpuTrainer::new(
+            mlp,
+            norm,
+            loader.layout(),
+            (0, 1),
+            3,
+        )?)),
+    };
     if config.cold {
         // The probe above read a few pages back in; start truly cold.
         pagecache::evict(ds.as_ref())?;
@@ -135,9 +162,11 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
     for epoch in 0..config.epochs {
         let before = pagecache::residency(ds.as_ref())?;
         let mut bar = EpochProgress::new(epoch, samples, bytes_per_sample, config.quiet);
-        let out = trainer.train_epoch_with(loader.epoch(epoch)?, &mut |n, stalled| {
-            bar.advance(n, stalled)
-        })?;
+        let mut advance = |n, stalled| bar.advance(n, stalled);
+        let out = match &mut trainer {
+            Backend::Cpu(t) => t.train_epoch_with(loader.epoch(epoch)?, &mut advance)?,
+            Backend::Cuda(t) => t.train_epoch_with(loader.epoch(epoch)?, &mut advance)?,
+        };
         bar.finish();
         let after = pagecache::residency(ds.as_ref())?;
         rows.push(EpochRow::new(

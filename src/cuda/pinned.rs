@@ -1,0 +1,103 @@
+//! Page-locked host memory for the loader's buffer pool.
+
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext};
+
+use crate::error::{Error, Result};
+use crate::loader::{HostAlloc, HostMemory};
+
+/// Which kind of page-locked memory to allocate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum PinnedKind {
+    /// Plain pinned memory (`cuMemHostAlloc` with `PORTABLE`): fast to write and read
+    /// on the host, full-speed DMA. The default.
+    Plain,
+    /// Write-combined: fast for the host to write, very slow for it to read; only for
+    /// buffers the host never reads back.
+    WriteCombined,
+}
+
+/// Allocates the loader's buffers as page-locked memory of a CUDA context.
+#[derive(Debug, Clone)]
+pub struct PinnedAlloc {
+    ctx: Arc<CudaContext>,
+    kind: PinnedKind,
+}
+
+impl PinnedAlloc {
+    /// An allocator of `kind` memory in `ctx`.
+    pub fn new(ctx: Arc<CudaContext>, kind: PinnedKind) -> PinnedAlloc {
+        PinnedAlloc { ctx, kind }
+    }
+}
+
+struct Pinned {
+    ptr: *mut u8,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the allocation is owned by this value alone; the pointer is only handed out
+// through `HostMemory`, whose users arrange exclusive access.
+unsafe impl Send for Pinned {}
+// SAFETY: as above.
+unsafe impl Sync for Pinned {}
+
+// SAFETY: `cuMemHostAlloc` returns page-aligned memory of the asked length, zero-filled
+// in `alloc` below, freed only in `Drop`.
+unsafe impl HostMemory for Pinned {
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by `malloc_host` in this context and freed once.
+            let _ = unsafe { result::free_host(self.ptr.cast()) };
+        }
+    }
+}
+
+impl HostAlloc for PinnedAlloc {
+    fn name(&self) -> &'static str {
+        match self.kind {
+            PinnedKind::Plain => "pinned",
+            PinnedKind::WriteCombined => "pinned-write-combined",
+        }
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<Box<dyn HostMemory>> {
+        let err = |message: String| Error::Alloc {
+            bytes,
+            allocator: self.name(),
+            message,
+        };
+        self.ctx.bind_to_thread().map_err(|e| err(e.to_string()))?;
+        let flags = match self.kind {
+            PinnedKind::Plain => sys::CU_MEMHOSTALLOC_PORTABLE,
+            PinnedKind::WriteCombined => {
+                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_WRITECOMBINED
+            }
+        };
+        let len = bytes.max(1);
+        // SAFETY: a plain allocation call; the result is checked below.
+        let ptr = unsafe { result::malloc_host(len, flags) }.map_err(|e| err(e.to_string()))?;
+        let ptr = ptr.cast::<u8>();
+        if ptr.is_null() {
+            return Err(err("cuMemHostAlloc returned null".into()));
+        }
+        // SAFETY: `ptr` points to `len` writable bytes just allocated.
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        Ok(Box::new(Pinned {
+            ptr,
+            len,
+            ctx: Arc::clone(&self.ctx),
+        }))
+    }
+}

@@ -1,0 +1,157 @@
+//! GPU checks. Each prints why it skips where no usable CUDA device is found.
+
+use std::sync::Arc;
+
+use indicatif::ProgressBar;
+use stoker::cpu::CpuTrainer;
+use stoker::cuda::{Cuda, CudaTrainer, Kernels, PinnedAlloc, PinnedKind};
+use stoker::device::Device;
+use stoker::gen::{self, ClassificationSpec};
+use stoker::train::{step, Metrics, Mlp, MlpConfig, Normalize, Workspace};
+use stoker::{Dataset, Loader, NpyDataset, Shuffle};
+
+fn cuda() -> Option<Cuda> {
+    match Device::auto() {
+        Device::Cuda(c) => {
+            println!("GPU: {} (sm_{}{})", c.name, c.arch.0, c.arch.1);
+            Some(c)
+        }
+        Device::Cpu { reason } => {
+            println!("skipping GPU test: {}", reason.unwrap_or_default());
+            None
+        }
+    }
+}
+
+fn setup(
+    c: &Cuda,
+    dir: &std::path::Path,
+    batch: usize,
+    hidden: usize,
+    lr: f32,
+) -> (Loader, Mlp, Normalize, Kernels) {
+    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(dir).unwrap());
+    let loader = Loader::builder_shared(Arc::clone(&ds))
+        .batch_size(batch)
+        .workers(2)
+        .shuffle(Shuffle::Full { seed: 2 })
+        .allocator(Arc::new(PinnedAlloc::new(
+            Arc::clone(&c.ctx),
+            PinnedKind::Plain,
+        )))
+        .build()
+        .unwrap();
+    let inputs = ds.columns()[0].row_bytes;
+    let probe: Vec<u64> = (0..ds.len().min(512)).collect();
+    let mut x = vec![0u8; probe.len() * inputs];
+    let mut y = vec![0u8; probe.len() * 8];
+    ds.gather(0, &probe, &mut [&mut x, &mut y]).unwrap();
+    let mlp = Mlp::new(MlpConfig {
+        inputs,
+        hidden,
+        classes: 10,
+        lr,
+        seed: 5,
+    })
+    .unwrap();
+    let kernels = Kernels::load(c).unwrap();
+    println!(
+        "kernels: {:?}, load {:?}",
+        kernels.origin, kernels.load_time
+    );
+    (loader, mlp, Normalize::fit(&x), kernels)
+}
+
+const DIGITS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
+
+#[test]
+fn first_step_matches_the_cpu_backend() {
+    let Some(c) = cuda() else { return };
+    let (mut loader, mlp, norm, kernels) = setup(&c, DIGITS.as_ref(), 128, 64, 0.1);
+    let layout = loader.layout().clone();
+    let mut gpu = CudaTrainer::new(c, kernels, &mlp, norm, &layout, (0, 1), 2).unwrap();
+    let batch = loader.epoch(0).unwrap().next().unwrap().unwrap();
+    let gm = gpu.step_once(&batch).unwrap();
+    let mut cpu = mlp.clone();
+    let mut ws = Workspace::new(&mlp.config, 128);
+    let mut cm = Metrics::default();
+    let x: &[u8] = batch.column(0).unwrap();
+    let y: &[i64] = batch.column(1).unwrap();
+    step(&mut cpu, &mut ws, norm, x, y, batch.indices(), &mut cm).unwrap();
+    let rel = (gm.loss_sum - cm.loss_sum).abs() / cm.loss_sum.abs().max(1e-6);
+    println!("loss: gpu {} cpu {}", gm.loss_sum, cm.loss_sum);
+    assert!(
+        rel < 1e-4,
+        "loss differs: gpu {} cpu {}",
+        gm.loss_sum,
+        cm.loss_sum
+    );
+    assert_eq!(gm.correct, cm.correct);
+    let g = gpu.weights().unwrap();
+    for (name, a, b) in [
+        ("w1", &g.w1, &cpu.w1),
+        ("b1", &g.b1, &cpu.b1),
+        ("w2", &g.w2, &cpu.w2),
+        ("b2", &g.b2, &cpu.b2),
+    ] {
+        let worst = a
+            .iter()
+            .zip(b)
+            .map(|(a, b)| (a - b).abs() / b.abs().max(1e-3))
+            .fold(0f32, f32::max);
+        println!("{name}: worst relative difference {worst:e}");
+        assert!(worst < 1e-3, "{name} differs by {worst}");
+    }
+}
+
+#[test]
+fn digits_reach_90_percent_on_the_gpu() {
+    let Some(c) = cuda() else { return };
+    let (mut loader, mlp, norm, kernels) = setup(&c, DIGITS.as_ref(), 64, 64, 0.1);
+    let layout = loader.layout().clone();
+    let mut gpu = CudaTrainer::new(c, kernels, &mlp, norm, &layout, (0, 1), 4).unwrap();
+    let mut acc = 0.0;
+    for epoch in 0..10 {
+        let out = gpu
+            .train_epoch_with(loader.epoch(epoch).unwrap(), &mut |_, _| {})
+            .unwrap();
+        acc = out.metrics.accuracy();
+        println!(
+            "epoch {epoch}: acc {acc:.3} loss {:.4} copy {:?} compute {:?}",
+            out.metrics.loss(),
+            out.stages.copy,
+            out.stages.compute
+        );
+    }
+    assert!(acc >= 0.9, "accuracy {acc}");
+    assert_eq!(
+        loader.free_buffers(),
+        loader.buffers(),
+        "every pinned buffer came back"
+    );
+}
+
+#[test]
+fn a_generated_set_reaches_95_percent_on_the_gpu() {
+    let Some(c) = cuda() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let spec = ClassificationSpec {
+        samples: 20_000,
+        ..ClassificationSpec::default()
+    };
+    gen::classification(dir.path(), &spec, &ProgressBar::hidden()).unwrap();
+    let (mut loader, mlp, norm, kernels) = setup(&c, dir.path(), 256, 64, 0.05);
+    let layout = loader.layout().clone();
+    let cpu_check = CpuTrainer::new(mlp.clone(), norm, &layout, (0, 1), 2);
+    assert!(cpu_check.is_ok());
+    let mut gpu = CudaTrainer::new(c, kernels, &mlp, norm, &layout, (0, 1), 4).unwrap();
+    let mut acc = 0.0;
+    for epoch in 0..3 {
+        acc = gpu
+            .train_epoch_with(loader.epoch(epoch).unwrap(), &mut |_, _| {})
+            .unwrap()
+            .metrics
+            .accuracy();
+    }
+    assert!(acc >= 0.95, "accuracy {acc}");
+}
