@@ -64,6 +64,9 @@ enum Command {
         /// Write every figure as JSON here.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Write a Chrome trace (Perfetto, chrome://tracing) here.
+        #[arg(long)]
+        trace: Option<PathBuf>,
     },
     /// Write a learnable classification set (x.npy u8, y.npy i64), or a token stream.
     Gen {
@@ -329,6 +332,7 @@ fn main() -> ExitCode {
             cold,
             warmup,
             json,
+            trace,
         } => run_train(
             TrainConfig {
                 data,
@@ -348,6 +352,7 @@ fn main() -> ExitCode {
                 warmup,
                 seed,
                 quiet: false,
+                trace,
             },
             json.as_deref(),
         ),

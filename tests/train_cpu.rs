@@ -158,6 +158,8 @@ fn a_bad_label_is_an_error_naming_the_sample_and_nothing_hangs() {
 
 #[test]
 fn the_main_job_reports_every_epoch_and_the_warmup_split() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace_path = dir.path().join("trace.json");
     let config = stoker::train::TrainConfig {
         data: concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits").into(),
         epochs: 3,
@@ -172,6 +174,7 @@ fn the_main_job_reports_every_epoch_and_the_warmup_split() {
         warmup: false,
         seed: 1,
         quiet: true,
+        trace: Some(trace_path.clone()),
     };
     let report = stoker::train::run(&config).unwrap();
     assert_eq!(report.epochs.len(), 3);
@@ -194,4 +197,29 @@ fn the_main_job_reports_every_epoch_and_the_warmup_split() {
     let json = serde_json::to_value(&report).unwrap();
     assert!(json.pointer("/epochs/2/loss").is_some());
     assert!(json.pointer("/warmup/cold_cache_s").is_some());
+    // The trace has a span per batch per stage: 29 batches x 3 epochs each.
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace_path).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    for stage in [
+        "gather",
+        "copy",
+        "compute",
+        "wait for data",
+        "wait for copy",
+    ] {
+        let n = events.iter().filter(|e| e["name"] == stage).count();
+        assert_eq!(n, 87, "{stage} spans");
+    }
+    let workers = events
+        .iter()
+        .filter(|e| {
+            e["ph"] == "M"
+                && e["args"]["name"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with("gather worker")
+        })
+        .count();
+    assert!((1..=2).contains(&workers), "{workers} worker threads named");
 }

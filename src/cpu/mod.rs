@@ -7,13 +7,14 @@
 //! ring: the copy of batch `k + 1` overlaps the compute of batch `k`, as the copy and
 //! compute streams do on a GPU.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver, Sender};
 
 use crate::error::{Error, Result};
 use crate::loader::{BatchLayout, Epoch, EpochStats};
+use crate::report::Trace;
 use crate::train::{step, Metrics, Mlp, Normalize, Workspace};
 
 /// Time spent per stage over one epoch.
@@ -51,6 +52,7 @@ struct Slot {
     bytes: Vec<u8>,
     indices: Vec<u64>,
     len: usize,
+    number: u64,
 }
 
 /// The training state of the CPU backend.
@@ -64,9 +66,16 @@ pub struct CpuTrainer {
     slots: Vec<Mutex<Slot>>,
     x_column: usize,
     y_column: usize,
+    trace: Option<Arc<Trace>>,
 }
 
 impl CpuTrainer {
+    /// Records a span per batch per stage (gather on its worker, copy, wait, compute)
+    /// into `trace` from now on.
+    pub fn set_trace(&mut self, trace: Arc<Trace>) {
+        self.trace = Some(trace);
+    }
+
     /// A trainer for batches of `layout`, reading inputs (`u8`) from column `x_column`
     /// and labels (`i64`) from `y_column`, with `slots` device slots (at least 2, so
     /// copy and compute overlap).
@@ -88,6 +97,7 @@ impl CpuTrainer {
                     bytes: vec![0u8; layout.bytes()],
                     indices: Vec::with_capacity(layout.batch_size()),
                     len: 0,
+                    number: 0,
                 })
             })
             .collect();
@@ -99,6 +109,7 @@ impl CpuTrainer {
             slots,
             x_column,
             y_column,
+            trace: None,
         })
     }
 
@@ -142,10 +153,13 @@ impl CpuTrainer {
             slots,
             x_column,
             y_column,
+            trace,
         } = self;
+        let trace = trace.as_deref();
+        let epoch_no = epoch.epoch();
         let slots = &*slots;
         let (copied, computed) = std::thread::scope(|s| {
-            let copier = s.spawn(move || copy_stage(epoch, slots, free_rx, full_tx));
+            let copier = s.spawn(move || copy_stage(epoch, slots, free_rx, full_tx, trace));
             let computed = (|| {
                 let (xo, yo) = (layout.offset(*x_column), layout.offset(*y_column));
                 let row = layout.columns()[*x_column].row_bytes;
@@ -158,6 +172,15 @@ impl CpuTrainer {
                     out.stages.wait_copy += waited.elapsed();
                     let t = Instant::now();
                     let slot = slots[i].lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some(tr) = trace {
+                        tr.span(
+                            "wait for copy",
+                            "compute",
+                            (waited, t),
+                            epoch_no,
+                            slot.number,
+                        );
+                    }
                     let n = slot.len;
                     y.clear();
                     y.extend(
@@ -175,7 +198,11 @@ impl CpuTrainer {
                         &slot.indices,
                         &mut out.metrics,
                     )?;
+                    let number = slot.number;
                     drop(slot);
+                    if let Some(tr) = trace {
+                        tr.span("compute", "compute", (t, Instant::now()), epoch_no, number);
+                    }
                     out.stages.compute += t.elapsed();
                     out.batches += 1;
                     let elapsed = start.elapsed().as_secs_f64().max(1e-9);
@@ -209,13 +236,33 @@ fn copy_stage(
     slots: &[Mutex<Slot>],
     free: Receiver<usize>,
     full: Sender<usize>,
+    trace: Option<&Trace>,
 ) -> Result<(Duration, Duration, EpochStats)> {
+    let epoch_no = epoch.epoch();
     let (mut copy, mut wait) = (Duration::ZERO, Duration::ZERO);
     loop {
         let t = Instant::now();
         let Some(batch) = epoch.next() else { break };
         wait += t.elapsed();
         let batch = batch?;
+        if let Some(tr) = trace {
+            let tm = batch.timing();
+            let worker = format!("gather worker {}", tm.worker);
+            tr.span(
+                "gather",
+                worker,
+                (tm.gather_start, tm.gather_end),
+                epoch_no,
+                batch.number(),
+            );
+            tr.span(
+                "wait for data",
+                "copy",
+                (t, t + tm.waited),
+                epoch_no,
+                batch.number(),
+            );
+        }
         let Ok(i) = free.recv() else { break };
         let t = Instant::now();
         {
@@ -225,8 +272,13 @@ fn copy_stage(
             slot.indices.clear();
             slot.indices.extend_from_slice(batch.indices());
             slot.len = batch.len();
+            slot.number = batch.number();
         }
+        let number = batch.number();
         drop(batch);
+        if let Some(tr) = trace {
+            tr.span("copy", "copy", (t, Instant::now()), epoch_no, number);
+        }
         copy += t.elapsed();
         if full.send(i).is_err() {
             break;

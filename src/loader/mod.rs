@@ -370,6 +370,17 @@ impl Loader {
         ))
     }
 
+    /// Pays the loader's one-off costs before epoch 0: the buffer pool and the workers
+    /// already exist once built, so this reads the dataset's files into the page cache
+    /// (see [`pagecache::read_ahead`](crate::pagecache::read_ahead)). Returns the bytes
+    /// read.
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming a file whose read-ahead was refused.
+    pub fn warmup(&self) -> Result<u64> {
+        crate::pagecache::read_ahead(self.dataset.as_ref())
+    }
+
     /// Where the loader stands (see [`LoaderState`]).
     pub fn state(&self) -> LoaderState {
         self.state

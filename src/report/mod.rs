@@ -1,8 +1,10 @@
 //! Epoch reports: per-epoch figures, the warm-up split, the human table and JSON.
 
 mod progress;
+mod trace;
 
 pub use progress::EpochProgress;
+pub use trace::Trace;
 
 use crate::cpu::EpochOutcome;
 use crate::pagecache::Residency;

@@ -11,7 +11,7 @@ use crate::device::{Device, DeviceChoice};
 use crate::error::{Error, Result};
 use crate::loader::Loader;
 use crate::pagecache;
-use crate::report::{EpochProgress, EpochRow, Setup, TrainReport, Warmup};
+use crate::report::{EpochProgress, EpochRow, Setup, Trace, TrainReport, Warmup};
 use crate::sampler::Shuffle;
 use crate::train::{Mlp, MlpConfig, Normalize};
 
@@ -50,6 +50,8 @@ pub struct TrainConfig {
     pub seed: u64,
     /// Draw no progress bars.
     pub quiet: bool,
+    /// Write a Chrome trace (a span per batch per stage per thread) here.
+    pub trace: Option<PathBuf>,
 }
 
 /// Trains as `config` says and reports every figure.
@@ -152,8 +154,12 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
     }
     if config.warmup {
         let t = Instant::now();
-        pagecache::read_ahead(ds.as_ref())?;
+        loader.warmup()?;
         setup.warmup_s = t.elapsed().as_secs_f64();
+    }
+    let trace = config.trace.as_ref().map(|_| Arc::new(Trace::new()));
+    if let (Some(tr), Backend::Cpu(t)) = (&trace, &mut trainer) {
+        t.set_trace(Arc::clone(tr));
     }
 
     let bytes_per_sample: u64 = ds.columns().iter().map(|c| c.row_bytes as u64).sum();
@@ -175,6 +181,9 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
             bytes_per_sample,
             (before, after),
         ));
+    }
+    if let (Some(tr), Some(path)) = (&trace, &config.trace) {
+        tr.write(path)?;
     }
     Ok(TrainReport {
         device: device_name,
