@@ -25,21 +25,11 @@ struct Cli {
 enum Command {
     /// Train an MLP classifier for some epochs and explain where the time went.
     Train {
-        /// Directory holding x.npy (u8) and y.npy (i64); made with `stoker gen` if missing.
-        #[arg(long, default_value = "data/cifar")]
-        data: PathBuf,
+        #[command(flatten)]
+        loader: LoaderArgs,
         /// Epochs.
         #[arg(long, default_value_t = 5)]
         epochs: u64,
-        /// Samples per batch.
-        #[arg(long, default_value_t = 256)]
-        batch: usize,
-        /// Loader workers.
-        #[arg(long, default_value_t = 2)]
-        workers: usize,
-        /// Prefetch depth (default: about 32 MiB of batches).
-        #[arg(long)]
-        prefetch: Option<usize>,
         /// Sample order.
         #[arg(long, value_enum, default_value_t = ShuffleArg::Full)]
         shuffle: ShuffleArg,
@@ -103,21 +93,11 @@ enum Command {
     },
     /// Measure the loader against a bare gather (the roofline), warm and cold.
     Bench {
-        /// Directory holding x.npy and y.npy (made with `stoker gen` if missing).
-        #[arg(long, default_value = "data/cifar")]
-        data: PathBuf,
+        #[command(flatten)]
+        loader: LoaderArgs,
         /// Write the figures as JSON here.
         #[arg(long)]
         json: Option<PathBuf>,
-        /// Samples per batch.
-        #[arg(long, default_value_t = 256)]
-        batch: usize,
-        /// Loader workers (and roofline threads).
-        #[arg(long, default_value_t = 2)]
-        workers: usize,
-        /// Prefetch depth (default: about 32 MiB of batches).
-        #[arg(long)]
-        prefetch: Option<usize>,
         /// Timed passes of each.
         #[arg(long, default_value_t = 11)]
         reps: usize,
@@ -125,6 +105,23 @@ enum Command {
         #[arg(long)]
         no_cold: bool,
     },
+}
+
+/// The dataset and loader flags `train` and `bench` share.
+#[derive(Debug, Clone, clap::Args)]
+struct LoaderArgs {
+    /// Directory holding x.npy (u8) and y.npy (i64); made with `stoker gen` if missing.
+    #[arg(long, default_value = "data/cifar")]
+    data: PathBuf,
+    /// Samples per batch.
+    #[arg(long, default_value_t = 256)]
+    batch: usize,
+    /// Loader workers (for `bench`, also the roofline's threads).
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// Prefetch depth (default: about 32 MiB of batches).
+    #[arg(long)]
+    prefetch: Option<usize>,
 }
 
 /// `--shuffle full|block|none`.
@@ -319,11 +316,14 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train {
-            data,
+            loader:
+                LoaderArgs {
+                    data,
+                    batch,
+                    workers,
+                    prefetch,
+                },
             epochs,
-            batch,
-            workers,
-            prefetch,
             shuffle,
             seed,
             device,
@@ -384,11 +384,14 @@ fn main() -> ExitCode {
             }
         },
         Command::Bench {
-            data,
+            loader:
+                LoaderArgs {
+                    data,
+                    batch,
+                    workers,
+                    prefetch,
+                },
             json,
-            batch,
-            workers,
-            prefetch,
             reps,
             no_cold,
         } => run_bench(

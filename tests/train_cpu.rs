@@ -55,13 +55,25 @@ fn digits_reach_90_percent_within_10_epochs() {
 
 #[test]
 fn a_generated_cifar_shaped_set_reaches_95_percent() {
+    let dir = generated(4000);
+    let acc = train_generated(dir.path(), 5);
+    assert!(acc >= 0.95, "training accuracy {acc}");
+}
+
+/// A generated CIFAR-shaped set of `samples` in a temporary directory.
+fn generated(samples: u64) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     let spec = ClassificationSpec {
-        samples: 4000,
+        samples,
         ..ClassificationSpec::default()
     };
     gen::classification(dir.path(), &spec, &ProgressBar::hidden()).unwrap();
-    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(dir.path()).unwrap());
+    dir
+}
+
+/// Trains on the set in `dir` for up to `epochs` (stopping at 95%); the last accuracy.
+fn train_generated(dir: &std::path::Path, epochs: u64) -> f64 {
+    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(dir).unwrap());
     let mut loader = Loader::builder_shared(ds.clone())
         .batch_size(128)
         .workers(2)
@@ -69,7 +81,7 @@ fn a_generated_cifar_shaped_set_reaches_95_percent() {
         .unwrap();
     let mut trainer = trainer_for(&ds, &loader, 32, 0.05);
     let mut acc = 0.0;
-    for epoch in 0..5 {
+    for epoch in 0..epochs {
         acc = trainer
             .train_epoch(loader.epoch(epoch).unwrap())
             .unwrap()
@@ -79,19 +91,14 @@ fn a_generated_cifar_shaped_set_reaches_95_percent() {
             break;
         }
     }
-    assert!(acc >= 0.95, "training accuracy {acc}");
+    acc
 }
 
 #[test]
 fn shuffled_labels_do_not_learn() {
     // The same images with labels that do not follow them: a loader that mixed up
     // samples and labels would look like this, and must not pass the tests above.
-    let dir = tempfile::tempdir().unwrap();
-    let spec = ClassificationSpec {
-        samples: 4000,
-        ..ClassificationSpec::default()
-    };
-    gen::classification(dir.path(), &spec, &ProgressBar::hidden()).unwrap();
+    let dir = generated(4000);
     let y = NpyArray::open(dir.path().join("y.npy")).unwrap();
     let mut w = NpyWriter::create(dir.path().join("y.npy"), DType::I64, &[4000]).unwrap();
     for (i, out) in w.data_mut().chunks_exact_mut(8).enumerate() {
@@ -99,21 +106,7 @@ fn shuffled_labels_do_not_learn() {
     }
     drop(y);
     w.finish().unwrap();
-    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(dir.path()).unwrap());
-    let mut loader = Loader::builder_shared(ds.clone())
-        .batch_size(128)
-        .workers(2)
-        .build()
-        .unwrap();
-    let mut trainer = trainer_for(&ds, &loader, 32, 0.05);
-    let mut acc = 0.0;
-    for epoch in 0..3 {
-        acc = trainer
-            .train_epoch(loader.epoch(epoch).unwrap())
-            .unwrap()
-            .metrics
-            .accuracy();
-    }
+    let acc = train_generated(dir.path(), 3);
     assert!(acc < 0.5, "learned from mismatched labels: {acc}");
 }
 
