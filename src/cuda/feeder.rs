@@ -1,0 +1,312 @@
+//! The feeder: pinned batches into a ring of device slots on a copy stream, handed to
+//! work on a compute stream, ordered by events. The built-in training step and users'
+//! own kernels both run on the [`DeviceBatch`]es it yields.
+//!
+//! For batch `i` in slot `k = i % K`:
+//! 1. the copy stream waits for `consumed[k]` (the work that last read slot `k`),
+//! 2. `cuMemcpyHtoDAsync` from the pinned `HostBatch` into slot `k`, then `copied[k]`,
+//! 3. the compute stream waits for `copied[k]`; the caller's work is enqueued on it;
+//!    then `consumed[k]` is recorded,
+//! 4. the `HostBatch` (its pinned buffer) goes back to the loader once `copied[k]` has
+//!    completed, never before.
+//!
+//! The host blocks only as back-pressure: with `K` batches in flight it waits for the
+//! oldest copy, and before refilling a slot it waits for that slot's last work (whose
+//! timing it then reads).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{result, sys, CudaEvent, CudaSlice, CudaStream, DevicePtr};
+
+use super::Cuda;
+use crate::error::{Error, Result};
+use crate::loader::{BatchLayout, Epoch, EpochStats, HostBatch};
+
+pub(crate) fn cuda_err(e: cudarc::driver::DriverError) -> Error {
+    Error::Cuda(e.to_string())
+}
+
+/// The device address of a slice's first element.
+pub(crate) fn addr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    s.device_ptr(stream).0
+}
+
+/// A batch in device memory, ready on [`stream`](DeviceBatch::stream): enqueue work
+/// that reads it there. The slot is reused only after that work completes.
+#[derive(Debug)]
+pub struct DeviceBatch<'a> {
+    base: u64,
+    layout: &'a BatchLayout,
+    stream: &'a Arc<CudaStream>,
+    len: usize,
+    epoch: u64,
+    number: u64,
+    indices: &'a [u64],
+}
+
+impl DeviceBatch<'_> {
+    /// Samples in the batch.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the batch is empty (never, for batches a loader yields).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Device address of column `c` (`len() * row_bytes` bytes, 256-byte aligned).
+    ///
+    /// # Panics
+    /// If `c` is not a column.
+    pub fn column_ptr(&self, c: usize) -> u64 {
+        self.base + self.layout.offset(c) as u64
+    }
+
+    /// The layout of the slot (column offsets, row sizes).
+    pub fn layout(&self) -> &BatchLayout {
+        self.layout
+    }
+
+    /// The stream the batch is ready on: enqueue work reading it here.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        self.stream
+    }
+
+    /// The epoch.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The batch number within the epoch.
+    pub fn number(&self) -> u64 {
+        self.number
+    }
+
+    /// The dataset indices of its samples (host memory).
+    pub fn indices(&self) -> &[u64] {
+        self.indices
+    }
+}
+
+/// What the feeder measured over an epoch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct FeedStats {
+    /// Batches fed.
+    pub batches: u64,
+    /// Samples fed.
+    pub samples: u64,
+    /// Host time waiting for the loader.
+    pub wait_data: Duration,
+    /// Device time of the copies (sum of copy events).
+    pub copy: Duration,
+    /// Device time of the work on each batch (sum of its events).
+    pub compute: Duration,
+    /// Bytes copied host to device.
+    pub bytes: u64,
+    /// The loader's statistics.
+    pub loader: EpochStats,
+    /// Wall time.
+    pub wall: Duration,
+}
+
+/// Copies batches to the device, overlapped with the work on them.
+pub struct Feeder {
+    cuda: Cuda,
+    copy: Arc<CudaStream>,
+    compute: Arc<CudaStream>,
+    layout: BatchLayout,
+    slots: Vec<CudaSlice<u8>>,
+    copy_start: Vec<CudaEvent>,
+    copied: Vec<CudaEvent>,
+    work_start: Vec<CudaEvent>,
+    consumed: Vec<CudaEvent>,
+}
+
+impl Feeder {
+    /// A feeder with `slots` device slots (at least 2) for batches of `layout`, on its
+    /// own copy and compute streams.
+    ///
+    /// Event tracking of the context is turned off: the feeder orders everything it
+    /// touches with its own events, and work enqueued on [`DeviceBatch::stream`] is
+    /// ordered by that stream.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when a stream, event or slot cannot be created.
+    pub fn new(cuda: &Cuda, layout: &BatchLayout, slots: usize) -> Result<Feeder> {
+        let ctx = &cuda.ctx;
+        // SAFETY: every buffer the feeder and the trainer use is ordered by the events
+        // and streams described in the module docs, so cudarc's per-slice tracking is
+        // not needed.
+        unsafe { ctx.disable_event_tracking() };
+        let copy = ctx.new_stream().map_err(cuda_err)?;
+        let compute = ctx.new_stream().map_err(cuda_err)?;
+        let k = slots.max(2);
+        let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let events = |n: usize| -> Result<Vec<CudaEvent>> {
+            (0..n)
+                .map(|_| ctx.new_event(timing).map_err(cuda_err))
+                .collect()
+        };
+        let slots = (0..k)
+            .map(|_| compute.alloc_zeros::<u8>(layout.bytes()).map_err(cuda_err))
+            .collect::<Result<Vec<_>>>()?;
+        compute.synchronize().map_err(cuda_err)?;
+        Ok(Feeder {
+            cuda: cuda.clone(),
+            copy_start: events(k)?,
+            copied: events(k)?,
+            work_start: events(k)?,
+            consumed: events(k)?,
+            copy,
+            compute,
+            layout: layout.clone(),
+            slots,
+        })
+    }
+
+    /// The device.
+    pub fn cuda(&self) -> &Cuda {
+        &self.cuda
+    }
+
+    /// The compute stream, on which every [`DeviceBatch`] is ready.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.compute
+    }
+
+    /// Copies one batch into slot 0 and waits for it (for one-off steps and tests).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] on a driver error.
+    pub fn feed_one<R>(
+        &mut self,
+        batch: &HostBatch,
+        work: impl FnOnce(&DeviceBatch) -> Result<R>,
+    ) -> Result<R> {
+        let dst = addr(&self.slots[0], &self.copy);
+        // SAFETY: slot 0 holds `layout.bytes()` bytes, the batch buffer as many; the copy
+        // is waited for before this returns, so the batch outlives it.
+        unsafe { result::memcpy_htod_async(dst, batch.as_bytes(), self.copy.cu_stream()) }
+            .map_err(cuda_err)?;
+        self.copy.synchronize().map_err(cuda_err)?;
+        let db = DeviceBatch {
+            base: addr(&self.slots[0], &self.compute),
+            layout: &self.layout,
+            stream: &self.compute,
+            len: batch.len(),
+            epoch: batch.epoch(),
+            number: batch.number(),
+            indices: batch.indices(),
+        };
+        let r = work(&db)?;
+        self.compute.synchronize().map_err(cuda_err)?;
+        Ok(r)
+    }
+
+    /// Feeds every batch of `epoch`, calling `work` on each once it is on the device.
+    /// `work` must only enqueue (never wait for the device); `progress(samples,
+    /// stalled)` follows each batch.
+    ///
+    /// # Errors
+    /// The loader's first error, `work`'s first error, or a driver error.
+    pub fn run_epoch(
+        &mut self,
+        mut epoch: Epoch<'_>,
+        work: &mut dyn FnMut(&DeviceBatch) -> Result<()>,
+        progress: &mut dyn FnMut(u64, f64),
+    ) -> Result<FeedStats> {
+        let start = Instant::now();
+        let k_slots = self.slots.len();
+        let mut stats = FeedStats::default();
+        let mut inflight: VecDeque<(HostBatch, usize)> = VecDeque::with_capacity(k_slots);
+        let (mut copy_ms, mut work_ms) = (0f64, 0f64);
+        let mut i = 0usize;
+        let result = (|| -> Result<()> {
+            loop {
+                let t = Instant::now();
+                let Some(batch) = epoch.next() else {
+                    return Ok(());
+                };
+                stats.wait_data += t.elapsed();
+                let batch = batch?;
+                let k = i % k_slots;
+                if i >= k_slots {
+                    self.consumed[k].synchronize().map_err(cuda_err)?;
+                    work_ms += self.work_start[k]
+                        .elapsed_ms(&self.consumed[k])
+                        .map_err(cuda_err)? as f64;
+                }
+                self.copy.wait(&self.consumed[k]).map_err(cuda_err)?;
+                self.copy_start[k].record(&self.copy).map_err(cuda_err)?;
+                let dst = addr(&self.slots[k], &self.copy);
+                let bytes = batch.as_bytes();
+                // SAFETY: slot k holds `layout.bytes()` bytes, as does the pinned batch;
+                // the batch stays alive in `inflight` until `copied[k]` has completed.
+                unsafe { result::memcpy_htod_async(dst, bytes, self.copy.cu_stream()) }
+                    .map_err(cuda_err)?;
+                self.copied[k].record(&self.copy).map_err(cuda_err)?;
+                self.compute.wait(&self.copied[k]).map_err(cuda_err)?;
+                self.work_start[k].record(&self.compute).map_err(cuda_err)?;
+                let db = DeviceBatch {
+                    base: addr(&self.slots[k], &self.compute),
+                    layout: &self.layout,
+                    stream: &self.compute,
+                    len: batch.len(),
+                    epoch: batch.epoch(),
+                    number: batch.number(),
+                    indices: batch.indices(),
+                };
+                let worked = work(&db);
+                // Record even after an error, so the slot's ordering stays sound.
+                self.consumed[k].record(&self.compute).map_err(cuda_err)?;
+                worked?;
+                stats.batches += 1;
+                stats.samples += batch.len() as u64;
+                stats.bytes += bytes.len() as u64;
+                let elapsed = start.elapsed().as_secs_f64().max(1e-9);
+                progress(batch.len() as u64, stats.wait_data.as_secs_f64() / elapsed);
+                inflight.push_back((batch, k));
+                // Pinned buffers go back once their copies are done; at most K - 1 stay
+                // in flight, so a slot's previous batch is always released first.
+                while let Some(&(_, k0)) = inflight.front() {
+                    if inflight.len() < k_slots && !self.copied[k0].is_complete() {
+                        break;
+                    }
+                    self.copied[k0].synchronize().map_err(cuda_err)?;
+                    copy_ms += self.copy_start[k0]
+                        .elapsed_ms(&self.copied[k0])
+                        .map_err(cuda_err)? as f64;
+                    inflight.pop_front();
+                }
+                i += 1;
+            }
+        })();
+        // Whatever happened, no pinned buffer goes back before its copy is done.
+        let drained = (|| -> Result<()> {
+            for (_, k0) in inflight.drain(..) {
+                self.copied[k0].synchronize().map_err(cuda_err)?;
+                copy_ms += self.copy_start[k0]
+                    .elapsed_ms(&self.copied[k0])
+                    .map_err(cuda_err)? as f64;
+            }
+            self.compute.synchronize().map_err(cuda_err)?;
+            for j in i.saturating_sub(k_slots)..i {
+                let k = j % k_slots;
+                work_ms += self.work_start[k]
+                    .elapsed_ms(&self.consumed[k])
+                    .map_err(cuda_err)? as f64;
+            }
+            Ok(())
+        })();
+        result?;
+        drained?;
+        stats.loader = epoch.stats();
+        stats.copy = Duration::from_secs_f64(copy_ms / 1e3);
+        stats.compute = Duration::from_secs_f64(work_ms / 1e3);
+        stats.wall = start.elapsed();
+        Ok(stats)
+    }
+}
