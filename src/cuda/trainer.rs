@@ -106,6 +106,17 @@ impl CudaTrainer {
         self.step.weights()
     }
 
+    /// Pays the first launch of every kernel (lazy module loading) now; returns how long
+    /// it took.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] if a launch fails.
+    pub fn warm_up(&self) -> Result<std::time::Duration> {
+        let t = std::time::Instant::now();
+        self.step.warm_up()?;
+        Ok(t.elapsed())
+    }
+
     /// One step on one batch, synchronously (for checking against the CPU backend).
     ///
     /// # Errors
@@ -151,6 +162,42 @@ impl CudaTrainer {
 impl Step {
     fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// Launches every kernel once with zero sizes (each guards its indices, so nothing
+    /// is read or written) and waits: CUDA's lazy module loading is paid here, not by
+    /// the first batch.
+    fn warm_up(&self) -> Result<()> {
+        let (zero, zero64, null) = (0i32, 0i64, 0u64);
+        let kk = &self.kernels;
+        let f = 0f32;
+        self.launch1(&kk.normalize, 0, &[&null, &null, &zero64, &f, &f])?;
+        self.launch1(&kk.fill_rows, 0, &[&null, &null, &zero, &zero])?;
+        self.launch1(&kk.relu, 0, &[&null, &zero64])?;
+        self.launch1(
+            &kk.softmax_xent,
+            0,
+            &[&null, &null, &zero, &zero, &null, &null, &null],
+        )?;
+        self.launch1(&kk.relu_backward, 0, &[&null, &null, &zero64])?;
+        self.launch1(&kk.bias_sgd, 0, &[&null, &null, &zero, &zero, &f])?;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (16, 16, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut l = self.stream().launch_builder(&self.kernels.sgemm);
+        l.arg(&zero).arg(&zero).arg(&zero).arg(&f);
+        l.arg(&null)
+            .arg(&zero64)
+            .arg(&zero64)
+            .arg(&null)
+            .arg(&zero64)
+            .arg(&zero64);
+        l.arg(&f).arg(&null).arg(&zero64);
+        // SAFETY: m = n = k = 0: the kernel's bounds checks skip every load and store.
+        unsafe { l.launch(cfg) }.map_err(cuda_err)?;
+        self.stream().synchronize().map_err(cuda_err)
     }
 
     fn weights(&self) -> Result<Mlp> {

@@ -81,6 +81,8 @@ pub struct Setup {
     pub cuda_context_s: f64,
     /// Compiling kernels or loading them from the cache (0 on the CPU).
     pub kernels_s: f64,
+    /// First launch of every kernel, with `--warmup` (lazy module loading; 0 on the CPU).
+    pub first_launch_s: f64,
     /// Allocating the loader's host-buffer pool.
     pub pool_alloc_s: f64,
     /// Starting the loader's worker threads.
@@ -220,8 +222,8 @@ impl TrainReport {
         );
         if st.cuda_context_s > 0.0 || st.kernels_s > 0.0 {
             s += &format!(
-                ", CUDA context {:.3} s, kernels {:.3} s",
-                st.cuda_context_s, st.kernels_s
+                ", CUDA context {:.3} s, kernels {:.3} s, first launches {:.3} s",
+                st.cuda_context_s, st.kernels_s, st.first_launch_s
             );
         }
         if st.warmup_s > 0.0 {

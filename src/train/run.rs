@@ -156,6 +156,9 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
         let t = Instant::now();
         loader.warmup()?;
         setup.warmup_s = t.elapsed().as_secs_f64();
+        if let Backend::Cuda(t) = &trainer {
+            setup.first_launch_s = t.warm_up()?.as_secs_f64();
+        }
     }
     let trace = config.trace.as_ref().map(|_| Arc::new(Trace::new()));
     if let (Some(tr), Backend::Cpu(t)) = (&trace, &mut trainer) {
