@@ -57,6 +57,9 @@ enum Command {
         /// Write a Chrome trace (Perfetto, chrome://tracing) here.
         #[arg(long)]
         trace: Option<PathBuf>,
+        /// On CUDA, do not keep the dataset on the device after epoch 0.
+        #[arg(long)]
+        no_device_cache: bool,
     },
     /// Write a learnable classification set (x.npy u8, y.npy i64), or a token stream.
     Gen {
@@ -293,6 +296,12 @@ fn run_train(config: TrainConfig, json: Option<&Path>) -> stoker::Result<()> {
     if let Some(reason) = &report.fallback_reason {
         println!("  (CPU backend: {reason})");
     }
+    if let Some(bytes) = report.device_cache_bytes {
+        println!(
+            "  device cache: {:.0} MB, epochs after the first read from the GPU",
+            bytes as f64 / 1e6
+        );
+    }
     println!(
         "data: {} ({} samples of {} bytes), batch {}, {} workers, {:?} shuffle, hidden {}\n",
         report.data,
@@ -333,6 +342,7 @@ fn main() -> ExitCode {
             warmup,
             json,
             trace,
+            no_device_cache,
         } => run_train(
             TrainConfig {
                 data,
@@ -353,6 +363,7 @@ fn main() -> ExitCode {
                 seed,
                 quiet: false,
                 trace,
+                device_cache: !no_device_cache,
             },
             json.as_deref(),
         ),

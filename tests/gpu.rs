@@ -155,3 +155,43 @@ fn a_generated_set_reaches_95_percent_on_the_gpu() {
     }
     assert!(acc >= 0.95, "accuracy {acc}");
 }
+
+#[test]
+fn the_device_cache_gives_the_same_epochs() {
+    let Some(c) = cuda() else { return };
+    let run = |cached: bool| {
+        let (mut loader, mlp, norm, kernels) = setup(&c, DIGITS.as_ref(), 64, 32, 0.1);
+        let layout = loader.layout().clone();
+        let mut t = CudaTrainer::new(c.clone(), kernels, &mlp, norm, &layout, (0, 1), 3).unwrap();
+        if cached {
+            let bytes = t
+                .enable_device_cache(1797, loader.order().samples(), 0.5)
+                .unwrap();
+            assert!(bytes.is_some(), "digits fit on any GPU");
+        }
+        let first = t
+            .train_epoch_with(loader.epoch(0).unwrap(), &mut |_, _| {})
+            .unwrap();
+        assert_eq!(t.cache_filled(), cached);
+        let second = if cached {
+            t.train_epoch_cached(&loader.order().epoch(1), &mut |_, _| {})
+                .unwrap()
+        } else {
+            t.train_epoch_with(loader.epoch(1).unwrap(), &mut |_, _| {})
+                .unwrap()
+        };
+        (first.metrics, second.metrics, t.weights().unwrap())
+    };
+    let (a0, a1, aw) = run(false);
+    let (b0, b1, bw) = run(true);
+    println!("uncached {a1:?}\ncached   {b1:?}");
+    assert_eq!((a0.correct, a1.correct), (b0.correct, b1.correct));
+    assert!((a1.loss_sum - b1.loss_sum).abs() <= 1e-6 * a1.loss_sum.abs().max(1.0));
+    let worst = aw
+        .w1
+        .iter()
+        .zip(&bw.w1)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(worst < 1e-5, "weights differ by {worst}");
+}

@@ -168,6 +168,7 @@ fn the_main_job_reports_every_epoch_and_the_warmup_split() {
         seed: 1,
         quiet: true,
         trace: Some(trace_path.clone()),
+        device_cache: true,
     };
     let report = stoker::train::run(&config).unwrap();
     assert_eq!(report.epochs.len(), 3);

@@ -46,6 +46,28 @@ pub struct DeviceBatch<'a> {
     indices: &'a [u64],
 }
 
+impl<'a> DeviceBatch<'a> {
+    pub(crate) fn new(
+        base: u64,
+        layout: &'a BatchLayout,
+        stream: &'a Arc<CudaStream>,
+        len: usize,
+        epoch: u64,
+        number: u64,
+        indices: &'a [u64],
+    ) -> DeviceBatch<'a> {
+        DeviceBatch {
+            base,
+            layout,
+            stream,
+            len,
+            epoch,
+            number,
+            indices,
+        }
+    }
+}
+
 impl DeviceBatch<'_> {
     /// Samples in the batch.
     pub fn len(&self) -> usize {
@@ -170,6 +192,11 @@ impl Feeder {
     /// The device.
     pub fn cuda(&self) -> &Cuda {
         &self.cuda
+    }
+
+    /// The layout of the batches it feeds.
+    pub fn layout(&self) -> &BatchLayout {
+        &self.layout
     }
 
     /// The compute stream, on which every [`DeviceBatch`] is ready.

@@ -32,6 +32,10 @@ pub struct Kernels {
     pub relu_backward: CudaFunction,
     /// `bias_sgd`.
     pub bias_sgd: CudaFunction,
+    /// `scatter_rows` (device cache fill).
+    pub scatter_rows: CudaFunction,
+    /// `gather_rows` (device cache read).
+    pub gather_rows: CudaFunction,
     /// How the PTX was obtained, and how long it took.
     pub origin: KernelOrigin,
     /// Loading the module into the context.
@@ -135,6 +139,8 @@ impl Kernels {
             softmax_xent: f("softmax_xent")?,
             relu_backward: f("relu_backward")?,
             bias_sgd: f("bias_sgd")?,
+            scatter_rows: f("scatter_rows")?,
+            gather_rows: f("gather_rows")?,
             load_time: t.elapsed(),
             origin,
             module,

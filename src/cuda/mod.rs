@@ -2,6 +2,7 @@
 //! opened at run time, and [`probe`] finds out whether they are there before anything
 //! touches them (cudarc panics when libcuda is missing).
 
+mod cache;
 mod feeder;
 mod kernels;
 mod nvrtc;
@@ -10,6 +11,7 @@ mod trainer;
 
 use std::sync::Arc;
 
+pub use cache::DeviceCache;
 pub use cudarc::driver::CudaContext;
 pub use feeder::{DeviceBatch, FeedStats, Feeder};
 pub use kernels::{cache_dir, KernelOrigin, Kernels, SOURCE};

@@ -4,18 +4,21 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 
+use super::cache::DeviceCache;
 use super::feeder::{addr, cuda_err, DeviceBatch, Feeder};
 use super::kernels::Kernels;
 use super::Cuda;
 use crate::cpu::{check_columns, EpochOutcome};
 use crate::error::{Error, Result};
 use crate::loader::{BatchLayout, Epoch, HostBatch};
+use crate::sampler::EpochOrder;
 use crate::train::{Metrics, Mlp, MlpConfig, Normalize};
 
 /// Training state on the GPU: a feeder and the step it drives.
 pub struct CudaTrainer {
     feeder: Feeder,
     step: Step,
+    cache: Option<DeviceCache>,
 }
 
 /// The model on the device and the kernels that train it, enqueued on `stream`.
@@ -85,7 +88,11 @@ impl CudaTrainer {
             kernels,
         };
         s.synchronize().map_err(cuda_err)?;
-        Ok(CudaTrainer { feeder, step })
+        Ok(CudaTrainer {
+            feeder,
+            step,
+            cache: None,
+        })
     }
 
     /// The device this trainer runs on.
@@ -104,6 +111,76 @@ impl CudaTrainer {
     /// [`Error::Cuda`] if the copy fails.
     pub fn weights(&self) -> Result<Mlp> {
         self.step.weights()
+    }
+
+    /// Keeps a device-resident copy of the dataset (`rows` samples, epochs of `samples`)
+    /// if it fits under `share` of free device memory: the next whole epoch fills it,
+    /// and [`train_epoch_cached`](CudaTrainer::train_epoch_cached) reads from it.
+    /// Returns the cache's size in bytes, or `None` when it does not fit.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] if the allocation fails.
+    pub fn enable_device_cache(
+        &mut self,
+        rows: u64,
+        samples: u64,
+        share: f64,
+    ) -> Result<Option<u64>> {
+        let layout = self.feeder.layout().clone();
+        self.cache = DeviceCache::new(
+            self.feeder.cuda(),
+            self.feeder.stream(),
+            &layout,
+            rows,
+            samples,
+            share,
+        )?;
+        Ok(self.cache.as_ref().map(DeviceCache::bytes))
+    }
+
+    /// Whether the device cache holds a whole epoch's samples.
+    pub fn cache_filled(&self) -> bool {
+        self.cache.as_ref().is_some_and(DeviceCache::filled)
+    }
+
+    /// Trains an epoch from the device cache: batches gathered on the device by index,
+    /// no host gathering, no host-to-device copy but the epoch's index list.
+    ///
+    /// # Errors
+    /// [`Error::Config`] if the cache is not filled; a driver error; [`Error::Cuda`] for
+    /// a bad label.
+    pub fn train_epoch_cached(
+        &mut self,
+        order: &EpochOrder,
+        progress: &mut dyn FnMut(u64, f64),
+    ) -> Result<EpochOutcome> {
+        let start = std::time::Instant::now();
+        let cache = match &mut self.cache {
+            Some(c) if c.filled() => c,
+            _ => return Err(Error::Config("the device cache is not filled".into())),
+        };
+        self.step.reset_metrics()?;
+        let stream = Arc::clone(self.feeder.stream());
+        cache.upload_order(order, &stream)?;
+        let (mut batches, mut samples) = (0, 0);
+        for b in 0..order.batches() {
+            let rows = order.batch_len(b);
+            let db = cache.gather(&self.step.kernels, &stream, order.epoch(), b, rows)?;
+            self.step.enqueue(&db)?;
+            batches += 1;
+            samples += rows as u64;
+            progress(rows as u64, 0.0);
+        }
+        let metrics = self.step.read_metrics(samples)?;
+        let wall = start.elapsed();
+        let mut out = EpochOutcome {
+            metrics,
+            wall,
+            batches,
+            ..EpochOutcome::default()
+        };
+        out.stages.compute = wall;
+        Ok(out)
     }
 
     /// Pays the first launch of every kernel (lazy module loading) now; returns how long
@@ -140,10 +217,30 @@ impl CudaTrainer {
         progress: &mut dyn FnMut(u64, f64),
     ) -> Result<EpochOutcome> {
         self.step.reset_metrics()?;
-        let step = &self.step;
-        let fed = self
-            .feeder
-            .run_epoch(epoch, &mut |db| step.enqueue(db), progress)?;
+        // A whole epoch, started from its first batch, fills the cache on the way.
+        let filling = epoch.first_batch() == 0 && self.cache.as_ref().is_some_and(|c| !c.filled());
+        if filling {
+            if let Some(c) = &mut self.cache {
+                c.upload_order(epoch.order(), self.feeder.stream())?;
+            }
+        }
+        let (step, cache) = (&self.step, &self.cache);
+        let fed = self.feeder.run_epoch(
+            epoch,
+            &mut |db| {
+                step.enqueue(db)?;
+                match cache {
+                    Some(c) if filling => c.scatter(&step.kernels, db),
+                    _ => Ok(()),
+                }
+            },
+            progress,
+        )?;
+        if filling {
+            if let Some(c) = &mut self.cache {
+                c.set_filled();
+            }
+        }
         let mut out = EpochOutcome {
             metrics: self.step.read_metrics(fed.samples)?,
             loader: fed.loader,

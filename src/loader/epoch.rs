@@ -50,6 +50,7 @@ pub struct Epoch<'a> {
     finished: Receiver<()>,
     pending: Vec<Option<Done>>,
     next: u64,
+    first: u64,
     done: bool,
     started: Instant,
     stats: EpochStats,
@@ -71,6 +72,7 @@ impl<'a> Epoch<'a> {
             finished,
             pending: (0..ring).map(|_| None).collect(),
             next: start,
+            first: start,
             done: false,
             started: Instant::now(),
             stats: EpochStats::default(),
@@ -80,6 +82,16 @@ impl<'a> Epoch<'a> {
     /// The epoch number.
     pub fn epoch(&self) -> u64 {
         self.job.order.epoch()
+    }
+
+    /// The epoch's order (every batch's indices, computable without the loader).
+    pub fn order(&self) -> &crate::sampler::EpochOrder {
+        &self.job.order
+    }
+
+    /// The first batch this iterator yields (0 unless resumed mid-epoch).
+    pub fn first_batch(&self) -> u64 {
+        self.first
     }
 
     /// Where a loader resumed from this point would start: this epoch, after the batches

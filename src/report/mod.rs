@@ -154,6 +154,8 @@ pub struct TrainReport {
     pub device: String,
     /// Why not CUDA, when the CPU ran instead.
     pub fallback_reason: Option<String>,
+    /// Bytes of the device cache, when the dataset was kept on the GPU after epoch 0.
+    pub device_cache_bytes: Option<u64>,
     /// The dataset directory.
     pub data: String,
     /// Samples per epoch.

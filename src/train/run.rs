@@ -52,6 +52,9 @@ pub struct TrainConfig {
     pub quiet: bool,
     /// Write a Chrome trace (a span per batch per stage per thread) here.
     pub trace: Option<PathBuf>,
+    /// On CUDA, keep the dataset on the device after epoch 0 when it fits under half of
+    /// the free device memory.
+    pub device_cache: bool,
 }
 
 /// Trains as `config` says and reports every figure.
@@ -115,6 +118,7 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
         )));
     }
     let mut loader = builder.build()?;
+    let samples_per_epoch = loader.order().samples();
     setup.pool_alloc_s = loader.startup().pool_alloc.as_secs_f64();
     setup.worker_start_s = loader.startup().threads.as_secs_f64();
 
@@ -160,13 +164,17 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
             setup.first_launch_s = t.warm_up()?.as_secs_f64();
         }
     }
+    let mut device_cache = None;
+    if let (true, Backend::Cuda(t)) = (config.device_cache, &mut trainer) {
+        device_cache = t.enable_device_cache(ds.len(), samples_per_epoch, 0.5)?;
+    }
     let trace = config.trace.as_ref().map(|_| Arc::new(Trace::new()));
     if let (Some(tr), Backend::Cpu(t)) = (&trace, &mut trainer) {
         t.set_trace(Arc::clone(tr));
     }
 
     let bytes_per_sample: u64 = ds.columns().iter().map(|c| c.row_bytes as u64).sum();
-    let samples = loader.order().samples();
+    let samples = samples_per_epoch;
     let mut rows = Vec::new();
     for epoch in 0..config.epochs {
         let before = pagecache::residency(ds.as_ref())?;
@@ -174,6 +182,9 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
         let mut advance = |n, stalled| bar.advance(n, stalled);
         let out = match &mut trainer {
             Backend::Cpu(t) => t.train_epoch_with(loader.epoch(epoch)?, &mut advance)?,
+            Backend::Cuda(t) if t.cache_filled() => {
+                t.train_epoch_cached(&loader.order().epoch(epoch), &mut advance)?
+            }
             Backend::Cuda(t) => t.train_epoch_with(loader.epoch(epoch)?, &mut advance)?,
         };
         bar.finish();
@@ -189,6 +200,7 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
         tr.write(path)?;
     }
     Ok(TrainReport {
+        device_cache_bytes: device_cache,
         device: device_name,
         fallback_reason,
         data: config.data.display().to_string(),

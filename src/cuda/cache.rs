@@ -1,0 +1,201 @@
+//! The device cache: the first epoch's batches, scattered by sample index into a
+//! device-resident copy of the dataset; later epochs gather their batches there and skip
+//! host gathering and PCIe.
+//!
+//! Each epoch's whole index list (a pure function of the order) goes to the device in one
+//! pinned copy at the epoch's start, so the per-batch work needs no host synchronisation.
+
+use std::sync::Arc;
+
+use cudarc::driver::{result, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+
+use super::feeder::{addr, cuda_err, DeviceBatch};
+use super::kernels::Kernels;
+use super::pinned::{PinnedAlloc, PinnedKind};
+use super::Cuda;
+use crate::error::{Error, Result};
+use crate::loader::{BatchLayout, HostAlloc, HostMemory};
+use crate::sampler::EpochOrder;
+
+/// A device-resident copy of a dataset's columns.
+pub struct DeviceCache {
+    columns: Vec<CudaSlice<u8>>,
+    idx: CudaSlice<u64>,
+    host_idx: Box<dyn HostMemory>,
+    batch: CudaSlice<u8>,
+    layout: BatchLayout,
+    filled: bool,
+    bytes: u64,
+}
+
+impl DeviceCache {
+    /// A cache for `rows` samples of `layout`'s columns and epochs of up to `samples`
+    /// indices, if its size fits under `share` of the device's free memory.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] if an allocation fails after the size check.
+    pub fn new(
+        cuda: &Cuda,
+        stream: &Arc<CudaStream>,
+        layout: &BatchLayout,
+        rows: u64,
+        samples: u64,
+        share: f64,
+    ) -> Result<Option<DeviceCache>> {
+        let bytes: u64 = layout
+            .columns()
+            .iter()
+            .map(|c| c.row_bytes as u64 * rows)
+            .sum();
+        let (free, _) = cuda.ctx.mem_get_info().map_err(cuda_err)?;
+        if bytes as f64 > share * free as f64 {
+            return Ok(None);
+        }
+        let columns = layout
+            .columns()
+            .iter()
+            .map(|c| stream.alloc_zeros::<u8>((c.row_bytes as u64 * rows).max(1) as usize))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(cuda_err)?;
+        let n = samples.max(1) as usize;
+        let host_idx = PinnedAlloc::new(Arc::clone(&cuda.ctx), PinnedKind::Plain).alloc(n * 8)?;
+        Ok(Some(DeviceCache {
+            columns,
+            idx: stream.alloc_zeros::<u64>(n).map_err(cuda_err)?,
+            host_idx,
+            batch: stream.alloc_zeros::<u8>(layout.bytes()).map_err(cuda_err)?,
+            layout: layout.clone(),
+            filled: false,
+            bytes,
+        }))
+    }
+
+    /// Bytes of device memory the cached columns take.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Whether a whole epoch has been scattered into the cache.
+    pub fn filled(&self) -> bool {
+        self.filled
+    }
+
+    pub(crate) fn set_filled(&mut self) {
+        self.filled = true;
+    }
+
+    /// The host copy of the current epoch's indices.
+    fn host_indices(&self) -> &[u64] {
+        // SAFETY: the pinned buffer holds `len` initialised bytes, aligned to a page,
+        // so it is a valid `[u64]` of `len / 8` elements; no writer is active.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.host_idx.as_ptr().cast::<u64>(),
+                self.host_idx.len() / 8,
+            )
+        }
+    }
+
+    /// Uploads the indices of every batch of `order` (batch `b` at `b * batch_size`).
+    pub(crate) fn upload_order(&mut self, order: &EpochOrder, stream: &CudaStream) -> Result<()> {
+        // The previous epoch's copy of the host buffer must be done before it is rewritten.
+        stream.synchronize().map_err(cuda_err)?;
+        let b = self.layout.batch_size();
+        let cap = self.host_idx.len() / 8;
+        // SAFETY: as in `host_indices`; `&mut self` makes this the only access, and the
+        // stream is idle, so no copy reads the buffer.
+        let host =
+            unsafe { std::slice::from_raw_parts_mut(self.host_idx.as_ptr().cast::<u64>(), cap) };
+        let mut batch = Vec::with_capacity(b);
+        for k in 0..order.batches() {
+            order.batch(k, &mut batch);
+            let at = k as usize * b;
+            host.get_mut(at..at + batch.len())
+                .ok_or_else(|| Error::Config("device cache: epoch larger than planned".into()))?
+                .copy_from_slice(&batch);
+        }
+        let used = (order.batches() as usize * b).min(cap);
+        let dst = addr(&self.idx, stream);
+        // SAFETY: `idx` holds `cap` u64; the pinned source stays alive (owned by self)
+        // and unchanged until the next `upload_order`, which synchronises first.
+        unsafe { result::memcpy_htod_async(dst, &host[..used], stream.cu_stream()) }
+            .map_err(cuda_err)
+    }
+
+    fn launch_rows(
+        &self,
+        f: &cudarc::driver::CudaFunction,
+        stream: &CudaStream,
+        (src, dst, idx): (u64, u64, u64),
+        rows: usize,
+        row_bytes: usize,
+    ) -> Result<()> {
+        let total = (rows * row_bytes) as u64;
+        let cfg = LaunchConfig {
+            grid_dim: (total.div_ceil(256).max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (rows, rb) = (rows as i32, row_bytes as i64);
+        let mut l = stream.launch_builder(f);
+        l.arg(&src).arg(&dst).arg(&idx).arg(&rows).arg(&rb);
+        // SAFETY: scatter_rows/gather_rows(const u8*, u8*, const u64*, int, i64): the
+        // batch column holds rows * row_bytes bytes, the cache column len * row_bytes,
+        // and every index is below len (the sampler's indices).
+        unsafe { l.launch(cfg) }.map(|_| ()).map_err(cuda_err)
+    }
+
+    /// Enqueues the scatter of a fed batch into the cache (epoch being filled).
+    pub(crate) fn scatter(&self, kernels: &Kernels, batch: &DeviceBatch) -> Result<()> {
+        let s = batch.stream();
+        let idx = addr(&self.idx, s) + batch.number() * self.layout.batch_size() as u64 * 8;
+        for (c, col) in self.columns.iter().enumerate() {
+            let rb = self.layout.columns()[c].row_bytes;
+            let cache = addr(col, s);
+            self.launch_rows(
+                &kernels.scatter_rows,
+                s,
+                (batch.column_ptr(c), cache, idx),
+                batch.len(),
+                rb,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Enqueues the gather of batch `b` (`rows` samples) from the cache into the cache's
+    /// batch buffer, and returns that batch.
+    pub(crate) fn gather<'a>(
+        &'a self,
+        kernels: &Kernels,
+        stream: &'a Arc<CudaStream>,
+        epoch: u64,
+        b: u64,
+        rows: usize,
+    ) -> Result<DeviceBatch<'a>> {
+        let base = addr(&self.batch, stream);
+        let at = b as usize * self.layout.batch_size();
+        let idx = addr(&self.idx, stream) + at as u64 * 8;
+        for (c, col) in self.columns.iter().enumerate() {
+            let rb = self.layout.columns()[c].row_bytes;
+            let dst = base + self.layout.offset(c) as u64;
+            self.launch_rows(
+                &kernels.gather_rows,
+                stream,
+                (addr(col, stream), dst, idx),
+                rows,
+                rb,
+            )?;
+        }
+        let indices = &self.host_indices()[at..at + rows];
+        Ok(DeviceBatch::new(
+            base,
+            &self.layout,
+            stream,
+            rows,
+            epoch,
+            b,
+            indices,
+        ))
+    }
+}
