@@ -246,7 +246,14 @@ fn run_bench(data: &Path, json: Option<&Path>, cfg: BenchConfig) -> stoker::Resu
         cfg.reps,
         if cfg.cold { ", then cold epochs" } else { "" }
     );
-    let report = bench::run(ds, &cfg)?;
+    let mut report = bench::run(Arc::clone(&ds), &cfg)?;
+    match stoker::device::Device::auto() {
+        stoker::device::Device::Cuda(c) => {
+            eprintln!("bench: GPU figures on {}", c.name);
+            report.gpu = Some(bench::gpu::run(&c, ds, cfg.batch, cfg.workers)?);
+        }
+        stoker::device::Device::Cpu { reason } => report.gpu_skipped = reason,
+    }
     println!(
         "warm page cache, full shuffle, batch {}, {} threads:",
         cfg.batch, cfg.workers
@@ -274,6 +281,34 @@ fn run_bench(data: &Path, json: Option<&Path>, cfg: BenchConfig) -> stoker::Resu
             100.0 * c.residency_before.fraction(),
             100.0 * c.residency_after.fraction()
         );
+    }
+    match (&report.gpu, &report.gpu_skipped) {
+        (Some(g), _) => {
+            let h = &g.h2d;
+            println!("GPU {}:", g.device);
+            println!(
+                "  H2D GB/s: bare pinned {:.1}, write-combined {:.1}, pageable {:.1}; feeder copies {:.1} = {:.0}% of bare pinned (wall {:.1})",
+                h.bare_pinned_gb_s,
+                h.bare_write_combined_gb_s,
+                h.bare_pageable_gb_s,
+                h.feeder_copy_gb_s,
+                100.0 * h.feeder_vs_bare,
+                h.feeder_wall_gb_s
+            );
+            let o = &g.overlap;
+            println!(
+                "  overlap (hidden {}): {:.3} s overlapped vs {:.3} s serialised; copy {:.3} s, compute {:.3} s, gather {:.3} s: {:.2}x the slowest stage",
+                o.hidden, o.overlapped_s, o.serialised_s, o.copy_s, o.compute_s, o.gather_s, o.overlapped_vs_slowest
+            );
+            if let Some(c) = &g.cache {
+                println!(
+                    "  device cache: epoch {:.3} s from the host path, {:.3} s from the cache ({:.1}x)",
+                    c.uncached_s, c.cached_s, c.speedup
+                );
+            }
+        }
+        (None, Some(reason)) => println!("GPU figures skipped: {reason}"),
+        (None, None) => {}
     }
     if let Some(path) = json {
         write_json(path, &report)?;

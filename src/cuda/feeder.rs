@@ -194,6 +194,20 @@ impl Feeder {
         &self.cuda
     }
 
+    /// Serialised mode, the baseline of the overlap benchmark: copies go on the compute
+    /// stream, so each batch's copy and work run one after the other.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] if a new copy stream cannot be made when leaving serial mode.
+    pub fn set_serial(&mut self, serial: bool) -> Result<()> {
+        self.copy = if serial {
+            Arc::clone(&self.compute)
+        } else {
+            self.cuda.ctx.new_stream().map_err(cuda_err)?
+        };
+        Ok(())
+    }
+
     /// The layout of the batches it feeds.
     pub fn layout(&self) -> &BatchLayout {
         &self.layout

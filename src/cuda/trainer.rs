@@ -113,6 +113,14 @@ impl CudaTrainer {
         self.step.weights()
     }
 
+    /// Serialised mode for the overlap benchmark (see [`Feeder::set_serial`]).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] if a stream cannot be made.
+    pub fn set_serial(&mut self, serial: bool) -> Result<()> {
+        self.feeder.set_serial(serial)
+    }
+
     /// Keeps a device-resident copy of the dataset (`rows` samples, epochs of `samples`)
     /// if it fits under `share` of free device memory: the next whole epoch fills it,
     /// and [`train_epoch_cached`](CudaTrainer::train_epoch_cached) reads from it.

@@ -5,6 +5,8 @@
 //! on the same number of threads. Whatever the loader adds (claiming batches, buffer
 //! recycling, in-order delivery, waking the consumer) shows as the gap between the two.
 
+pub mod gpu;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -130,6 +132,10 @@ pub struct BenchReport {
     pub ratios: Vec<f64>,
     /// Cold-cache epochs, full then block shuffle.
     pub cold: Vec<ColdEpoch>,
+    /// GPU figures, where a GPU was found.
+    pub gpu: Option<gpu::GpuBench>,
+    /// Why the GPU figures are missing.
+    pub gpu_skipped: Option<String>,
 }
 
 /// One pass of the roofline: the epoch's batches (`indices`, cut every `batch`) gathered
@@ -297,5 +303,7 @@ pub fn run(dataset: Arc<dyn Dataset>, cfg: &BenchConfig) -> Result<BenchReport> 
         roofline,
         loader: loader_tp,
         cold,
+        gpu: None,
+        gpu_skipped: None,
     })
 }
