@@ -256,6 +256,13 @@ impl TrainReport {
             "  unexplained:                        {:+.3} s\n",
             w.unexplained_s
         );
+        if let Some(bytes) = self.device_cache_bytes {
+            s += &format!(
+                "  (epochs after the first read a {:.0} MB device cache: they skip host gathering \
+                 and copies, so part of the excess is work the cache removed)\n",
+                bytes as f64 / 1e6
+            );
+        }
         s
     }
 }
