@@ -98,12 +98,15 @@ extern "C" __global__ void softmax_xent(
             arg = j;
         }
     }
+    // log softmax of the label, taken before exponentiation so that a very negative
+    // logit gives a large finite loss rather than log(0).
+    float z_label = row[label] - mx;
     float sum = 0.0f;
     for (int j = 0; j < classes; ++j) {
         row[j] = __expf(row[j] - mx);
         sum += row[j];
     }
-    atomicAdd(loss_sum, (double)(logf(sum) - logf(row[label])));
+    atomicAdd(loss_sum, (double)(logf(sum) - z_label));
     if (arg == label) {
         atomicAdd(correct, 1ULL);
     }

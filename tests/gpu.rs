@@ -86,7 +86,13 @@ fn first_step_matches_the_cpu_backend() {
         gm.loss_sum,
         cm.loss_sum
     );
-    assert_eq!(gm.correct, cm.correct);
+    // Argmax near-ties may round differently (another summation order): allow one.
+    assert!(
+        gm.correct.abs_diff(cm.correct) <= 1,
+        "correct {} vs {}",
+        gm.correct,
+        cm.correct
+    );
     let g = gpu.weights().unwrap();
     for (name, a, b) in [
         ("w1", &g.w1, &cpu.w1),
@@ -164,9 +170,7 @@ fn the_device_cache_gives_the_same_epochs() {
         let layout = loader.layout().clone();
         let mut t = CudaTrainer::new(c.clone(), kernels, &mlp, norm, &layout, (0, 1), 3).unwrap();
         if cached {
-            let bytes = t
-                .enable_device_cache(1797, loader.order().samples(), 0.5)
-                .unwrap();
+            let bytes = t.enable_device_cache(loader.order(), 0.5).unwrap();
             assert!(bytes.is_some(), "digits fit on any GPU");
         }
         let first = t

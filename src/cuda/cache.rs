@@ -19,6 +19,7 @@ use crate::sampler::EpochOrder;
 
 /// A device-resident copy of a dataset's columns.
 pub struct DeviceCache {
+    stream: Arc<CudaStream>,
     columns: Vec<CudaSlice<u8>>,
     idx: CudaSlice<u64>,
     host_idx: Box<dyn HostMemory>,
@@ -26,6 +27,13 @@ pub struct DeviceCache {
     layout: BatchLayout,
     filled: bool,
     bytes: u64,
+}
+
+impl Drop for DeviceCache {
+    fn drop(&mut self) {
+        // An index upload may still read the pinned host buffer freed below.
+        let _ = self.stream.synchronize();
+    }
 }
 
 impl DeviceCache {
@@ -60,6 +68,7 @@ impl DeviceCache {
         let n = samples.max(1) as usize;
         let host_idx = PinnedAlloc::new(Arc::clone(&cuda.ctx), PinnedKind::Plain).alloc(n * 8)?;
         Ok(Some(DeviceCache {
+            stream: Arc::clone(stream),
             columns,
             idx: stream.alloc_zeros::<u64>(n).map_err(cuda_err)?,
             host_idx,

@@ -166,7 +166,8 @@ impl Feeder {
         let copy = ctx.new_stream().map_err(cuda_err)?;
         let compute = ctx.new_stream().map_err(cuda_err)?;
         let k = slots.max(2);
-        let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        // Timing on, and a host wait sleeps instead of spinning a core the loader needs.
+        let timing = Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC);
         let events = |n: usize| -> Result<Vec<CudaEvent>> {
             (0..n)
                 .map(|_| ctx.new_event(timing).map_err(cuda_err))
@@ -227,6 +228,7 @@ impl Feeder {
         batch: &HostBatch,
         work: impl FnOnce(&DeviceBatch) -> Result<R>,
     ) -> Result<R> {
+        self.cuda.ctx.bind_to_thread().map_err(cuda_err)?;
         let dst = addr(&self.slots[0], &self.copy);
         // SAFETY: slot 0 holds `layout.bytes()` bytes, the batch buffer as many; the copy
         // is waited for before this returns, so the batch outlives it.
@@ -261,6 +263,17 @@ impl Feeder {
     ) -> Result<FeedStats> {
         let start = Instant::now();
         let k_slots = self.slots.len();
+        // Up to K - 1 batches stay in flight while the next is asked for: the loader
+        // needs more buffers than that, or it would wait for buffers only we can free.
+        if epoch.buffers() < k_slots + 1 {
+            return Err(Error::Config(format!(
+                "the feeder keeps up to {} batches in flight: build the loader with at least \
+                 {} buffers (prefetch + held), it has {}",
+                k_slots - 1,
+                k_slots + 1,
+                epoch.buffers()
+            )));
+        }
         let mut stats = FeedStats::default();
         let mut inflight: VecDeque<(HostBatch, usize)> = VecDeque::with_capacity(k_slots);
         let (mut copy_ms, mut work_ms) = (0f64, 0f64);
@@ -283,11 +296,15 @@ impl Feeder {
                 self.copy.wait(&self.consumed[k]).map_err(cuda_err)?;
                 self.copy_start[k].record(&self.copy).map_err(cuda_err)?;
                 let dst = addr(&self.slots[k], &self.copy);
-                let bytes = batch.as_bytes();
+                let bytes = batch.as_bytes().len() as u64;
                 // SAFETY: slot k holds `layout.bytes()` bytes, as does the pinned batch;
-                // the batch stays alive in `inflight` until `copied[k]` has completed.
-                unsafe { result::memcpy_htod_async(dst, bytes, self.copy.cu_stream()) }
+                // the batch goes into `inflight` right away and stays there until
+                // `copied[k]` has completed (or, on any error, until the copy stream is
+                // synchronised in the clean-up below).
+                unsafe { result::memcpy_htod_async(dst, batch.as_bytes(), self.copy.cu_stream()) }
                     .map_err(cuda_err)?;
+                inflight.push_back((batch, k));
+                let (batch, _) = inflight.back().expect("just pushed");
                 self.copied[k].record(&self.copy).map_err(cuda_err)?;
                 self.compute.wait(&self.copied[k]).map_err(cuda_err)?;
                 self.work_start[k].record(&self.compute).map_err(cuda_err)?;
@@ -306,10 +323,9 @@ impl Feeder {
                 worked?;
                 stats.batches += 1;
                 stats.samples += batch.len() as u64;
-                stats.bytes += bytes.len() as u64;
+                stats.bytes += bytes;
                 let elapsed = start.elapsed().as_secs_f64().max(1e-9);
                 progress(batch.len() as u64, stats.wait_data.as_secs_f64() / elapsed);
-                inflight.push_back((batch, k));
                 // Pinned buffers go back once their copies are done; at most K - 1 stay
                 // in flight, so a slot's previous batch is always released first.
                 while let Some(&(_, k0)) = inflight.front() {
@@ -325,8 +341,10 @@ impl Feeder {
                 i += 1;
             }
         })();
-        // Whatever happened, no pinned buffer goes back before its copy is done.
+        // Whatever happened, no pinned buffer goes back, and no slot is freed, before
+        // every copy enqueued so far is done.
         let drained = (|| -> Result<()> {
+            self.copy.synchronize().map_err(cuda_err)?;
             for (_, k0) in inflight.drain(..) {
                 self.copied[k0].synchronize().map_err(cuda_err)?;
                 copy_ms += self.copy_start[k0]

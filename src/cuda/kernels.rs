@@ -42,7 +42,7 @@ pub struct Kernels {
     pub load_time: Duration,
 }
 
-/// Where the PTX came from.
+/// Where the compiled image came from.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub enum KernelOrigin {
     /// Compiled by NVRTC now (and written to the cache).
@@ -96,7 +96,32 @@ impl Kernels {
     /// # Errors
     /// [`Error::Cuda`] with NVRTC's log or the driver's error.
     pub fn load(cuda: &Cuda) -> Result<Kernels> {
-        let arch = format!("--gpu-architecture=compute_{}{}", cuda.arch.0, cuda.arch.1);
+        let (image, origin) = match Self::image(cuda, true) {
+            Ok(found) => found,
+            Err(_) => Self::image(cuda, false)?,
+        };
+        match Self::from_image(cuda, image, origin.clone()) {
+            Ok(k) => Ok(k),
+            // A cached image that does not load (a half-written file, another driver):
+            // compile afresh, once.
+            Err(_) if matches!(origin, KernelOrigin::Cached { .. }) => {
+                let _ = std::fs::remove_file(origin.cache());
+                let (image, origin) = Self::image(cuda, false)?;
+                Self::from_image(cuda, image, origin)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The compiled image (a cubin for the device's own architecture, or PTX), from the
+    /// cache or from NVRTC.
+    fn image(cuda: &Cuda, cubin: bool) -> Result<(Ptx, KernelOrigin)> {
+        let (maj, min) = cuda.arch;
+        let arch = if cubin {
+            format!("--gpu-architecture=sm_{maj}{min}")
+        } else {
+            format!("--gpu-architecture=compute_{maj}{min}")
+        };
         let options = vec![arch, "--use_fast_math".to_string(), "-lineinfo".to_string()];
         let (major, minor) = cuda.nvrtc.version();
         let key = fnv1a(&[
@@ -105,31 +130,61 @@ impl Kernels {
             format!("nvrtc {major}.{minor}").as_bytes(),
         ]);
         let dir = cache_dir();
-        let file = dir.join(format!("mlp-{key:016x}.ptx"));
+        let file = dir.join(format!(
+            "mlp-{key:016x}.{}",
+            if cubin { "cubin" } else { "ptx" }
+        ));
         let t = Instant::now();
-        let (ptx, origin) = match std::fs::read_to_string(&file) {
-            Ok(ptx) if ptx.contains(".entry") => {
+        let cache = file.display().to_string();
+        if let Ok(bytes) = std::fs::read(&file) {
+            let ok = if cubin {
+                bytes.starts_with(b"\x7fELF")
+            } else {
+                !bytes.contains(&0) && bytes.windows(6).any(|w| w == b".entry")
+            };
+            if ok {
                 let seconds = t.elapsed().as_secs_f64();
-                let cache = file.display().to_string();
-                (ptx, KernelOrigin::Cached { seconds, cache })
+                let ptx = if cubin {
+                    Ptx::from_binary(bytes)
+                } else {
+                    Ptx::from_src(String::from_utf8_lossy(&bytes).into_owned())
+                };
+                return Ok((ptx, KernelOrigin::Cached { seconds, cache }));
             }
-            _ => {
-                let ptx = cuda
-                    .nvrtc
-                    .compile(SOURCE, "mlp.cu", &options)
-                    .map_err(Error::Cuda)?;
-                let seconds = t.elapsed().as_secs_f64();
-                // A cache that cannot be written only costs the next run a compile.
-                let _ = std::fs::create_dir_all(&dir)
-                    .and_then(|()| std::fs::write(file.with_extension("tmp"), &ptx))
-                    .and_then(|()| std::fs::rename(file.with_extension("tmp"), &file));
-                let cache = file.display().to_string();
-                (ptx, KernelOrigin::Compiled { seconds, cache })
-            }
+        }
+        let bytes = if cubin {
+            cuda.nvrtc.compile_cubin(SOURCE, "mlp.cu", &options)
+        } else {
+            cuda.nvrtc
+                .compile(SOURCE, "mlp.cu", &options)
+                .map(String::into_bytes)
+        }
+        .map_err(Error::Cuda)?;
+        let seconds = t.elapsed().as_secs_f64();
+        // A temporary name of our own, renamed into place: concurrent writers never
+        // expose a half-written file. A cache that cannot be written only costs the next
+        // run a compile.
+        let tmp = file.with_extension(format!(
+            "{}.{:?}.tmp",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let _ = std::fs::create_dir_all(&dir)
+            .and_then(|()| std::fs::write(&tmp, &bytes))
+            .and_then(|()| std::fs::rename(&tmp, &file));
+        let _ = std::fs::remove_file(&tmp);
+        let ptx = if cubin {
+            Ptx::from_binary(bytes)
+        } else {
+            Ptx::from_src(String::from_utf8_lossy(&bytes).into_owned())
         };
+        Ok((ptx, KernelOrigin::Compiled { seconds, cache }))
+    }
+
+    fn from_image(cuda: &Cuda, ptx: Ptx, origin: KernelOrigin) -> Result<Kernels> {
         let t = Instant::now();
         let cuda_err = |e: cudarc::driver::DriverError| Error::Cuda(e.to_string());
-        let module = cuda.ctx.load_module(Ptx::from_src(ptx)).map_err(cuda_err)?;
+        let module = cuda.ctx.load_module(ptx).map_err(cuda_err)?;
         let f = |name: &str| module.load_function(name).map_err(cuda_err);
         Ok(Kernels {
             sgemm: f("sgemm_strided")?,
@@ -145,6 +200,15 @@ impl Kernels {
             origin,
             module,
         })
+    }
+}
+
+impl KernelOrigin {
+    /// The cache file.
+    pub fn cache(&self) -> &str {
+        match self {
+            KernelOrigin::Compiled { cache, .. } | KernelOrigin::Cached { cache, .. } => cache,
+        }
     }
 }
 

@@ -54,6 +54,12 @@ pub fn probe() -> Result<Cuda, String> {
     let arch = ctx
         .compute_capability()
         .map_err(|e| format!("CUDA device without a compute capability: {e}"))?;
+    if arch.0 < 6 {
+        return Err(format!(
+            "{name} has compute capability {}.{}: stoker's kernels need 6.0 or newer",
+            arch.0, arch.1
+        ));
+    }
     Ok(Cuda {
         ctx,
         nvrtc: Arc::new(nvrtc),

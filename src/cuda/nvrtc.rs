@@ -147,11 +147,38 @@ impl Nvrtc {
         })
     }
 
-    /// Compiles CUDA C `source` to PTX with `options` (e.g. `--gpu-architecture=sm_90`).
+    /// Compiles CUDA C `source` to PTX with `options` (e.g.
+    /// `--gpu-architecture=compute_90`).
     ///
     /// # Errors
     /// The compiler's log when compilation fails, or the NVRTC error.
     pub fn compile(&self, source: &str, name: &str, options: &[String]) -> Result<String, String> {
+        let bytes = self.compile_to(source, name, options, false)?;
+        String::from_utf8(bytes).map_err(|_| "PTX is not UTF-8".to_string())
+    }
+
+    /// Compiles CUDA C `source` to a cubin for one real architecture (`options` must
+    /// name it, e.g. `--gpu-architecture=sm_90`). A cubin needs no JIT at load, so it
+    /// also loads where the driver is older than this NVRTC's PTX.
+    ///
+    /// # Errors
+    /// As [`compile`](Nvrtc::compile).
+    pub fn compile_cubin(
+        &self,
+        source: &str,
+        name: &str,
+        options: &[String],
+    ) -> Result<Vec<u8>, String> {
+        self.compile_to(source, name, options, true)
+    }
+
+    fn compile_to(
+        &self,
+        source: &str,
+        name: &str,
+        options: &[String],
+        cubin: bool,
+    ) -> Result<Vec<u8>, String> {
         let src = CString::new(source).map_err(|_| "kernel source holds a NUL byte".to_string())?;
         let cname = CString::new(name).map_err(|_| "kernel name holds a NUL byte".to_string())?;
         let opts: Vec<CString> = options
@@ -178,8 +205,13 @@ impl Nvrtc {
             type ErrStr = unsafe extern "C" fn(Status) -> *const c_char;
             let create = self.sym::<Create>(b"nvrtcCreateProgram\0")?;
             let compile = self.sym::<Compile>(b"nvrtcCompileProgram\0")?;
-            let ptx_size = self.sym::<Size>(b"nvrtcGetPTXSize\0")?;
-            let get_ptx = self.sym::<Get>(b"nvrtcGetPTX\0")?;
+            let (size_sym, get_sym): (&[u8], &[u8]) = if cubin {
+                (b"nvrtcGetCUBINSize\0", b"nvrtcGetCUBIN\0")
+            } else {
+                (b"nvrtcGetPTXSize\0", b"nvrtcGetPTX\0")
+            };
+            let ptx_size = self.sym::<Size>(size_sym)?;
+            let get_ptx = self.sym::<Get>(get_sym)?;
             let log_size = self.sym::<Size>(b"nvrtcGetProgramLogSize\0")?;
             let get_log = self.sym::<Get>(b"nvrtcGetProgramLog\0")?;
             let destroy = self.sym::<Destroy>(b"nvrtcDestroyProgram\0")?;
@@ -217,17 +249,21 @@ impl Nvrtc {
                 Err(format!("{name}: {}\n{log}", describe(status)))
             } else {
                 let mut n = 0usize;
+                let what = if cubin { "cubin" } else { "PTX" };
                 let s = ptx_size(prog, &mut n);
                 if s != 0 || n == 0 {
-                    Err(format!("nvrtcGetPTXSize: {}", describe(s)))
+                    Err(format!("getting the {what} size: {}", describe(s)))
                 } else {
                     let mut buf = vec![0u8; n];
                     let s = get_ptx(prog, buf.as_mut_ptr().cast());
                     if s != 0 {
-                        Err(format!("nvrtcGetPTX: {}", describe(s)))
+                        Err(format!("getting the {what}: {}", describe(s)))
                     } else {
-                        buf.truncate(n - 1);
-                        String::from_utf8(buf).map_err(|_| "PTX is not UTF-8".to_string())
+                        if !cubin {
+                            // PTX is a C string: drop its NUL.
+                            buf.truncate(n - 1);
+                        }
+                        Ok(buf)
                     }
                 }
             };

@@ -57,7 +57,10 @@ unsafe impl HostMemory for Pinned {
 
 impl Drop for Pinned {
     fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
+        // `bind_to_thread` would also report (and clear) an error some other drop left in
+        // the context, and this buffer would leak; make the context current directly.
+        // SAFETY: the context outlives this buffer (we hold an Arc to it).
+        if unsafe { result::ctx::set_current(self.ctx.cu_ctx()) }.is_ok() {
             // SAFETY: allocated by `malloc_host` in this context and freed once.
             let _ = unsafe { result::free_host(self.ptr.cast()) };
         }
@@ -78,7 +81,9 @@ impl HostAlloc for PinnedAlloc {
             allocator: self.name(),
             message,
         };
-        self.ctx.bind_to_thread().map_err(|e| err(e.to_string()))?;
+        // SAFETY: the context is alive (we hold an Arc to it); see `Drop` for why not
+        // `bind_to_thread`.
+        unsafe { result::ctx::set_current(self.ctx.cu_ctx()) }.map_err(|e| err(e.to_string()))?;
         let flags = match self.kind {
             PinnedKind::Plain => sys::CU_MEMHOSTALLOC_PORTABLE,
             PinnedKind::WriteCombined => {

@@ -11,7 +11,7 @@ use super::Cuda;
 use crate::cpu::{check_columns, EpochOutcome};
 use crate::error::{Error, Result};
 use crate::loader::{BatchLayout, Epoch, HostBatch};
-use crate::sampler::EpochOrder;
+use crate::sampler::{EpochOrder, Order};
 use crate::train::{Metrics, Mlp, MlpConfig, Normalize};
 
 /// Training state on the GPU: a feeder and the step it drives.
@@ -58,6 +58,17 @@ impl CudaTrainer {
         slots: usize,
     ) -> Result<CudaTrainer> {
         check_columns(mlp, layout, columns.0, columns.1)?;
+        // The matrix kernel puts 16 rows per block on the grid's y axis (at most 65535).
+        let largest = layout
+            .batch_size()
+            .max(mlp.config.inputs)
+            .max(mlp.config.hidden);
+        if largest > 65_535 * 16 {
+            return Err(Error::Config(format!(
+                "the CUDA step handles batch, inputs and hidden up to {}, got {largest}",
+                65_535 * 16
+            )));
+        }
         let feeder = Feeder::new(&cuda, layout, slots)?;
         let s = Arc::clone(feeder.stream());
         let up = |v: &[f32]| s.clone_htod(v).map_err(cuda_err);
@@ -121,28 +132,28 @@ impl CudaTrainer {
         self.feeder.set_serial(serial)
     }
 
-    /// Keeps a device-resident copy of the dataset (`rows` samples, epochs of `samples`)
-    /// if it fits under `share` of free device memory: the next whole epoch fills it,
-    /// and [`train_epoch_cached`](CudaTrainer::train_epoch_cached) reads from it.
-    /// Returns the cache's size in bytes, or `None` when it does not fit.
+    /// Keeps a device-resident copy of the dataset of `order` if it fits under `share` of
+    /// free device memory and one epoch covers every row (a single shard, nothing
+    /// dropped): the next whole epoch fills it, and
+    /// [`train_epoch_cached`](CudaTrainer::train_epoch_cached) reads from it. Returns
+    /// the cache's size in bytes, or `None` when it does not apply.
     ///
     /// # Errors
     /// [`Error::Cuda`] if the allocation fails.
-    pub fn enable_device_cache(
-        &mut self,
-        rows: u64,
-        samples: u64,
-        share: f64,
-    ) -> Result<Option<u64>> {
+    pub fn enable_device_cache(&mut self, order: &Order, share: f64) -> Result<Option<u64>> {
+        // One epoch must scatter every row, or later epochs would gather rows never
+        // written: one shard, and no sample dropped by the tail rule or drop_last.
+        let rows = order.len();
+        let whole = order.shard().world_size() == 1
+            && order.samples() == rows
+            && order.batches() * order.batch_size() >= rows;
+        if !whole {
+            self.cache = None;
+            return Ok(None);
+        }
         let layout = self.feeder.layout().clone();
-        self.cache = DeviceCache::new(
-            self.feeder.cuda(),
-            self.feeder.stream(),
-            &layout,
-            rows,
-            samples,
-            share,
-        )?;
+        let (cuda, stream) = (self.feeder.cuda(), self.feeder.stream());
+        self.cache = DeviceCache::new(cuda, stream, &layout, rows, rows, share)?;
         Ok(self.cache.as_ref().map(DeviceCache::bytes))
     }
 
@@ -286,6 +297,8 @@ impl Step {
         )?;
         self.launch1(&kk.relu_backward, 0, &[&null, &null, &zero64])?;
         self.launch1(&kk.bias_sgd, 0, &[&null, &null, &zero, &zero, &f])?;
+        self.launch1(&kk.scatter_rows, 0, &[&null, &null, &null, &zero, &zero64])?;
+        self.launch1(&kk.gather_rows, 0, &[&null, &null, &null, &zero, &zero64])?;
         let cfg = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (16, 16, 1),

@@ -89,6 +89,11 @@ impl<'a> Epoch<'a> {
         &self.job.order
     }
 
+    /// Host buffers in the loader's pool: how many batches a consumer can hold at once.
+    pub fn buffers(&self) -> usize {
+        self.job.pool.size()
+    }
+
     /// The first batch this iterator yields (0 unless resumed mid-epoch).
     pub fn first_batch(&self) -> u64 {
         self.first

@@ -335,12 +335,15 @@ pub fn step(
         let label = label as usize;
         let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let arg = row.iter().position(|&v| v == max).unwrap_or(0);
+        // log softmax of the label, before exponentiation: finite however negative the
+        // label's logit (ln of an underflowed exp would be infinite).
+        let z_label = row[label] - max;
         let mut sum = 0.0f32;
         for v in row.iter_mut() {
             *v = (*v - max).exp();
             sum += *v;
         }
-        metrics.loss_sum += (sum.ln() - (row[label].ln())) as f64;
+        metrics.loss_sum += (sum.ln() - z_label) as f64;
         metrics.correct += u64::from(arg == label);
         for v in row.iter_mut() {
             *v *= inv_n / sum;
@@ -505,6 +508,22 @@ mod tests {
             &mut Metrics::default()
         )
         .is_err());
+    }
+
+    #[test]
+    fn the_loss_stays_finite_for_confident_mistakes() {
+        let (mut mlp, x, y, norm) = tiny();
+        // Logits thousands apart: exp of the label's logit underflows to 0.
+        mlp.w2.iter_mut().for_each(|w| *w *= 1e4);
+        mlp.config.lr = 1e-9;
+        let mut ws = Workspace::new(&mlp.config, 6);
+        let mut m = Metrics::default();
+        step(&mut mlp, &mut ws, norm, &x, &y, &[], &mut m).unwrap();
+        assert!(
+            m.loss_sum.is_finite() && m.loss_sum > 100.0,
+            "{}",
+            m.loss_sum
+        );
     }
 
     #[test]

@@ -166,7 +166,7 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
     }
     let mut device_cache = None;
     if let (true, Backend::Cuda(t)) = (config.device_cache, &mut trainer) {
-        device_cache = t.enable_device_cache(ds.len(), samples_per_epoch, 0.5)?;
+        device_cache = t.enable_device_cache(loader.order(), 0.5)?;
     }
     let trace = config.trace.as_ref().map(|_| Arc::new(Trace::new()));
     if let (Some(tr), Backend::Cpu(t)) = (&trace, &mut trainer) {
