@@ -247,6 +247,12 @@ fn run_bench(data: &Path, json: Option<&Path>, cfg: BenchConfig) -> stoker::Resu
         if cfg.cold { ", then cold epochs" } else { "" }
     );
     let mut report = bench::run(Arc::clone(&ds), &cfg)?;
+    let o = bench::overlap_cpu(Arc::clone(&ds), &cfg)?;
+    println!(
+        "CPU backend, hidden {}: overlapped epoch {:.3} s vs serialised {:.3} s ({:.2}x); gather/worker {:.3} s, copy {:.3} s, compute {:.3} s: {:.2}x the slowest stage",
+        o.hidden, o.overlapped_s, o.serialised_s, o.speedup, o.gather_per_worker_s, o.copy_s, o.compute_s, o.overlapped_vs_slowest
+    );
+    report.cpu_overlap = Some(o);
     match stoker::device::Device::auto() {
         stoker::device::Device::Cuda(c) => {
             eprintln!("bench: GPU figures on {}", c.name);

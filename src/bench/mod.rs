@@ -132,6 +132,8 @@ pub struct BenchReport {
     pub ratios: Vec<f64>,
     /// Cold-cache epochs, full then block shuffle.
     pub cold: Vec<ColdEpoch>,
+    /// Overlapped against serialised on the CPU backend.
+    pub cpu_overlap: Option<CpuOverlap>,
     /// GPU figures, where a GPU was found.
     pub gpu: Option<gpu::GpuBench>,
     /// Why the GPU figures are missing.
@@ -303,7 +305,122 @@ pub fn run(dataset: Arc<dyn Dataset>, cfg: &BenchConfig) -> Result<BenchReport> 
         roofline,
         loader: loader_tp,
         cold,
+        cpu_overlap: None,
         gpu: None,
         gpu_skipped: None,
+    })
+}
+
+/// Overlapped against serialised on the CPU backend: the training step with copies on
+/// their own thread, and the same step copying then computing on one thread. The hidden
+/// width is chosen so that compute per batch is close to the gather per worker.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CpuOverlap {
+    /// Hidden units used.
+    pub hidden: usize,
+    /// Best overlapped epoch, seconds.
+    pub overlapped_s: f64,
+    /// Best serialised epoch, seconds.
+    pub serialised_s: f64,
+    /// Gather time per worker in the overlapped epoch, seconds.
+    pub gather_per_worker_s: f64,
+    /// Copy time in the overlapped epoch, seconds.
+    pub copy_s: f64,
+    /// Compute time in the overlapped epoch, seconds.
+    pub compute_s: f64,
+    /// `serialised_s / overlapped_s`.
+    pub speedup: f64,
+    /// `overlapped_s / max(gather_per_worker_s, copy_s, compute_s)`.
+    pub overlapped_vs_slowest: f64,
+}
+
+/// Measures [`CpuOverlap`] on `dataset` (column 0 `u8` inputs, column 1 `i64` labels).
+///
+/// # Errors
+/// Loader, dataset and step errors; [`Error::Config`](crate::Error::Config) for columns
+/// the model cannot read.
+pub fn overlap_cpu(dataset: Arc<dyn Dataset>, cfg: &BenchConfig) -> Result<CpuOverlap> {
+    use crate::cpu::CpuTrainer;
+    use crate::train::{Mlp, MlpConfig, Normalize};
+
+    let mut loader = build(&dataset, cfg, Shuffle::Full { seed: cfg.seed })?;
+    let inputs = dataset.columns()[0].row_bytes;
+    // Classes and normalisation from the data itself.
+    let (mut max_label, mut sample) = (0i64, Vec::new());
+    let rows = dataset.len();
+    let chunk = 4096u64;
+    let mut x = vec![0u8; chunk as usize * inputs];
+    let mut y = vec![0u8; chunk as usize * 8];
+    for start in (0..rows).step_by(chunk as usize) {
+        let ids: Vec<u64> = (start..(start + chunk).min(rows)).collect();
+        dataset.gather(
+            0,
+            &ids,
+            &mut [&mut x[..ids.len() * inputs], &mut y[..ids.len() * 8]],
+        )?;
+        for b in y[..ids.len() * 8].chunks_exact(8) {
+            let l = i64::from_le_bytes(b.try_into().expect("8 bytes"));
+            if l < 0 {
+                return Err(crate::Error::Config(format!("negative label {l}")));
+            }
+            max_label = max_label.max(l);
+        }
+        if sample.is_empty() {
+            sample = x[..ids.len().min(512) * inputs].to_vec();
+        }
+    }
+    let norm = Normalize::fit(&sample);
+    let layout = loader.layout().clone();
+    let trainer = |hidden: usize| -> Result<CpuTrainer> {
+        let mlp = Mlp::new(MlpConfig {
+            inputs,
+            hidden,
+            classes: (max_label as usize + 1).max(2),
+            lr: 0.01,
+            seed: 0,
+        })?;
+        CpuTrainer::new(mlp, norm, &layout, (0, 1), 3)
+    };
+    let workers = cfg.workers.max(1) as f64;
+    let mut hidden = 1;
+    let mut epoch = 0;
+    loop {
+        let mut t = trainer(hidden)?;
+        let out = t.train_epoch(loader.epoch(epoch)?)?;
+        epoch += 1;
+        if out.stages.compute.as_secs_f64() >= out.stages.gather.as_secs_f64() / workers
+            || hidden >= 1024
+        {
+            break;
+        }
+        hidden *= 2;
+    }
+    let mut t = trainer(hidden)?;
+    let (mut best_over, mut best_ser) = (None::<crate::cpu::EpochOutcome>, f64::INFINITY);
+    for _ in 0..2 {
+        t.set_serial(false);
+        let o = t.train_epoch(loader.epoch(epoch)?)?;
+        t.set_serial(true);
+        let s = t.train_epoch(loader.epoch(epoch)?)?;
+        epoch += 1;
+        if best_over.as_ref().map_or(true, |b| o.wall < b.wall) {
+            best_over = Some(o);
+        }
+        best_ser = best_ser.min(s.wall.as_secs_f64());
+    }
+    let o = best_over.expect("two runs");
+    let gather = o.stages.gather.as_secs_f64() / workers;
+    let slowest = gather
+        .max(o.stages.copy.as_secs_f64())
+        .max(o.stages.compute.as_secs_f64());
+    Ok(CpuOverlap {
+        hidden,
+        overlapped_s: o.wall.as_secs_f64(),
+        serialised_s: best_ser,
+        gather_per_worker_s: gather,
+        copy_s: o.stages.copy.as_secs_f64(),
+        compute_s: o.stages.compute.as_secs_f64(),
+        speedup: best_ser / o.wall.as_secs_f64(),
+        overlapped_vs_slowest: o.wall.as_secs_f64() / slowest.max(1e-9),
     })
 }

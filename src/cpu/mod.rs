@@ -67,9 +67,73 @@ pub struct CpuTrainer {
     x_column: usize,
     y_column: usize,
     trace: Option<Arc<Trace>>,
+    serial: bool,
 }
 
 impl CpuTrainer {
+    /// Serialised mode, the baseline of the overlap benchmark: each batch is copied and
+    /// then trained on by the calling thread, one after the other (the loader's workers
+    /// still prefetch).
+    pub fn set_serial(&mut self, serial: bool) {
+        self.serial = serial;
+    }
+
+    fn train_serial(
+        &mut self,
+        mut epoch: Epoch<'_>,
+        progress: &mut dyn FnMut(u64, f64),
+    ) -> Result<EpochOutcome> {
+        let start = Instant::now();
+        let mut out = EpochOutcome::default();
+        let (xo, yo) = (
+            self.layout.offset(self.x_column),
+            self.layout.offset(self.y_column),
+        );
+        let row = self.layout.columns()[self.x_column].row_bytes;
+        let mut y = Vec::with_capacity(self.layout.batch_size());
+        let mut slot = self.slots[0].lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let t = Instant::now();
+            let Some(batch) = epoch.next() else { break };
+            out.stages.wait_data += t.elapsed();
+            let batch = batch?;
+            let t = Instant::now();
+            let src = batch.as_bytes();
+            slot.bytes[..src.len()].copy_from_slice(src);
+            let n = batch.len();
+            slot.indices.clear();
+            slot.indices.extend_from_slice(batch.indices());
+            drop(batch);
+            out.stages.copy += t.elapsed();
+            let t = Instant::now();
+            y.clear();
+            y.extend(
+                slot.bytes[yo..yo + n * 8]
+                    .chunks_exact(8)
+                    .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes"))),
+            );
+            let x = &slot.bytes[xo..xo + n * row];
+            step(
+                &mut self.mlp,
+                &mut self.workspace,
+                self.norm,
+                x,
+                &y,
+                &slot.indices,
+                &mut out.metrics,
+            )?;
+            out.stages.compute += t.elapsed();
+            out.batches += 1;
+            let elapsed = start.elapsed().as_secs_f64().max(1e-9);
+            progress(n as u64, out.stages.wait_data.as_secs_f64() / elapsed);
+        }
+        drop(slot);
+        out.loader = epoch.stats();
+        out.stages.gather = out.loader.gather;
+        out.wall = start.elapsed();
+        Ok(out)
+    }
+
     /// Records a span per batch per stage (gather on its worker, copy, wait, compute)
     /// into `trace` from now on.
     pub fn set_trace(&mut self, trace: Arc<Trace>) {
@@ -110,6 +174,7 @@ impl CpuTrainer {
             x_column,
             y_column,
             trace: None,
+            serial: false,
         })
     }
 
@@ -138,6 +203,9 @@ impl CpuTrainer {
         epoch: Epoch<'_>,
         progress: &mut dyn FnMut(u64, f64),
     ) -> Result<EpochOutcome> {
+        if self.serial {
+            return self.train_serial(epoch, progress);
+        }
         let start = Instant::now();
         let (free_tx, free_rx) = bounded::<usize>(self.slots.len());
         let (full_tx, full_rx) = bounded::<usize>(self.slots.len());
@@ -154,6 +222,7 @@ impl CpuTrainer {
             x_column,
             y_column,
             trace,
+            serial: _,
         } = self;
         let trace = trace.as_deref();
         let epoch_no = epoch.epoch();
