@@ -23,6 +23,7 @@ use cudarc::driver::{result, sys, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use super::Cuda;
 use crate::error::{Error, Result};
 use crate::loader::{BatchLayout, Epoch, EpochStats, HostBatch};
+use crate::report::Trace;
 
 pub(crate) fn cuda_err(e: cudarc::driver::DriverError) -> Error {
     Error::Cuda(e.to_string())
@@ -145,6 +146,27 @@ pub struct Feeder {
     copied: Vec<CudaEvent>,
     work_start: Vec<CudaEvent>,
     consumed: Vec<CudaEvent>,
+    /// Recorded when an epoch starts: device times in the trace are measured from it.
+    epoch_start: CudaEvent,
+    /// The batch number each slot last held (for trace spans).
+    slot_batch: Vec<u64>,
+    trace: Option<Arc<Trace>>,
+}
+
+/// Turns a pair of completed events into a trace span on `track`, placing device time
+/// relative to `origin` (recorded at host instant `t0`).
+fn device_span(
+    trace: Option<&Trace>,
+    (origin, t0): (&CudaEvent, Instant),
+    (a, b): (&CudaEvent, &CudaEvent),
+    (name, track): (&'static str, &'static str),
+    (epoch, batch): (u64, u64),
+) {
+    let Some(tr) = trace else { return };
+    if let (Ok(sa), Ok(sb)) = (origin.elapsed_ms(a), origin.elapsed_ms(b)) {
+        let at = |ms: f32| t0 + Duration::from_secs_f64(ms.max(0.0) as f64 / 1e3);
+        tr.span(name, track, (at(sa), at(sb)), epoch, batch);
+    }
 }
 
 impl Feeder {
@@ -178,6 +200,9 @@ impl Feeder {
             .collect::<Result<Vec<_>>>()?;
         compute.synchronize().map_err(cuda_err)?;
         Ok(Feeder {
+            epoch_start: ctx.new_event(timing).map_err(cuda_err)?,
+            slot_batch: vec![0; k],
+            trace: None,
             cuda: cuda.clone(),
             copy_start: events(k)?,
             copied: events(k)?,
@@ -207,6 +232,12 @@ impl Feeder {
             self.cuda.ctx.new_stream().map_err(cuda_err)?
         };
         Ok(())
+    }
+
+    /// Records spans into `trace` from now on: gather on each loader worker, and the
+    /// copies and the work on each batch as the device ran them (from the events).
+    pub fn set_trace(&mut self, trace: Arc<Trace>) {
+        self.trace = Some(trace);
     }
 
     /// The layout of the batches it feeds.
@@ -274,6 +305,9 @@ impl Feeder {
                 epoch.buffers()
             )));
         }
+        let t0 = Instant::now();
+        self.epoch_start.record(&self.copy).map_err(cuda_err)?;
+        let epoch_no = epoch.epoch();
         let mut stats = FeedStats::default();
         let mut inflight: VecDeque<(HostBatch, usize)> = VecDeque::with_capacity(k_slots);
         let (mut copy_ms, mut work_ms) = (0f64, 0f64);
@@ -292,7 +326,26 @@ impl Feeder {
                     work_ms += self.work_start[k]
                         .elapsed_ms(&self.consumed[k])
                         .map_err(cuda_err)? as f64;
+                    device_span(
+                        self.trace.as_deref(),
+                        (&self.epoch_start, t0),
+                        (&self.work_start[k], &self.consumed[k]),
+                        ("compute", "compute stream"),
+                        (epoch_no, self.slot_batch[k]),
+                    );
                 }
+                if let Some(tr) = self.trace.as_deref() {
+                    let tm = batch.timing();
+                    let worker = format!("gather worker {}", tm.worker);
+                    tr.span(
+                        "gather",
+                        worker,
+                        (tm.gather_start, tm.gather_end),
+                        epoch_no,
+                        batch.number(),
+                    );
+                }
+                self.slot_batch[k] = batch.number();
                 self.copy.wait(&self.consumed[k]).map_err(cuda_err)?;
                 self.copy_start[k].record(&self.copy).map_err(cuda_err)?;
                 let dst = addr(&self.slots[k], &self.copy);
@@ -336,6 +389,13 @@ impl Feeder {
                     copy_ms += self.copy_start[k0]
                         .elapsed_ms(&self.copied[k0])
                         .map_err(cuda_err)? as f64;
+                    device_span(
+                        self.trace.as_deref(),
+                        (&self.epoch_start, t0),
+                        (&self.copy_start[k0], &self.copied[k0]),
+                        ("copy", "copy stream"),
+                        (epoch_no, self.slot_batch[k0]),
+                    );
                     inflight.pop_front();
                 }
                 i += 1;
@@ -350,6 +410,13 @@ impl Feeder {
                 copy_ms += self.copy_start[k0]
                     .elapsed_ms(&self.copied[k0])
                     .map_err(cuda_err)? as f64;
+                device_span(
+                    self.trace.as_deref(),
+                    (&self.epoch_start, t0),
+                    (&self.copy_start[k0], &self.copied[k0]),
+                    ("copy", "copy stream"),
+                    (epoch_no, self.slot_batch[k0]),
+                );
             }
             self.compute.synchronize().map_err(cuda_err)?;
             for j in i.saturating_sub(k_slots)..i {
@@ -357,6 +424,13 @@ impl Feeder {
                 work_ms += self.work_start[k]
                     .elapsed_ms(&self.consumed[k])
                     .map_err(cuda_err)? as f64;
+                device_span(
+                    self.trace.as_deref(),
+                    (&self.epoch_start, t0),
+                    (&self.work_start[k], &self.consumed[k]),
+                    ("compute", "compute stream"),
+                    (epoch_no, self.slot_batch[k]),
+                );
             }
             Ok(())
         })();

@@ -124,6 +124,11 @@ impl CudaTrainer {
         self.step.weights()
     }
 
+    /// Records trace spans (see [`Feeder::set_trace`]).
+    pub fn set_trace(&mut self, trace: Arc<crate::report::Trace>) {
+        self.feeder.set_trace(trace);
+    }
+
     /// Serialised mode for the overlap benchmark (see [`Feeder::set_serial`]).
     ///
     /// # Errors

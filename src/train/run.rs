@@ -169,8 +169,10 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
         device_cache = t.enable_device_cache(loader.order(), 0.5)?;
     }
     let trace = config.trace.as_ref().map(|_| Arc::new(Trace::new()));
-    if let (Some(tr), Backend::Cpu(t)) = (&trace, &mut trainer) {
-        t.set_trace(Arc::clone(tr));
+    match (&trace, &mut trainer) {
+        (Some(tr), Backend::Cpu(t)) => t.set_trace(Arc::clone(tr)),
+        (Some(tr), Backend::Cuda(t)) => t.set_trace(Arc::clone(tr)),
+        (None, _) => {}
     }
 
     let bytes_per_sample: u64 = ds.columns().iter().map(|c| c.row_bytes as u64).sum();
