@@ -114,7 +114,7 @@ enum Command {
 #[derive(Debug, Clone, clap::Args)]
 struct LoaderArgs {
     /// Directory holding x.npy (u8) and y.npy (i64); made with `stoker gen` if missing.
-    #[arg(long, default_value = "data/cifar")]
+    #[arg(long, default_value = DEFAULT_DATA)]
     data: PathBuf,
     /// Samples per batch.
     #[arg(long, default_value_t = 256)]
@@ -164,9 +164,15 @@ fn progress(len: u64, what: &str) -> ProgressBar {
     bar
 }
 
-/// Makes the default classification set in `dir` unless it is already there.
+/// Where `train` and `bench` make their default dataset when `--data` is not given.
+const DEFAULT_DATA: &str = "data/cifar";
+
+/// Makes the default classification set unless it is already there. Any other missing
+/// directory is left alone: opening it then fails with an error naming it, rather than
+/// generating 600 MB into a mistyped path.
 fn ensure_dataset(dir: &Path) -> stoker::Result<()> {
-    if dir.join("x.npy").is_file() && dir.join("y.npy").is_file() {
+    if dir != Path::new(DEFAULT_DATA) || dir.join("x.npy").is_file() && dir.join("y.npy").is_file()
+    {
         return Ok(());
     }
     let spec = ClassificationSpec::default();

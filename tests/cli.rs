@@ -125,3 +125,21 @@ fn bad_arguments_are_errors_not_panics() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("batch size"));
 }
+
+#[test]
+fn a_missing_data_directory_is_an_error_not_a_new_dataset() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("typo");
+    let out = stoker(&[
+        "train",
+        "--data",
+        missing.to_str().unwrap(),
+        "--epochs",
+        "1",
+        "--device",
+        "cpu",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("typo"));
+    assert!(!missing.exists(), "nothing was generated");
+}
