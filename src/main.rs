@@ -242,7 +242,9 @@ fn inspect(paths: &[PathBuf]) -> ExitCode {
 
 fn run_bench(data: &Path, json: Option<&Path>, cfg: BenchConfig) -> stoker::Result<()> {
     ensure_dataset(data)?;
-    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(data)?);
+    let ds = NpyDataset::open(data)?;
+    let fitted = stoker::train::fit_classifier(&ds)?;
+    let ds: Arc<dyn Dataset> = Arc::new(ds);
     eprintln!(
         "bench: {} samples, batch {}, {} workers, prefetch {}, {} reps{}",
         ds.len(),
@@ -253,7 +255,7 @@ fn run_bench(data: &Path, json: Option<&Path>, cfg: BenchConfig) -> stoker::Resu
         if cfg.cold { ", then cold epochs" } else { "" }
     );
     let mut report = bench::run(Arc::clone(&ds), &cfg)?;
-    let o = bench::overlap_cpu(Arc::clone(&ds), &cfg)?;
+    let o = bench::overlap_cpu(Arc::clone(&ds), &cfg, fitted)?;
     println!(
         "CPU backend, hidden {}: overlapped epoch {:.3} s vs serialised {:.3} s ({:.2}x); gather/worker {:.3} s, copy {:.3} s, compute {:.3} s: {:.2}x the slowest stage",
         o.hidden, o.overlapped_s, o.serialised_s, o.speedup, o.gather_per_worker_s, o.copy_s, o.compute_s, o.overlapped_vs_slowest

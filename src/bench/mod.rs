@@ -16,6 +16,7 @@ use crate::error::Result;
 use crate::loader::{BatchLayout, EpochStats, Loader};
 use crate::pagecache::{self, Residency};
 use crate::sampler::{Order, Shard, Shuffle};
+use crate::train::Normalize;
 
 /// What to measure.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -334,48 +335,29 @@ pub struct CpuOverlap {
     pub overlapped_vs_slowest: f64,
 }
 
-/// Measures [`CpuOverlap`] on `dataset` (column 0 `u8` inputs, column 1 `i64` labels).
+/// Measures [`CpuOverlap`] on `dataset` (column 0 `u8` inputs, column 1 `i64` labels
+/// below `classes`), normalising inputs with `norm` (see
+/// [`fit_classifier`](crate::train::fit_classifier)).
 ///
 /// # Errors
 /// Loader, dataset and step errors; [`Error::Config`](crate::Error::Config) for columns
 /// the model cannot read.
-pub fn overlap_cpu(dataset: Arc<dyn Dataset>, cfg: &BenchConfig) -> Result<CpuOverlap> {
+pub fn overlap_cpu(
+    dataset: Arc<dyn Dataset>,
+    cfg: &BenchConfig,
+    (norm, classes): (Normalize, usize),
+) -> Result<CpuOverlap> {
     use crate::cpu::CpuTrainer;
-    use crate::train::{Mlp, MlpConfig, Normalize};
+    use crate::train::{Mlp, MlpConfig};
 
     let mut loader = build(&dataset, cfg, Shuffle::Full { seed: cfg.seed })?;
     let inputs = dataset.columns()[0].row_bytes;
-    // Classes and normalisation from the data itself.
-    let (mut max_label, mut sample) = (0i64, Vec::new());
-    let rows = dataset.len();
-    let chunk = 4096u64;
-    let mut x = vec![0u8; chunk as usize * inputs];
-    let mut y = vec![0u8; chunk as usize * 8];
-    for start in (0..rows).step_by(chunk as usize) {
-        let ids: Vec<u64> = (start..(start + chunk).min(rows)).collect();
-        dataset.gather(
-            0,
-            &ids,
-            &mut [&mut x[..ids.len() * inputs], &mut y[..ids.len() * 8]],
-        )?;
-        for b in y[..ids.len() * 8].chunks_exact(8) {
-            let l = i64::from_le_bytes(b.try_into().expect("8 bytes"));
-            if l < 0 {
-                return Err(crate::Error::Config(format!("negative label {l}")));
-            }
-            max_label = max_label.max(l);
-        }
-        if sample.is_empty() {
-            sample = x[..ids.len().min(512) * inputs].to_vec();
-        }
-    }
-    let norm = Normalize::fit(&sample);
     let layout = loader.layout().clone();
     let trainer = |hidden: usize| -> Result<CpuTrainer> {
         let mlp = Mlp::new(MlpConfig {
             inputs,
             hidden,
-            classes: (max_label as usize + 1).max(2),
+            classes,
             lr: 0.01,
             seed: 0,
         })?;

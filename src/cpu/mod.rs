@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{bounded, Receiver, Sender};
 
 use crate::error::{Error, Result};
-use crate::loader::{BatchLayout, Epoch, EpochStats};
+use crate::loader::{BatchLayout, Epoch, EpochStats, HostBatch};
 use crate::report::Trace;
 use crate::train::{step, Metrics, Mlp, Normalize, Workspace};
 
@@ -55,6 +55,55 @@ struct Slot {
     number: u64,
 }
 
+impl Slot {
+    /// Copies a batch (bytes, indices, length, number) into the slot.
+    fn fill(&mut self, batch: &HostBatch) {
+        let src = batch.as_bytes();
+        self.bytes[..src.len()].copy_from_slice(src);
+        self.indices.clear();
+        self.indices.extend_from_slice(batch.indices());
+        self.len = batch.len();
+        self.number = batch.number();
+    }
+}
+
+/// Where the step's inputs sit in a slot, and a reusable label buffer.
+struct StepInputs {
+    x_offset: usize,
+    y_offset: usize,
+    x_row: usize,
+    y: Vec<i64>,
+}
+
+impl StepInputs {
+    fn new(layout: &BatchLayout, (x_column, y_column): (usize, usize)) -> StepInputs {
+        StepInputs {
+            x_offset: layout.offset(x_column),
+            y_offset: layout.offset(y_column),
+            x_row: layout.columns()[x_column].row_bytes,
+            y: Vec::with_capacity(layout.batch_size()),
+        }
+    }
+
+    /// One training step on the batch in `slot`.
+    fn step(
+        &mut self,
+        (mlp, workspace, norm): (&mut Mlp, &mut Workspace, Normalize),
+        slot: &Slot,
+        metrics: &mut Metrics,
+    ) -> Result<()> {
+        let n = slot.len;
+        self.y.clear();
+        self.y.extend(
+            slot.bytes[self.y_offset..self.y_offset + n * 8]
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes"))),
+        );
+        let x = &slot.bytes[self.x_offset..self.x_offset + n * self.x_row];
+        step(mlp, workspace, norm, x, &self.y, &slot.indices, metrics)
+    }
+}
+
 /// The training state of the CPU backend.
 pub struct CpuTrainer {
     mlp: Mlp,
@@ -85,12 +134,7 @@ impl CpuTrainer {
     ) -> Result<EpochOutcome> {
         let start = Instant::now();
         let mut out = EpochOutcome::default();
-        let (xo, yo) = (
-            self.layout.offset(self.x_column),
-            self.layout.offset(self.y_column),
-        );
-        let row = self.layout.columns()[self.x_column].row_bytes;
-        let mut y = Vec::with_capacity(self.layout.batch_size());
+        let mut inputs = StepInputs::new(&self.layout, (self.x_column, self.y_column));
         let mut slot = self.slots[0].lock().unwrap_or_else(|e| e.into_inner());
         loop {
             let t = Instant::now();
@@ -98,34 +142,19 @@ impl CpuTrainer {
             out.stages.wait_data += t.elapsed();
             let batch = batch?;
             let t = Instant::now();
-            let src = batch.as_bytes();
-            slot.bytes[..src.len()].copy_from_slice(src);
-            let n = batch.len();
-            slot.indices.clear();
-            slot.indices.extend_from_slice(batch.indices());
+            slot.fill(&batch);
             drop(batch);
             out.stages.copy += t.elapsed();
             let t = Instant::now();
-            y.clear();
-            y.extend(
-                slot.bytes[yo..yo + n * 8]
-                    .chunks_exact(8)
-                    .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes"))),
-            );
-            let x = &slot.bytes[xo..xo + n * row];
-            step(
-                &mut self.mlp,
-                &mut self.workspace,
-                self.norm,
-                x,
-                &y,
-                &slot.indices,
-                &mut out.metrics,
-            )?;
+            let model = (&mut self.mlp, &mut self.workspace, self.norm);
+            inputs.step(model, &slot, &mut out.metrics)?;
             out.stages.compute += t.elapsed();
             out.batches += 1;
             let elapsed = start.elapsed().as_secs_f64().max(1e-9);
-            progress(n as u64, out.stages.wait_data.as_secs_f64() / elapsed);
+            progress(
+                slot.len as u64,
+                out.stages.wait_data.as_secs_f64() / elapsed,
+            );
         }
         drop(slot);
         out.loader = epoch.stats();
@@ -230,9 +259,7 @@ impl CpuTrainer {
         let (copied, computed) = std::thread::scope(|s| {
             let copier = s.spawn(move || copy_stage(epoch, slots, free_rx, full_tx, trace));
             let computed = (|| {
-                let (xo, yo) = (layout.offset(*x_column), layout.offset(*y_column));
-                let row = layout.columns()[*x_column].row_bytes;
-                let mut y = Vec::with_capacity(layout.batch_size());
+                let mut inputs = StepInputs::new(layout, (*x_column, *y_column));
                 loop {
                     let waited = Instant::now();
                     let Ok(i) = full_rx.recv() else {
@@ -251,22 +278,7 @@ impl CpuTrainer {
                         );
                     }
                     let n = slot.len;
-                    y.clear();
-                    y.extend(
-                        slot.bytes[yo..yo + n * 8]
-                            .chunks_exact(8)
-                            .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes"))),
-                    );
-                    let x = &slot.bytes[xo..xo + n * row];
-                    step(
-                        mlp,
-                        workspace,
-                        *norm,
-                        x,
-                        &y,
-                        &slot.indices,
-                        &mut out.metrics,
-                    )?;
+                    inputs.step((mlp, workspace, *norm), &slot, &mut out.metrics)?;
                     let number = slot.number;
                     drop(slot);
                     if let Some(tr) = trace {
@@ -315,34 +327,16 @@ fn copy_stage(
         wait += t.elapsed();
         let batch = batch?;
         if let Some(tr) = trace {
-            let tm = batch.timing();
-            let worker = format!("gather worker {}", tm.worker);
-            tr.span(
-                "gather",
-                worker,
-                (tm.gather_start, tm.gather_end),
-                epoch_no,
-                batch.number(),
-            );
-            tr.span(
-                "wait for data",
-                "copy",
-                (t, t + tm.waited),
-                epoch_no,
-                batch.number(),
-            );
+            tr.gather(&batch);
+            let waited = (t, t + batch.timing().waited);
+            tr.span("wait for data", "copy", waited, epoch_no, batch.number());
         }
         let Ok(i) = free.recv() else { break };
         let t = Instant::now();
-        {
-            let mut slot = slots[i].lock().unwrap_or_else(|e| e.into_inner());
-            let src = batch.as_bytes();
-            slot.bytes[..src.len()].copy_from_slice(src);
-            slot.indices.clear();
-            slot.indices.extend_from_slice(batch.indices());
-            slot.len = batch.len();
-            slot.number = batch.number();
-        }
+        slots[i]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .fill(&batch);
         let number = batch.number();
         drop(batch);
         if let Some(tr) = trace {

@@ -153,22 +153,6 @@ pub struct Feeder {
     trace: Option<Arc<Trace>>,
 }
 
-/// Turns a pair of completed events into a trace span on `track`, placing device time
-/// relative to `origin` (recorded at host instant `t0`).
-fn device_span(
-    trace: Option<&Trace>,
-    (origin, t0): (&CudaEvent, Instant),
-    (a, b): (&CudaEvent, &CudaEvent),
-    (name, track): (&'static str, &'static str),
-    (epoch, batch): (u64, u64),
-) {
-    let Some(tr) = trace else { return };
-    if let (Ok(sa), Ok(sb)) = (origin.elapsed_ms(a), origin.elapsed_ms(b)) {
-        let at = |ms: f32| t0 + Duration::from_secs_f64(ms.max(0.0) as f64 / 1e3);
-        tr.span(name, track, (at(sa), at(sb)), epoch, batch);
-    }
-}
-
 impl Feeder {
     /// A feeder with `slots` device slots (at least 2) for batches of `layout`, on its
     /// own copy and compute streams.
@@ -232,6 +216,39 @@ impl Feeder {
             self.cuda.ctx.new_stream().map_err(cuda_err)?
         };
         Ok(())
+    }
+
+    /// Milliseconds of slot `k`'s last copy (both events complete), recorded as a trace
+    /// span on the copy stream's track when tracing.
+    fn copy_done(&self, k: usize, at: (Instant, u64)) -> Result<f64> {
+        let pair = (&self.copy_start[k], &self.copied[k]);
+        self.device_time(pair, ("copy", "copy stream"), k, at)
+    }
+
+    /// Milliseconds of the work on slot `k`'s last batch, traced on the compute stream.
+    fn work_done(&self, k: usize, at: (Instant, u64)) -> Result<f64> {
+        let pair = (&self.work_start[k], &self.consumed[k]);
+        self.device_time(pair, ("compute", "compute stream"), k, at)
+    }
+
+    /// The time between two completed events; when tracing, also a span placing device
+    /// time relative to `epoch_start` (recorded at host instant `t0`).
+    fn device_time(
+        &self,
+        (a, b): (&CudaEvent, &CudaEvent),
+        (name, track): (&'static str, &'static str),
+        k: usize,
+        (t0, epoch): (Instant, u64),
+    ) -> Result<f64> {
+        let ms = a.elapsed_ms(b).map_err(cuda_err)?;
+        if let Some(tr) = self.trace.as_deref() {
+            let origin = &self.epoch_start;
+            if let (Ok(sa), Ok(sb)) = (origin.elapsed_ms(a), origin.elapsed_ms(b)) {
+                let at = |ms: f32| t0 + Duration::from_secs_f64(ms.max(0.0) as f64 / 1e3);
+                tr.span(name, track, (at(sa), at(sb)), epoch, self.slot_batch[k]);
+            }
+        }
+        Ok(ms as f64)
     }
 
     /// Records spans into `trace` from now on: gather on each loader worker, and the
@@ -323,27 +340,10 @@ impl Feeder {
                 let k = i % k_slots;
                 if i >= k_slots {
                     self.consumed[k].synchronize().map_err(cuda_err)?;
-                    work_ms += self.work_start[k]
-                        .elapsed_ms(&self.consumed[k])
-                        .map_err(cuda_err)? as f64;
-                    device_span(
-                        self.trace.as_deref(),
-                        (&self.epoch_start, t0),
-                        (&self.work_start[k], &self.consumed[k]),
-                        ("compute", "compute stream"),
-                        (epoch_no, self.slot_batch[k]),
-                    );
+                    work_ms += self.work_done(k, (t0, epoch_no))?;
                 }
                 if let Some(tr) = self.trace.as_deref() {
-                    let tm = batch.timing();
-                    let worker = format!("gather worker {}", tm.worker);
-                    tr.span(
-                        "gather",
-                        worker,
-                        (tm.gather_start, tm.gather_end),
-                        epoch_no,
-                        batch.number(),
-                    );
+                    tr.gather(&batch);
                 }
                 self.slot_batch[k] = batch.number();
                 self.copy.wait(&self.consumed[k]).map_err(cuda_err)?;
@@ -386,16 +386,7 @@ impl Feeder {
                         break;
                     }
                     self.copied[k0].synchronize().map_err(cuda_err)?;
-                    copy_ms += self.copy_start[k0]
-                        .elapsed_ms(&self.copied[k0])
-                        .map_err(cuda_err)? as f64;
-                    device_span(
-                        self.trace.as_deref(),
-                        (&self.epoch_start, t0),
-                        (&self.copy_start[k0], &self.copied[k0]),
-                        ("copy", "copy stream"),
-                        (epoch_no, self.slot_batch[k0]),
-                    );
+                    copy_ms += self.copy_done(k0, (t0, epoch_no))?;
                     inflight.pop_front();
                 }
                 i += 1;
@@ -407,30 +398,12 @@ impl Feeder {
             self.copy.synchronize().map_err(cuda_err)?;
             for (_, k0) in inflight.drain(..) {
                 self.copied[k0].synchronize().map_err(cuda_err)?;
-                copy_ms += self.copy_start[k0]
-                    .elapsed_ms(&self.copied[k0])
-                    .map_err(cuda_err)? as f64;
-                device_span(
-                    self.trace.as_deref(),
-                    (&self.epoch_start, t0),
-                    (&self.copy_start[k0], &self.copied[k0]),
-                    ("copy", "copy stream"),
-                    (epoch_no, self.slot_batch[k0]),
-                );
+                copy_ms += self.copy_done(k0, (t0, epoch_no))?;
             }
             self.compute.synchronize().map_err(cuda_err)?;
             for j in i.saturating_sub(k_slots)..i {
                 let k = j % k_slots;
-                work_ms += self.work_start[k]
-                    .elapsed_ms(&self.consumed[k])
-                    .map_err(cuda_err)? as f64;
-                device_span(
-                    self.trace.as_deref(),
-                    (&self.epoch_start, t0),
-                    (&self.work_start[k], &self.consumed[k]),
-                    ("compute", "compute stream"),
-                    (epoch_no, self.slot_batch[k]),
-                );
+                work_ms += self.work_done(k, (t0, epoch_no))?;
             }
             Ok(())
         })();

@@ -63,6 +63,14 @@ impl Trace {
             .push(span);
     }
 
+    /// Records the gather span of `batch` on the worker thread that assembled it.
+    pub fn gather(&self, batch: &crate::loader::HostBatch) {
+        let tm = batch.timing();
+        let worker = format!("gather worker {}", tm.worker);
+        let span = (tm.gather_start, tm.gather_end);
+        self.span("gather", worker, span, batch.epoch(), batch.number());
+    }
+
     /// Spans recorded so far.
     pub fn len(&self) -> usize {
         self.spans.lock().unwrap_or_else(|e| e.into_inner()).len()

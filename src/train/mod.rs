@@ -4,4 +4,4 @@ mod mlp;
 mod run;
 
 pub use mlp::{loss, step, Metrics, Mlp, MlpConfig, Normalize, Workspace};
-pub use run::{run, TrainConfig};
+pub use run::{fit_classifier, run, TrainConfig};

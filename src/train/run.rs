@@ -57,6 +57,43 @@ pub struct TrainConfig {
     pub device_cache: bool,
 }
 
+/// What a classifier over `ds` needs from the data: the input normalisation (from the
+/// first 512 samples of column 0) and the number of classes (largest label of column 1,
+/// read straight from its file, plus one).
+///
+/// # Errors
+/// [`Error::Dataset`] naming the file when there is no `int64` label column or a label
+/// is negative.
+pub fn fit_classifier(ds: &NpyDataset) -> Result<(Normalize, usize)> {
+    let (inputs, labels) = match ds.arrays() {
+        [x, y, ..] => (x, y),
+        [x] => {
+            return Err(Error::dataset(
+                x.path(),
+                "needs a second column of labels (y.npy)",
+            ))
+        }
+        [] => return Err(Error::Config("a dataset needs at least one column".into())),
+    };
+    if labels.dtype() != crate::DType::I64 || labels.row_bytes() != 8 {
+        return Err(Error::dataset(
+            labels.path(),
+            "labels must be one int64 per sample",
+        ));
+    }
+    let max = labels
+        .data()
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .try_fold(0i64, |m, l| if l < 0 { Err(l) } else { Ok(m.max(l)) })
+        .map_err(|l| Error::dataset(labels.path(), format!("negative label {l}")))?;
+    let sample = inputs.rows().min(512) as usize * inputs.row_bytes();
+    Ok((
+        Normalize::fit(&inputs.data()[..sample]),
+        (max + 1).max(2) as usize,
+    ))
+}
+
 /// Trains as `config` says and reports every figure.
 ///
 /// # Errors
@@ -80,23 +117,7 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
 
     let t = Instant::now();
     let ds = NpyDataset::open(&config.data)?;
-    let labels = ds
-        .arrays()
-        .get(1)
-        .ok_or_else(|| Error::dataset(&config.data, "needs a second column of labels (y.npy)"))?;
-    if labels.dtype() != crate::DType::I64 || labels.row_bytes() != 8 {
-        return Err(Error::dataset(
-            labels.path(),
-            "labels must be one int64 per sample",
-        ));
-    }
-    let max = labels
-        .data()
-        .chunks_exact(8)
-        .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
-        .try_fold(0i64, |m, l| if l < 0 { Err(l) } else { Ok(m.max(l)) })
-        .map_err(|l| Error::dataset(labels.path(), format!("negative label {l}")))?;
-    let classes = (max + 1).max(2) as usize;
+    let (norm, classes) = fit_classifier(&ds)?;
     let inputs = ds.columns()[0].row_bytes;
     let ds: Arc<dyn Dataset> = Arc::new(ds);
     setup.dataset_open_s = t.elapsed().as_secs_f64();
@@ -122,10 +143,6 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
     setup.pool_alloc_s = loader.startup().pool_alloc.as_secs_f64();
     setup.worker_start_s = loader.startup().threads.as_secs_f64();
 
-    let probe: Vec<u64> = (0..ds.len().min(512)).collect();
-    let mut x = vec![0u8; probe.len() * inputs];
-    let mut y = vec![0u8; probe.len() * 8];
-    ds.gather(0, &probe, &mut [&mut x, &mut y])?;
     let mlp = Mlp::new(MlpConfig {
         inputs,
         hidden: config.hidden,
@@ -133,7 +150,6 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
         lr: config.lr,
         seed: config.seed,
     })?;
-    let norm = Normalize::fit(&x);
     let mut trainer = match (&device, kernels) {
         (Device::Cuda(c), Some(k)) => Backend::Cuda(Box::new(CudaTrainer::new(
             c.clone(),
