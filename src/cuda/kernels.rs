@@ -90,6 +90,28 @@ pub fn cache_dir() -> PathBuf {
     std::env::temp_dir().join("stoker")
 }
 
+/// NVRTC's options for [`SOURCE`]: a cubin for the real architecture `sm_XY` when
+/// `cubin`, else PTX for the virtual `compute_XY`.
+pub fn compile_options(arch: (i32, i32), cubin: bool) -> Vec<String> {
+    let (maj, min) = arch;
+    let arch = if cubin {
+        format!("--gpu-architecture=sm_{maj}{min}")
+    } else {
+        format!("--gpu-architecture=compute_{maj}{min}")
+    };
+    vec![arch, "--use_fast_math".to_string(), "-lineinfo".to_string()]
+}
+
+/// The architecture to build for: the device's own when NVRTC knows it (or cannot say);
+/// for a device newer than every architecture NVRTC knows, the newest it knows, as PTX
+/// the driver compiles forward.
+pub fn build_arch(device: (i32, i32), supported: &[(i32, i32)]) -> (i32, i32) {
+    match supported.iter().max() {
+        Some(&newest) if device > newest => newest,
+        _ => device,
+    }
+}
+
 impl Kernels {
     /// Compiles (or loads from the cache) and loads the kernels into `cuda`'s context.
     ///
@@ -116,13 +138,17 @@ impl Kernels {
     /// The compiled image (a cubin for the device's own architecture, or PTX), from the
     /// cache or from NVRTC.
     fn image(cuda: &Cuda, cubin: bool) -> Result<(Ptx, KernelOrigin)> {
-        let (maj, min) = cuda.arch;
-        let arch = if cubin {
-            format!("--gpu-architecture=sm_{maj}{min}")
-        } else {
-            format!("--gpu-architecture=compute_{maj}{min}")
-        };
-        let options = vec![arch, "--use_fast_math".to_string(), "-lineinfo".to_string()];
+        let archs = cuda.nvrtc.supported_archs();
+        let arch = build_arch(cuda.arch, &archs);
+        if cubin && arch != cuda.arch {
+            return Err(Error::Cuda(format!(
+                "NVRTC {:?} cannot build a cubin for sm_{}{}",
+                cuda.nvrtc.version(),
+                cuda.arch.0,
+                cuda.arch.1
+            )));
+        }
+        let options = compile_options(arch, cubin);
         let (major, minor) = cuda.nvrtc.version();
         let key = fnv1a(&[
             SOURCE.as_bytes(),
@@ -214,6 +240,15 @@ impl KernelOrigin {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_device_newer_than_nvrtc_gets_ptx_for_the_newest_architecture() {
+        let known = [(7, 5), (8, 0), (9, 0)];
+        assert_eq!(super::build_arch((9, 0), &known), (9, 0));
+        assert_eq!(super::build_arch((8, 6), &known), (8, 6));
+        assert_eq!(super::build_arch((12, 0), &known), (9, 0));
+        assert_eq!(super::build_arch((12, 0), &[]), (12, 0));
+    }
+
     #[test]
     fn the_cache_key_is_stable() {
         // A changed hash would recompile every user's kernels once: keep it fixed.

@@ -14,7 +14,7 @@ use std::sync::Arc;
 pub use cache::DeviceCache;
 pub use cudarc::driver::CudaContext;
 pub use feeder::{DeviceBatch, FeedStats, Feeder};
-pub use kernels::{cache_dir, KernelOrigin, Kernels, SOURCE};
+pub use kernels::{build_arch, cache_dir, compile_options, KernelOrigin, Kernels, SOURCE};
 pub use nvrtc::{candidates as nvrtc_candidates, Nvrtc};
 pub use pinned::{PinnedAlloc, PinnedKind};
 pub use trainer::CudaTrainer;
@@ -59,6 +59,22 @@ pub fn probe() -> Result<Cuda, String> {
             "{name} has compute capability {}.{}: stoker's kernels need 6.0 or newer",
             arch.0, arch.1
         ));
+    }
+    let archs = nvrtc.supported_archs();
+    if let Some(&oldest) = archs.iter().min() {
+        if arch < oldest {
+            return Err(format!(
+                "{name} is sm_{}{}, but NVRTC {}.{} ({}) builds for sm_{}{} and newer: point \
+                 STOKER_NVRTC at an older NVRTC",
+                arch.0,
+                arch.1,
+                nvrtc.version().0,
+                nvrtc.version().1,
+                nvrtc.path(),
+                oldest.0,
+                oldest.1
+            ));
+        }
     }
     Ok(Cuda {
         ctx,

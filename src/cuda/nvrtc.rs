@@ -134,6 +134,33 @@ impl Nvrtc {
         self.version
     }
 
+    /// The real architectures this NVRTC can build a cubin for, as compute capabilities
+    /// (`(9, 0)` for `sm_90`), oldest first. Empty when the library cannot say (NVRTC
+    /// before 11.2).
+    pub fn supported_archs(&self) -> Vec<(i32, i32)> {
+        type Num = unsafe extern "C" fn(*mut c_int) -> Status;
+        type Archs = unsafe extern "C" fn(*mut c_int) -> Status;
+        // SAFETY: `nvrtcGetNumSupportedArchs(int*)` writes one int; then
+        // `nvrtcGetSupportedArchs(int*)` writes that many into a buffer of that length.
+        unsafe {
+            let (Ok(num), Ok(get)) = (
+                self.sym::<Num>(b"nvrtcGetNumSupportedArchs\0"),
+                self.sym::<Archs>(b"nvrtcGetSupportedArchs\0"),
+            ) else {
+                return Vec::new();
+            };
+            let mut n: c_int = 0;
+            if num(&mut n) != 0 || n <= 0 {
+                return Vec::new();
+            }
+            let mut archs = vec![0 as c_int; n as usize];
+            if get(archs.as_mut_ptr()) != 0 {
+                return Vec::new();
+            }
+            archs.iter().map(|&a| (a / 10, a % 10)).collect()
+        }
+    }
+
     /// # Safety
     /// `T` must be the C signature of the symbol `name` (NUL-terminated).
     unsafe fn sym<T>(&self, name: &[u8]) -> Result<libloading::Symbol<'_, T>, String> {

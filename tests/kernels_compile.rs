@@ -1,0 +1,95 @@
+//! `kernels/mlp.cu` through the real NVRTC, for the architectures stoker supports. NVRTC
+//! needs no GPU, so this runs wherever the library is found (`.ci/run` fetches it from
+//! PyPI when it can); elsewhere it prints why it skips.
+
+use stoker::cuda::{compile_options, Nvrtc, SOURCE};
+
+/// The kernels every build must export (what `Kernels::load` looks up).
+const ENTRIES: [&str; 9] = [
+    "sgemm_strided",
+    "normalize_u8",
+    "fill_rows",
+    "relu",
+    "softmax_xent",
+    "relu_backward",
+    "bias_sgd",
+    "scatter_rows",
+    "gather_rows",
+];
+
+fn nvrtc() -> Option<Nvrtc> {
+    match Nvrtc::load() {
+        Ok(n) => {
+            println!("NVRTC {:?} from {}", n.version(), n.path());
+            Some(n)
+        }
+        Err(reason) => {
+            println!("skipping the NVRTC compile check: {reason}");
+            None
+        }
+    }
+}
+
+#[test]
+fn the_kernels_compile_to_cubin_for_every_supported_architecture() {
+    let Some(nv) = nvrtc() else { return };
+    // Every architecture this NVRTC builds for, from Pascal (the oldest stoker accepts).
+    let archs: Vec<(i32, i32)> = nv
+        .supported_archs()
+        .into_iter()
+        .filter(|a| *a >= (6, 0))
+        .collect();
+    println!("architectures: {archs:?}");
+    assert!(
+        archs.contains(&(9, 0)),
+        "NVRTC {:?} without sm_90",
+        nv.version()
+    );
+    for arch in archs {
+        let cubin = nv
+            .compile_cubin(SOURCE, "mlp.cu", &compile_options(arch, true))
+            .unwrap_or_else(|e| panic!("sm_{}{}: {e}", arch.0, arch.1));
+        assert!(
+            cubin.starts_with(b"\x7fELF"),
+            "sm_{}{}: not an ELF",
+            arch.0,
+            arch.1
+        );
+        for name in ENTRIES {
+            assert!(
+                cubin.windows(name.len()).any(|w| w == name.as_bytes()),
+                "sm_{}{}: {name} missing from the cubin",
+                arch.0,
+                arch.1
+            );
+        }
+    }
+}
+
+#[test]
+fn the_kernels_compile_to_ptx_with_every_entry() {
+    let Some(nv) = nvrtc() else { return };
+    let ptx = nv
+        .compile(SOURCE, "mlp.cu", &compile_options((9, 0), false))
+        .unwrap();
+    for name in ENTRIES {
+        assert!(
+            ptx.contains(&format!(".entry {name}(")),
+            "{name} missing from the PTX"
+        );
+    }
+}
+
+#[test]
+fn a_broken_kernel_reports_the_compiler_log() {
+    let Some(nv) = nvrtc() else { return };
+    let err = nv
+        .compile(
+            "extern \"C\" __global__ void k(float* x) { x[0] = undeclared; }",
+            "broken.cu",
+            &compile_options((9, 0), false),
+        )
+        .unwrap_err();
+    assert!(err.contains("broken.cu"), "{err}");
+    assert!(err.contains("undeclared"), "{err}");
+}
