@@ -1,0 +1,727 @@
+// stoker's CUDA emulator, driver side: a libcuda that runs on the CPU.
+//
+// It exists so that the CUDA path (cudarc's calls, stoker's streams, events, pinned
+// buffers, feeder, device cache and kernels) runs in CI, where there is no GPU. It is no
+// GPU model: it checks ordering, arguments and results, not speed.
+//
+// - One device, "stoker CUDA emulator (CPU)", compute capability 9.0. Device memory is
+//   host memory; device addresses are host addresses. Every copy and memset is checked
+//   to lie inside one live allocation (CUDA_ERROR_INVALID_VALUE otherwise).
+// - Each stream is a thread running its queue in order. Events carry a sequence number
+//   per record, so cuStreamWaitEvent waits for the record that preceded it, as on the
+//   GPU. Asynchronous copies read their host source when they run, not when they are
+//   enqueued: a buffer reused before its copy completes is caught by the results.
+//   STOKER_EMU_JITTER_US=N sleeps up to N us before each operation to shake out races.
+// - Kernels come from the emulated NVRTC (nvrtc.cpp) as shared objects; a launch copies
+//   its parameters (their sizes come from the kernel's C++ signature) and checks its
+//   configuration against the limits of a real device.
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <dlfcn.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+struct Ctx {
+    int unused;
+};
+struct Stream;
+struct Event;
+struct Module;
+struct Function;
+typedef Ctx* CUcontext;
+typedef Stream* CUstream;
+typedef Event* CUevent;
+typedef Module* CUmodule;
+typedef Function* CUfunction;
+
+enum : int {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
+    CUDA_ERROR_NOT_INITIALIZED = 3,
+    CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_IMAGE = 200,
+    CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701,
+    CUDA_ERROR_NOT_SUPPORTED = 801,
+};
+
+struct dim3 {
+    unsigned x, y, z;
+};
+
+namespace {
+
+Ctx g_ctx;
+bool g_init = false;
+thread_local CUcontext t_current = nullptr;
+std::mutex g_mu;  // allocations, streams, modules
+std::map<uintptr_t, size_t> g_device;  // device allocations: start -> bytes
+std::map<uintptr_t, size_t> g_host;    // pinned host allocations: start -> bytes
+size_t g_used = 0;
+
+size_t total_memory() {
+    const char* mb = getenv("STOKER_EMU_MEM_MB");
+    return (mb ? strtoull(mb, nullptr, 10) : 16384ull) << 20;
+}
+
+bool logging() {
+    static bool on = getenv("STOKER_EMU_LOG") != nullptr;
+    return on;
+}
+
+#define LOG(...)                                    \
+    do {                                            \
+        if (logging()) {                            \
+            fprintf(stderr, "stoker-emu: " __VA_ARGS__); \
+            fputc('\n', stderr);                    \
+        }                                           \
+    } while (0)
+
+// Whether [p, p + n) lies inside one live device allocation.
+bool in_device(CUdeviceptr p, size_t n) {
+    std::lock_guard<std::mutex> g(g_mu);
+    auto it = g_device.upper_bound((uintptr_t)p);
+    if (it == g_device.begin()) return false;
+    --it;
+    return (uintptr_t)p >= it->first && (uintptr_t)p + n <= it->first + it->second;
+}
+
+// Whether [p, p + n) lies inside one pinned host allocation. Copies from or to other
+// (pageable) memory are synchronous in the ways the CUDA documentation gives.
+bool pinned(const void* p, size_t n) {
+    std::lock_guard<std::mutex> g(g_mu);
+    auto it = g_host.upper_bound((uintptr_t)p);
+    if (it == g_host.begin()) return false;
+    --it;
+    return (uintptr_t)p >= it->first && (uintptr_t)p + n <= it->first + it->second;
+}
+
+// ---- events ------------------------------------------------------------------------
+
+std::mutex g_ev_mu;
+std::condition_variable g_ev_cv;
+
+}  // namespace
+
+struct Event {
+    unsigned flags;
+    uint64_t recorded = 0;   // records enqueued
+    uint64_t completed = 0;  // records run
+    std::chrono::steady_clock::time_point at;
+};
+
+// ---- streams -----------------------------------------------------------------------
+
+struct Stream {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<std::function<void()>> ops;
+    uint64_t enqueued = 0, done = 0;
+    bool stop = false;
+    std::thread worker;
+    unsigned jitter_us = 0;
+
+    Stream() {
+        const char* j = getenv("STOKER_EMU_JITTER_US");
+        jitter_us = j ? (unsigned)strtoul(j, nullptr, 10) : 0;
+        worker = std::thread([this] { run(); });
+    }
+
+    void run() {
+        std::minstd_rand rng((unsigned)(uintptr_t)this);
+        for (;;) {
+            std::function<void()> op;
+            {
+                std::unique_lock<std::mutex> g(mu);
+                cv.wait(g, [&] { return stop || !ops.empty(); });
+                if (ops.empty()) return;
+                op = std::move(ops.front());
+                ops.pop_front();
+            }
+            if (jitter_us) std::this_thread::sleep_for(std::chrono::microseconds(rng() % jitter_us));
+            op();
+            {
+                std::lock_guard<std::mutex> g(mu);
+                ++done;
+            }
+            cv.notify_all();
+        }
+    }
+
+    void push(std::function<void()> op) {
+        {
+            std::lock_guard<std::mutex> g(mu);
+            ops.push_back(std::move(op));
+            ++enqueued;
+        }
+        cv.notify_all();
+    }
+
+    void sync() {
+        std::unique_lock<std::mutex> g(mu);
+        uint64_t target = enqueued;
+        cv.wait(g, [&] { return done >= target; });
+    }
+
+    bool idle() {
+        std::lock_guard<std::mutex> g(mu);
+        return done == enqueued;
+    }
+
+    void shut() {
+        sync();
+        {
+            std::lock_guard<std::mutex> g(mu);
+            stop = true;
+        }
+        cv.notify_all();
+        worker.join();
+    }
+};
+
+namespace {
+
+std::set<Stream*> g_streams;
+Stream* g_default = nullptr;
+
+// The stream a handle names: null, CU_STREAM_LEGACY (1) and CU_STREAM_PER_THREAD (2) are
+// the default stream. (The emulator does not model the legacy stream's implicit
+// synchronisation with other streams; stoker never uses the default stream.)
+Stream* stream_of(CUstream s) {
+    if ((uintptr_t)s <= 2) {
+        std::lock_guard<std::mutex> g(g_mu);
+        if (!g_default) {
+            g_default = new Stream();
+            g_streams.insert(g_default);
+        }
+        return g_default;
+    }
+    std::lock_guard<std::mutex> g(g_mu);
+    return g_streams.count(s) ? s : nullptr;
+}
+
+void sync_all() {
+    std::vector<Stream*> all;
+    {
+        std::lock_guard<std::mutex> g(g_mu);
+        all.assign(g_streams.begin(), g_streams.end());
+    }
+    for (Stream* s : all) s->sync();
+}
+
+}  // namespace
+
+// ---- modules -----------------------------------------------------------------------
+
+struct Module {
+    void* handle;
+    int (*find)(const char*);
+    size_t (*params)(int, const size_t**);
+    void (*run)(int, dim3, dim3, void**);
+};
+
+struct Function {
+    Module* module;
+    int id;
+    std::string name;
+};
+
+extern "C" {
+
+CUresult cuGetErrorName(CUresult e, const char** s) {
+    switch (e) {
+        case CUDA_SUCCESS: *s = "CUDA_SUCCESS"; break;
+        case CUDA_ERROR_INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; break;
+        case CUDA_ERROR_OUT_OF_MEMORY: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
+        case CUDA_ERROR_NOT_INITIALIZED: *s = "CUDA_ERROR_NOT_INITIALIZED"; break;
+        case CUDA_ERROR_INVALID_DEVICE: *s = "CUDA_ERROR_INVALID_DEVICE"; break;
+        case CUDA_ERROR_INVALID_IMAGE: *s = "CUDA_ERROR_INVALID_IMAGE"; break;
+        case CUDA_ERROR_INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; break;
+        case CUDA_ERROR_INVALID_HANDLE: *s = "CUDA_ERROR_INVALID_HANDLE"; break;
+        case CUDA_ERROR_NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
+        case CUDA_ERROR_NOT_READY: *s = "CUDA_ERROR_NOT_READY"; break;
+        case CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: *s = "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"; break;
+        case CUDA_ERROR_NOT_SUPPORTED: *s = "CUDA_ERROR_NOT_SUPPORTED"; break;
+        default: *s = "CUDA_ERROR_UNKNOWN"; return CUDA_ERROR_INVALID_VALUE;
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult cuGetErrorString(CUresult e, const char** s) { return cuGetErrorName(e, s); }
+
+CUresult cuInit(unsigned) {
+    g_init = true;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDriverGetVersion(int* v) {
+    *v = 12080;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetCount(int* n) {
+    if (!g_init) return CUDA_ERROR_NOT_INITIALIZED;
+    *n = 1;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGet(CUdevice* d, int ordinal) {
+    if (!g_init) return CUDA_ERROR_NOT_INITIALIZED;
+    if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
+    *d = 0;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetName(char* name, int len, CUdevice d) {
+    if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+    snprintf(name, (size_t)len, "%s", "stoker CUDA emulator (CPU)");
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice d) {
+    if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+    *bytes = total_memory();
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {
+    if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+    switch (attr) {
+        case 1: *v = 1024; break;        // max threads per block
+        case 2: case 3: *v = 1024; break;  // max block x, y
+        case 4: *v = 64; break;           // max block z
+        case 5: *v = 2147483647; break;   // max grid x
+        case 6: case 7: *v = 65535; break;  // max grid y, z
+        case 8: *v = 49152; break;        // shared memory per block
+        case 10: *v = 32; break;          // warp size
+        case 16: *v = 4; break;           // multiprocessors
+        case 41: *v = 1; break;           // unified addressing
+        case 75: *v = 9; break;           // compute capability major
+        case 76: *v = 0; break;           // minor
+        case 115: *v = 1; break;          // memory pools supported
+        default: *v = 0;
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) {
+    if (!g_init) return CUDA_ERROR_NOT_INITIALIZED;
+    if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+    *c = &g_ctx;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice) { return CUDA_SUCCESS; }
+
+CUresult cuCtxSetCurrent(CUcontext c) {
+    if (c && c != &g_ctx) return CUDA_ERROR_INVALID_CONTEXT;
+    t_current = c;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxGetCurrent(CUcontext* c) {
+    *c = t_current;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxGetDevice(CUdevice* d) {
+    if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
+    *d = 0;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxSynchronize() {
+    if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
+    sync_all();
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
+    *least = 0;
+    *greatest = 0;
+    return CUDA_SUCCESS;
+}
+
+// ---- memory ------------------------------------------------------------------------
+
+CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
+    if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
+    std::lock_guard<std::mutex> g(g_mu);
+    *total = total_memory();
+    *free_bytes = *total - g_used;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
+    if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
+    if (n == 0) return CUDA_ERROR_INVALID_VALUE;
+    size_t rounded = (n + 255) / 256 * 256;
+    std::lock_guard<std::mutex> g(g_mu);
+    if (g_used + rounded > total_memory()) return CUDA_ERROR_OUT_OF_MEMORY;
+    void* m = aligned_alloc(256, rounded);
+    if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
+    g_device[(uintptr_t)m] = n;
+    g_used += rounded;
+    *p = (CUdeviceptr)(uintptr_t)m;
+    LOG("cuMemAlloc %zu -> %p", n, m);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr p) {
+    std::lock_guard<std::mutex> g(g_mu);
+    auto it = g_device.find((uintptr_t)p);
+    if (it == g_device.end()) return CUDA_ERROR_INVALID_VALUE;
+    g_used -= (it->second + 255) / 256 * 256;
+    g_device.erase(it);
+    free((void*)(uintptr_t)p);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemAllocAsync(CUdeviceptr* p, size_t n, CUstream s) {
+    if (!stream_of(s)) return CUDA_ERROR_INVALID_HANDLE;
+    return cuMemAlloc_v2(p, n);
+}
+
+CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
+    Stream* st = stream_of(s);
+    if (!st) return CUDA_ERROR_INVALID_HANDLE;
+    {
+        std::lock_guard<std::mutex> g(g_mu);
+        if (!g_device.count((uintptr_t)p)) return CUDA_ERROR_INVALID_VALUE;
+    }
+    st->push([p] { cuMemFree_v2(p); });
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemHostAlloc(void** pp, size_t n, unsigned) {
+    if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
+    size_t rounded = (n + 4095) / 4096 * 4096;
+    void* m = aligned_alloc(4096, rounded ? rounded : 4096);
+    if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
+    std::lock_guard<std::mutex> g(g_mu);
+    g_host[(uintptr_t)m] = n;
+    *pp = m;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemFreeHost(void* p) {
+    std::lock_guard<std::mutex> g(g_mu);
+    if (!g_host.erase((uintptr_t)p)) return CUDA_ERROR_INVALID_VALUE;
+    free(p);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
+    Stream* st = stream_of(s);
+    if (!st) return CUDA_ERROR_INVALID_HANDLE;
+    if (!in_device(dst, n)) {
+        LOG("cuMemcpyHtoDAsync: %zu bytes at %llx outside any allocation", n, dst);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    if (pinned(src, n)) {
+        // Read when the copy runs: the buffer must stay untouched until then.
+        st->push([=] { memcpy((void*)(uintptr_t)dst, src, n); });
+        return CUDA_SUCCESS;
+    }
+    // Pageable: returns once the source is staged; the copy itself runs in stream order.
+    auto staged = std::make_shared<std::vector<unsigned char>>((const unsigned char*)src,
+                                                               (const unsigned char*)src + n);
+    st->push([=] { memcpy((void*)(uintptr_t)dst, staged->data(), n); });
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream s) {
+    Stream* st = stream_of(s);
+    if (!st) return CUDA_ERROR_INVALID_HANDLE;
+    if (!in_device(src, n)) return CUDA_ERROR_INVALID_VALUE;
+    st->push([=] { memcpy(dst, (const void*)(uintptr_t)src, n); });
+    // Pageable: returns only once the copy has completed.
+    if (!pinned(dst, n)) st->sync();
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+    Stream* st = stream_of(s);
+    if (!st) return CUDA_ERROR_INVALID_HANDLE;
+    if (!in_device(src, n) || !in_device(dst, n)) return CUDA_ERROR_INVALID_VALUE;
+    st->push([=] { memmove((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, n); });
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream s) {
+    Stream* st = stream_of(s);
+    if (!st) return CUDA_ERROR_INVALID_HANDLE;
+    if (!in_device(dst, n)) return CUDA_ERROR_INVALID_VALUE;
+    st->push([=] { memset((void*)(uintptr_t)dst, v, n); });
+    return CUDA_SUCCESS;
+}
+
+// The synchronous copies wait for the default stream first, then copy.
+CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
+    CUresult r = cuMemcpyHtoDAsync_v2(dst, src, n, nullptr);
+    if (r == CUDA_SUCCESS) stream_of(nullptr)->sync();
+    return r;
+}
+
+CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
+    CUresult r = cuMemcpyDtoHAsync_v2(dst, src, n, nullptr);
+    if (r == CUDA_SUCCESS) stream_of(nullptr)->sync();
+    return r;
+}
+
+CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+    CUresult r = cuMemcpyDtoDAsync_v2(dst, src, n, nullptr);
+    if (r == CUDA_SUCCESS) stream_of(nullptr)->sync();
+    return r;
+}
+
+CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
+    CUresult r = cuMemsetD8Async(dst, v, n, nullptr);
+    if (r == CUDA_SUCCESS) stream_of(nullptr)->sync();
+    return r;
+}
+
+// ---- streams and events ------------------------------------------------------------
+
+CUresult cuStreamCreate(CUstream* s, unsigned) {
+    if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
+    Stream* st = new Stream();
+    std::lock_guard<std::mutex> g(g_mu);
+    g_streams.insert(st);
+    *s = st;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamCreateWithPriority(CUstream* s, unsigned flags, int) { return cuStreamCreate(s, flags); }
+
+CUresult cuStreamDestroy_v2(CUstream s) {
+    {
+        std::lock_guard<std::mutex> g(g_mu);
+        if ((uintptr_t)s <= 2 || !g_streams.erase(s)) return CUDA_ERROR_INVALID_HANDLE;
+    }
+    // Work already enqueued still runs, as on the GPU.
+    s->shut();
+    delete s;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamSynchronize(CUstream s) {
+    Stream* st = stream_of(s);
+    if (!st) return CUDA_ERROR_INVALID_HANDLE;
+    st->sync();
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamQuery(CUstream s) {
+    Stream* st = stream_of(s);
+    if (!st) return CUDA_ERROR_INVALID_HANDLE;
+    return st->idle() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
+CUresult cuEventCreate(CUevent* e, unsigned flags) {
+    if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
+    *e = new Event{flags};
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventDestroy_v2(CUevent e) {
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    // A record still queued would touch the event: wait for it first.
+    std::unique_lock<std::mutex> g(g_ev_mu);
+    g_ev_cv.wait(g, [&] { return e->completed >= e->recorded; });
+    g.unlock();
+    delete e;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventRecord(CUevent e, CUstream s) {
+    Stream* st = stream_of(s);
+    if (!st || !e) return CUDA_ERROR_INVALID_HANDLE;
+    uint64_t seq;
+    {
+        std::lock_guard<std::mutex> g(g_ev_mu);
+        seq = ++e->recorded;
+    }
+    st->push([e, seq] {
+        {
+            std::lock_guard<std::mutex> g(g_ev_mu);
+            if (seq > e->completed) {
+                e->completed = seq;
+                e->at = std::chrono::steady_clock::now();
+            }
+        }
+        g_ev_cv.notify_all();
+    });
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
+    Stream* st = stream_of(s);
+    if (!st || !e) return CUDA_ERROR_INVALID_HANDLE;
+    uint64_t target;
+    {
+        std::lock_guard<std::mutex> g(g_ev_mu);
+        target = e->recorded;  // the last record before this call; none: no wait
+    }
+    st->push([e, target] {
+        std::unique_lock<std::mutex> g(g_ev_mu);
+        g_ev_cv.wait(g, [&] { return e->completed >= target; });
+    });
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventQuery(CUevent e) {
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    std::lock_guard<std::mutex> g(g_ev_mu);
+    return e->completed >= e->recorded ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
+CUresult cuEventSynchronize(CUevent e) {
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    std::unique_lock<std::mutex> g(g_ev_mu);
+    uint64_t target = e->recorded;
+    g_ev_cv.wait(g, [&] { return e->completed >= target; });
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
+    if (!a || !b) return CUDA_ERROR_INVALID_HANDLE;
+    std::lock_guard<std::mutex> g(g_ev_mu);
+    if ((a->flags | b->flags) & 2) return CUDA_ERROR_INVALID_HANDLE;  // timing disabled
+    if (a->recorded == 0 || b->recorded == 0) return CUDA_ERROR_INVALID_HANDLE;
+    if (a->completed < a->recorded || b->completed < b->recorded) return CUDA_ERROR_NOT_READY;
+    *ms = std::chrono::duration<float, std::milli>(b->at - a->at).count();
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventElapsedTime_v2(float* ms, CUevent a, CUevent b) { return cuEventElapsedTime(ms, a, b); }
+
+// ---- modules and launches ----------------------------------------------------------
+
+static CUresult load_so(CUmodule* m, const std::string& path) {
+    void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        LOG("dlopen %s: %s", path.c_str(), dlerror());
+        return CUDA_ERROR_INVALID_IMAGE;
+    }
+    Module* mod = new Module{h, (int (*)(const char*))dlsym(h, "emu_find"),
+                             (size_t(*)(int, const size_t**))dlsym(h, "emu_params"),
+                             (void (*)(int, dim3, dim3, void**))dlsym(h, "emu_run")};
+    if (!mod->find || !mod->params || !mod->run) {
+        delete mod;
+        return CUDA_ERROR_INVALID_IMAGE;
+    }
+    *m = mod;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuModuleLoadData(CUmodule* m, const void* image) {
+    if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
+    const char* p = (const char*)image;
+    static const char kPtx[] = "// stoker-emu .entry ";
+    if (strncmp(p, kPtx, sizeof kPtx - 1) == 0) {
+        const char* path = p + sizeof kPtx - 1;
+        return load_so(m, std::string(path, strcspn(path, "\n")));
+    }
+    if (memcmp(p, "\x7f" "ELF", 4) != 0 || p[4] != 2) return CUDA_ERROR_INVALID_IMAGE;
+    // An ELF64 file ends with its section headers: that gives its length.
+    uint64_t shoff;
+    uint16_t shentsize, shnum;
+    memcpy(&shoff, p + 0x28, 8);
+    memcpy(&shentsize, p + 0x3A, 2);
+    memcpy(&shnum, p + 0x3C, 2);
+    size_t len = shoff + (size_t)shentsize * shnum;
+    const char* tmp = getenv("TMPDIR");
+    std::string path = std::string(tmp && *tmp ? tmp : "/tmp") + "/stoker-emu-module-XXXXXX";
+    std::vector<char> name(path.begin(), path.end());
+    name.push_back(0);
+    int fd = mkstemp(name.data());
+    if (fd < 0) return CUDA_ERROR_INVALID_IMAGE;
+    bool ok = write(fd, p, len) == (ssize_t)len;
+    close(fd);
+    CUresult r = ok ? load_so(m, name.data()) : CUDA_ERROR_INVALID_IMAGE;
+    unlink(name.data());
+    return r;
+}
+
+// Modules stay mapped until exit: work enqueued before an unload may still run their code.
+CUresult cuModuleUnload(CUmodule m) { return m ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE; }
+
+CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
+    if (!m) return CUDA_ERROR_INVALID_HANDLE;
+    int id = m->find(name);
+    if (id < 0) return CUDA_ERROR_NOT_FOUND;
+    *f = new Function{m, id, name};
+    return CUDA_SUCCESS;
+}
+
+CUresult cuFuncGetAttribute(int* v, int attr, CUfunction f) {
+    if (!f) return CUDA_ERROR_INVALID_HANDLE;
+    *v = attr == 0 ? 1024 : 0;  // max threads per block
+    return CUDA_SUCCESS;
+}
+
+CUresult cuFuncSetAttribute(CUfunction f, int, int) { return f ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE; }
+
+CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                        unsigned bz, unsigned shared, CUstream s, void** params, void** extra) {
+    Stream* st = stream_of(s);
+    if (!st || !f) return CUDA_ERROR_INVALID_HANDLE;
+    if (extra) return CUDA_ERROR_NOT_SUPPORTED;
+    if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 || gy > 65535 || gz > 65535 ||
+        gx > 2147483647u || bx > 1024 || by > 1024 || bz > 64 || (uint64_t)bx * by * bz > 1024 ||
+        shared > 49152) {
+        LOG("%s: bad launch <<<(%u,%u,%u), (%u,%u,%u), %u>>>", f->name.c_str(), gx, gy, gz, bx, by, bz,
+            shared);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    const size_t* sizes;
+    size_t n = f->module->params(f->id, &sizes);
+    // The driver copies the arguments at launch: the caller's storage may go right after.
+    auto storage = std::make_shared<std::vector<std::vector<unsigned char>>>();
+    for (size_t i = 0; i < n; ++i) {
+        const unsigned char* a = (const unsigned char*)params[i];
+        storage->emplace_back(a, a + sizes[i]);
+    }
+    Module* mod = f->module;
+    int id = f->id;
+    dim3 grid{gx, gy, gz}, block{bx, by, bz};
+    LOG("launch %s <<<(%u,%u,%u), (%u,%u,%u)>>>", f->name.c_str(), gx, gy, gz, bx, by, bz);
+    st->push([mod, id, grid, block, storage] {
+        std::vector<void*> ptrs;
+        for (auto& a : *storage) ptrs.push_back(a.data());
+        mod->run(id, grid, block, ptrs.data());
+    });
+    return CUDA_SUCCESS;
+}
+
+typedef void (*CUhostFn)(void*);
+CUresult cuLaunchHostFunc(CUstream s, CUhostFn fn, void* data) {
+    Stream* st = stream_of(s);
+    if (!st) return CUDA_ERROR_INVALID_HANDLE;
+    st->push([fn, data] { fn(data); });
+    return CUDA_SUCCESS;
+}
+
+}  // extern "C"

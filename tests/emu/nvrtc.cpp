@@ -1,0 +1,225 @@
+// stoker's CUDA emulator, compiler side: a libnvrtc that builds CUDA C into a host
+// shared object with the system C++ compiler.
+//
+// The "cubin" it returns is that shared object (an ELF file, as a real cubin is); the
+// "PTX" is a line naming it. The emulated driver (cuda.cpp) loads either. It supports one
+// architecture, sm_90, and says so through nvrtcGetSupportedArchs.
+//
+// Built by tests/common/emu.rs with -DEMU_PRELUDE="<path of prelude.h>".
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#ifndef EMU_PRELUDE
+#error "build with -DEMU_PRELUDE=<path of prelude.h>"
+#endif
+
+typedef int nvrtcResult;
+enum {
+    NVRTC_SUCCESS = 0,
+    NVRTC_ERROR_OUT_OF_MEMORY = 1,
+    NVRTC_ERROR_PROGRAM_CREATION_FAILURE = 2,
+    NVRTC_ERROR_INVALID_INPUT = 3,
+    NVRTC_ERROR_INVALID_PROGRAM = 4,
+    NVRTC_ERROR_INVALID_OPTION = 5,
+    NVRTC_ERROR_COMPILATION = 6,
+};
+
+struct Program {
+    std::string source, name, log, so_path;
+    std::vector<char> so;
+    bool compiled = false;
+};
+
+namespace {
+
+// The kernels of the source: `__global__ void NAME(`, with whether the body (up to its
+// matching brace) holds `__syncthreads`.
+std::vector<std::pair<std::string, bool>> scan(const std::string& s) {
+    std::vector<std::pair<std::string, bool>> out;
+    size_t at = 0;
+    while ((at = s.find("__global__", at)) != std::string::npos) {
+        at += 10;
+        size_t paren = s.find('(', at);
+        if (paren == std::string::npos) break;
+        size_t end = paren;
+        while (end > at && isspace((unsigned char)s[end - 1])) --end;
+        size_t start = end;
+        while (start > at && (isalnum((unsigned char)s[start - 1]) || s[start - 1] == '_')) --start;
+        std::string name = s.substr(start, end - start);
+        size_t open = s.find('{', paren);
+        if (open == std::string::npos || name.empty()) continue;
+        int depth = 0;
+        size_t i = open;
+        for (; i < s.size(); ++i) {
+            if (s[i] == '{') ++depth;
+            if (s[i] == '}' && --depth == 0) break;
+        }
+        bool barrier = s.substr(open, i - open).find("__syncthreads") != std::string::npos;
+        out.emplace_back(name, barrier);
+        at = i;
+    }
+    return out;
+}
+
+std::string read_all(const std::string& path) {
+    std::ifstream f(path, std::ios::binary);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* nvrtcGetErrorString(nvrtcResult r) {
+    switch (r) {
+        case NVRTC_SUCCESS: return "NVRTC_SUCCESS";
+        case NVRTC_ERROR_OUT_OF_MEMORY: return "NVRTC_ERROR_OUT_OF_MEMORY";
+        case NVRTC_ERROR_INVALID_INPUT: return "NVRTC_ERROR_INVALID_INPUT";
+        case NVRTC_ERROR_INVALID_PROGRAM: return "NVRTC_ERROR_INVALID_PROGRAM";
+        case NVRTC_ERROR_INVALID_OPTION: return "NVRTC_ERROR_INVALID_OPTION";
+        case NVRTC_ERROR_COMPILATION: return "NVRTC_ERROR_COMPILATION";
+        default: return "NVRTC_ERROR_UNKNOWN";
+    }
+}
+
+nvrtcResult nvrtcVersion(int* major, int* minor) {
+    *major = 99;
+    *minor = 0;
+    return NVRTC_SUCCESS;
+}
+
+nvrtcResult nvrtcGetNumSupportedArchs(int* n) {
+    *n = 1;
+    return NVRTC_SUCCESS;
+}
+
+nvrtcResult nvrtcGetSupportedArchs(int* archs) {
+    archs[0] = 90;
+    return NVRTC_SUCCESS;
+}
+
+nvrtcResult nvrtcCreateProgram(Program** prog, const char* src, const char* name, int, const char* const*,
+                               const char* const*) {
+    if (!prog || !src) return NVRTC_ERROR_INVALID_INPUT;
+    *prog = new Program{src, name ? name : "default_program", "", "", {}, false};
+    return NVRTC_SUCCESS;
+}
+
+nvrtcResult nvrtcDestroyProgram(Program** prog) {
+    if (!prog || !*prog) return NVRTC_ERROR_INVALID_PROGRAM;
+    delete *prog;
+    *prog = nullptr;
+    return NVRTC_SUCCESS;
+}
+
+nvrtcResult nvrtcCompileProgram(Program* p, int n, const char* const* options) {
+    if (!p) return NVRTC_ERROR_INVALID_PROGRAM;
+    bool arch = false;
+    for (int i = 0; i < n; ++i) {
+        std::string o = options[i];
+        if (o.rfind("--gpu-architecture=", 0) == 0 || o.rfind("-arch=", 0) == 0) {
+            std::string a = o.substr(o.find('=') + 1);
+            if (a != "sm_90" && a != "compute_90") {
+                p->log = "nvrtc: error: invalid value for --gpu-architecture (-arch)\n";
+                return NVRTC_ERROR_INVALID_OPTION;
+            }
+            arch = true;
+        } else if (o != "--use_fast_math" && o != "-lineinfo" && o.rfind("-D", 0) != 0) {
+            p->log = "nvrtc: error: unrecognized option " + o + "\n";
+            return NVRTC_ERROR_INVALID_OPTION;
+        }
+    }
+    (void)arch;
+    const char* tmp = getenv("TMPDIR");
+    std::string dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/stoker-emu-XXXXXX";
+    std::vector<char> d(dir.begin(), dir.end());
+    d.push_back(0);
+    if (!mkdtemp(d.data())) {
+        p->log = "stoker-emu: cannot make a temporary directory\n";
+        return NVRTC_ERROR_COMPILATION;
+    }
+    dir = d.data();
+    std::string src = dir + "/kernels.cpp", so = dir + "/kernels.so", log = dir + "/log";
+    {
+        std::ofstream f(src);
+        f << "#include \"" EMU_PRELUDE "\"\n#line 1 \"" << p->name << "\"\n" << p->source << "\n";
+        f << "const emu::Entry emu_entries[] = {\n";
+        auto kernels = scan(p->source);
+        for (auto& k : kernels) {
+            f << "    EMU_ENTRY(" << k.first << ", " << (k.second ? "true" : "false") << "),\n";
+        }
+        f << "    emu::Entry{nullptr, nullptr, false, 0, nullptr}};\n";
+        f << "const int emu_entry_count = " << kernels.size() << ";\n";
+    }
+    const char* cxx = getenv("STOKER_EMU_CXX");
+    const char* flags = getenv("STOKER_EMU_CXXFLAGS");
+    std::string cmd = std::string(cxx && *cxx ? cxx : "c++") +
+                      " -std=c++17 -O2 -fPIC -shared -w " + (flags ? flags : "") + " -o " + so +
+                      " " + src + " >" + log + " 2>&1";
+    int rc = system(cmd.c_str());
+    p->log = read_all(log);
+    if (rc != 0) {
+        if (p->log.empty()) p->log = "stoker-emu: `" + cmd + "` failed\n";
+        return NVRTC_ERROR_COMPILATION;
+    }
+    std::string bytes = read_all(so);
+    p->so.assign(bytes.begin(), bytes.end());
+    p->so_path = so;
+    p->compiled = true;
+    unlink(src.c_str());
+    unlink(log.c_str());
+    return NVRTC_SUCCESS;
+}
+
+nvrtcResult nvrtcGetProgramLogSize(Program* p, size_t* n) {
+    if (!p) return NVRTC_ERROR_INVALID_PROGRAM;
+    *n = p->log.size() + 1;
+    return NVRTC_SUCCESS;
+}
+
+nvrtcResult nvrtcGetProgramLog(Program* p, char* out) {
+    if (!p) return NVRTC_ERROR_INVALID_PROGRAM;
+    std::memcpy(out, p->log.c_str(), p->log.size() + 1);
+    return NVRTC_SUCCESS;
+}
+
+nvrtcResult nvrtcGetCUBINSize(Program* p, size_t* n) {
+    if (!p || !p->compiled) return NVRTC_ERROR_INVALID_PROGRAM;
+    *n = p->so.size();
+    return NVRTC_SUCCESS;
+}
+
+nvrtcResult nvrtcGetCUBIN(Program* p, char* out) {
+    if (!p || !p->compiled) return NVRTC_ERROR_INVALID_PROGRAM;
+    std::memcpy(out, p->so.data(), p->so.size());
+    return NVRTC_SUCCESS;
+}
+
+// "PTX": a line naming the shared object, which stays on disk for the process's life.
+static std::string ptx_of(Program* p) { return "// stoker-emu .entry " + p->so_path + "\n"; }
+
+nvrtcResult nvrtcGetPTXSize(Program* p, size_t* n) {
+    if (!p || !p->compiled) return NVRTC_ERROR_INVALID_PROGRAM;
+    *n = ptx_of(p).size() + 1;
+    return NVRTC_SUCCESS;
+}
+
+nvrtcResult nvrtcGetPTX(Program* p, char* out) {
+    if (!p || !p->compiled) return NVRTC_ERROR_INVALID_PROGRAM;
+    std::string s = ptx_of(p);
+    std::memcpy(out, s.c_str(), s.size() + 1);
+    return NVRTC_SUCCESS;
+}
+
+}  // extern "C"
