@@ -1,0 +1,330 @@
+//! The CUDA path without a GPU: the checks of `tests/gpu.rs`, `stoker train` and
+//! `stoker bench` on the CUDA backend, and the CUDA example, run against stoker's CPU
+//! emulator of the CUDA driver and NVRTC (`tests/emu`).
+//!
+//! The emulator runs the real kernels (`kernels/mlp.cu`, built as host C++), with one
+//! thread per stream, events ordered by record, and asynchronous copies that read their
+//! pinned source when they run. It checks ordering, arguments and results, not speed:
+//! figures measured on it mean nothing and none is reported.
+//!
+//! cudarc opens libcuda once per process, so each check runs in a child process (this
+//! same test binary) started with the emulator on its library path. The emulator is built
+//! with the system C++ compiler; where there is none, the tests say so and skip.
+
+mod gpu_checks;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+use stoker::cuda::Cuda;
+use stoker::device::Device;
+
+const EMU: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/emu");
+const DIGITS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
+const CHILD: &str = "STOKER_EMU_CHILD";
+
+fn cxx() -> String {
+    std::env::var("STOKER_EMU_CXX").unwrap_or_else(|_| "c++".into())
+}
+
+/// Builds the emulator's two libraries once per run of this binary.
+fn build() -> Result<PathBuf, String> {
+    let cxx = cxx();
+    if Command::new(&cxx).arg("--version").output().is_err() {
+        return Err(format!(
+            "no C++ compiler ({cxx}) to build the CUDA emulator"
+        ));
+    }
+    let dir =
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("emu-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("tmp")).unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(&cxx)
+            .args(["-std=c++17", "-O2", "-fPIC", "-shared", "-Wall", "-Werror"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "building the emulator failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let lib = dir.join("libcuda.so.1");
+    run(&[
+        "-o",
+        lib.to_str().unwrap(),
+        &format!("{EMU}/cuda.cpp"),
+        "-ldl",
+        "-lpthread",
+    ]);
+    let _ = std::fs::remove_file(dir.join("libcuda.so"));
+    std::os::unix::fs::symlink("libcuda.so.1", dir.join("libcuda.so")).unwrap();
+    run(&[
+        &format!("-DEMU_PRELUDE=\"{EMU}/prelude.h\""),
+        "-o",
+        dir.join("libnvrtc.so").to_str().unwrap(),
+        &format!("{EMU}/nvrtc.cpp"),
+    ]);
+    Ok(dir)
+}
+
+fn emulator() -> Option<&'static Path> {
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    match BUILT.get_or_init(build) {
+        Ok(dir) => Some(dir),
+        Err(reason) => {
+            println!("skipping: {reason}");
+            None
+        }
+    }
+}
+
+/// `cmd` with the emulator in place of libcuda and NVRTC, its own kernel cache, and
+/// `jitter_us` of random delay before each device operation.
+fn with_emulator<'a>(cmd: &'a mut Command, dir: &Path, jitter_us: u32) -> &'a mut Command {
+    cmd.env("LD_LIBRARY_PATH", dir)
+        .env("STOKER_NVRTC", dir.join("libnvrtc.so"))
+        .env("STOKER_CACHE", dir.join("kernel-cache"))
+        .env("TMPDIR", dir.join("tmp"))
+        .env("STOKER_EMU_JITTER_US", jitter_us.to_string())
+}
+
+fn shown(out: &Output) -> String {
+    format!(
+        "status {}\n--- stdout\n{}\n--- stderr\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Runs `check` on the emulated device: in the child, directly; in the parent, by
+/// starting the child for test `name` and requiring that it ran and passed.
+fn emulated(name: &str, jitter_us: u32, check: impl FnOnce(Cuda)) {
+    if std::env::var_os(CHILD).is_some() {
+        let c = match Device::auto() {
+            Device::Cuda(c) => c,
+            Device::Cpu { reason } => panic!("the emulator did not load: {reason:?}"),
+        };
+        assert!(
+            c.name.contains("stoker CUDA emulator"),
+            "not the emulator: {}",
+            c.name
+        );
+        check(c);
+        return;
+    }
+    let Some(dir) = emulator() else { return };
+    let exe = std::env::current_exe().unwrap();
+    let mut cmd = Command::new(exe);
+    cmd.args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1");
+    let out = with_emulator(&mut cmd, dir, jitter_us).output().unwrap();
+    let text = shown(&out);
+    println!("{text}");
+    assert!(out.status.success(), "{name} failed on the emulator");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+        "{name} did not run in the child"
+    );
+}
+
+#[test]
+fn first_step_matches_the_cpu_backend() {
+    emulated("first_step_matches_the_cpu_backend", 0, |c| {
+        gpu_checks::first_step_matches_the_cpu_backend(c)
+    });
+}
+
+#[test]
+fn digits_reach_90_percent() {
+    emulated("digits_reach_90_percent", 0, |c| {
+        gpu_checks::digits_reach_90_percent_on_the_gpu(c)
+    });
+}
+
+#[test]
+fn a_generated_set_reaches_95_percent() {
+    // Smaller than on a GPU (one channel of 16x16): the emulator runs the kernels one
+    // thread at a time.
+    emulated("a_generated_set_reaches_95_percent", 0, |c| {
+        gpu_checks::a_generated_set_reaches_95_percent_on_the_gpu(c, 6_000, &[1, 16, 16])
+    });
+}
+
+#[test]
+fn the_device_cache_gives_the_same_epochs() {
+    emulated("the_device_cache_gives_the_same_epochs", 50, |c| {
+        gpu_checks::the_device_cache_gives_the_same_epochs(c)
+    });
+}
+
+#[test]
+fn overlapped_epochs_match_the_cpu_backend_under_jitter() {
+    // Random delays before every device operation reorder the streams' progress
+    // against each other and against the host: a missing wait shows as a difference.
+    emulated(
+        "overlapped_epochs_match_the_cpu_backend_under_jitter",
+        200,
+        |c| gpu_checks::epochs_match_the_cpu_backend(c, false),
+    );
+}
+
+#[test]
+fn serialised_epochs_match_the_cpu_backend() {
+    emulated("serialised_epochs_match_the_cpu_backend", 50, |c| {
+        gpu_checks::epochs_match_the_cpu_backend(c, true)
+    });
+}
+
+#[test]
+fn a_bad_label_is_an_error() {
+    emulated("a_bad_label_is_an_error", 0, |c| {
+        gpu_checks::a_bad_label_is_an_error(c)
+    });
+}
+
+fn stoker(dir: &Path, args: &[&str]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_stoker"));
+    cmd.args(args);
+    let out = with_emulator(&mut cmd, dir, 20).output().unwrap();
+    assert!(out.status.success(), "stoker {args:?}:\n{}", shown(&out));
+    out
+}
+
+fn json(path: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+#[test]
+fn train_on_the_cuda_backend_matches_the_cpu_backend() {
+    let Some(dir) = emulator() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let (gpu, cpu, trace) = (
+        tmp.path().join("gpu.json"),
+        tmp.path().join("cpu.json"),
+        tmp.path().join("trace.json"),
+    );
+    let common = ["train", "--data", DIGITS, "--epochs", "3", "--batch", "128"];
+    let g = stoker(
+        dir,
+        &[&common[..], &["--device", "cuda", "--warmup", "--cold"]].concat(),
+    );
+    let shown_out = String::from_utf8_lossy(&g.stdout).into_owned();
+    println!("{shown_out}");
+    assert!(shown_out.contains("stoker CUDA emulator"), "{shown_out}");
+    for a in [
+        &["--device", "cuda", "--json", gpu.to_str().unwrap()][..],
+        &["--device", "cpu", "--json", cpu.to_str().unwrap()][..],
+    ] {
+        stoker(dir, &[&common[..], a].concat());
+    }
+    let (g, c) = (json(&gpu), json(&cpu));
+    assert!(g["device"].as_str().unwrap().contains("emulator"));
+    assert!(
+        g["device_cache_bytes"].as_u64().unwrap() > 0,
+        "digits fit the cache"
+    );
+    for (a, b) in g["epochs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(c["epochs"].as_array().unwrap())
+    {
+        let (la, lb) = (a["loss"].as_f64().unwrap(), b["loss"].as_f64().unwrap());
+        assert!(
+            (la - lb).abs() <= 1e-3 * lb.abs(),
+            "loss {la} on CUDA vs {lb} on the CPU"
+        );
+    }
+    // Without the device cache every epoch goes through the feeder, and the trace holds
+    // copy and compute spans on the streams' tracks for each of them.
+    stoker(
+        dir,
+        &[
+            &common[..],
+            &[
+                "--device",
+                "cuda",
+                "--no-device-cache",
+                "--trace",
+                trace.to_str().unwrap(),
+            ],
+        ]
+        .concat(),
+    );
+    let t = json(&trace);
+    let events = t["traceEvents"].as_array().unwrap();
+    let spans = |name: &str| events.iter().filter(|e| e["name"] == name).count();
+    let batches = 3 * 1797usize.div_ceil(128);
+    assert_eq!((spans("copy"), spans("compute")), (batches, batches));
+    let tracks: Vec<&str> = events
+        .iter()
+        .filter(|e| e["ph"] == "M")
+        .filter_map(|e| e["args"]["name"].as_str())
+        .collect();
+    assert!(
+        tracks.contains(&"copy stream") && tracks.contains(&"compute stream"),
+        "{tracks:?}"
+    );
+}
+
+#[test]
+fn bench_measures_its_gpu_figures_on_the_cuda_backend() {
+    let Some(dir) = emulator() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    let report = tmp.path().join("bench.json");
+    let d = data.to_str().unwrap();
+    stoker(
+        dir,
+        &["gen", "--out", d, "--samples", "2000", "--shape", "1x16x16"],
+    );
+    stoker(
+        dir,
+        &["bench", "--data", d, "--json", report.to_str().unwrap()],
+    );
+    let b = json(&report);
+    let gpu = &b["gpu"];
+    assert!(gpu["device"].as_str().unwrap().contains("emulator"), "{b}");
+    for figure in [
+        &gpu["h2d"]["bare_pinned_gb_s"],
+        &gpu["h2d"]["bare_write_combined_gb_s"],
+        &gpu["h2d"]["bare_pageable_gb_s"],
+        &gpu["h2d"]["feeder_copy_gb_s"],
+        &gpu["overlap"]["overlapped_s"],
+        &gpu["overlap"]["serialised_s"],
+        &gpu["cache"]["cached_s"],
+        &gpu["cache"]["uncached_s"],
+    ] {
+        assert!(figure.as_f64().is_some_and(|v| v > 0.0), "{gpu}");
+    }
+}
+
+#[test]
+fn the_cuda_example_runs_a_users_kernel() {
+    let Some(dir) = emulator() else { return };
+    // Examples are built by `cargo test`, next to this binary's directory.
+    let exe = std::env::current_exe().unwrap();
+    let example = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples/05_cuda_kernel");
+    if !example.exists() {
+        println!("skipping: {} is not built", example.display());
+        return;
+    }
+    let mut cmd = Command::new(&example);
+    let out = with_emulator(&mut cmd, dir, 20).output().unwrap();
+    let text = shown(&out);
+    println!("{text}");
+    assert!(out.status.success(), "{text}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("stoker CUDA emulator"),
+        "{text}"
+    );
+}
