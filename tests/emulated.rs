@@ -100,9 +100,49 @@ fn shown(out: &Output) -> String {
     )
 }
 
+/// The address sanitizer's runtime, for checking the kernels' memory accesses; `None`
+/// (with the reason printed) where the compiler has none.
+fn asan_runtime() -> Option<PathBuf> {
+    let out = Command::new(cxx())
+        .arg("-print-file-name=libasan.so")
+        .output()
+        .ok()?;
+    let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    if path.is_absolute() && path.exists() {
+        Some(path)
+    } else {
+        println!("skipping: {} has no address sanitizer runtime", cxx());
+        None
+    }
+}
+
+/// How a child runs: its stream jitter, and whether the kernels are built with the
+/// address sanitizer (every device allocation is then bounds-checked).
+#[derive(Clone, Copy, Default)]
+struct Mode {
+    jitter_us: u32,
+    asan: bool,
+}
+
 /// Runs `check` on the emulated device: in the child, directly; in the parent, by
 /// starting the child for test `name` and requiring that it ran and passed.
 fn emulated(name: &str, jitter_us: u32, check: impl FnOnce(Cuda)) {
+    let mode = Mode {
+        jitter_us,
+        asan: false,
+    };
+    if let Some(out) = in_child(name, mode, check) {
+        assert!(out.status.success(), "{name} failed on the emulator");
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+            "{name} did not run in the child"
+        );
+    }
+}
+
+/// In the child: runs `check` and returns `None`. In the parent: starts the child for
+/// test `name` and returns its output (`None` when the emulator cannot be had here).
+fn in_child(name: &str, mode: Mode, check: impl FnOnce(Cuda)) -> Option<Output> {
     if std::env::var_os(CHILD).is_some() {
         let c = match Device::auto() {
             Device::Cuda(c) => c,
@@ -114,21 +154,91 @@ fn emulated(name: &str, jitter_us: u32, check: impl FnOnce(Cuda)) {
             c.name
         );
         check(c);
-        return;
+        return None;
     }
-    let Some(dir) = emulator() else { return };
+    let dir = emulator()?;
     let exe = std::env::current_exe().unwrap();
     let mut cmd = Command::new(exe);
     cmd.args([name, "--exact", "--nocapture", "--test-threads=1"])
         .env(CHILD, "1");
-    let out = with_emulator(&mut cmd, dir, jitter_us).output().unwrap();
-    let text = shown(&out);
-    println!("{text}");
-    assert!(out.status.success(), "{name} failed on the emulator");
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("1 passed"),
-        "{name} did not run in the child"
-    );
+    with_emulator(&mut cmd, dir, mode.jitter_us);
+    if mode.asan {
+        let runtime = asan_runtime()?;
+        cmd.env("LD_PRELOAD", runtime)
+            .env("ASAN_OPTIONS", "detect_leaks=0")
+            .env("STOKER_EMU_CXXFLAGS", "-fsanitize=address -g")
+            // Kernels built with the sanitizer get their own cache.
+            .env("STOKER_CACHE", dir.join("kernel-cache-asan"));
+    }
+    let out = cmd.output().unwrap();
+    println!("{}", shown(&out));
+    Some(out)
+}
+
+#[test]
+fn the_kernels_stay_inside_their_buffers() {
+    // The step, the device cache's scatter and gather, and a bad label's early return,
+    // with every device allocation bounds-checked by the address sanitizer.
+    let name = "the_kernels_stay_inside_their_buffers";
+    let mode = Mode {
+        jitter_us: 20,
+        asan: true,
+    };
+    let out = in_child(name, mode, |c| {
+        gpu_checks::the_device_cache_gives_the_same_epochs(c.clone());
+        gpu_checks::a_bad_label_is_an_error(c);
+    });
+    if let Some(out) = out {
+        assert!(
+            out.status.success(),
+            "{name} failed under the address sanitizer"
+        );
+        assert!(String::from_utf8_lossy(&out.stdout).contains("1 passed"));
+    }
+}
+
+#[test]
+fn the_address_sanitizer_catches_a_kernel_writing_past_its_buffer() {
+    // The check above can fail: one float written past a 1000-float allocation.
+    use cudarc::driver::{LaunchConfig, PushKernelArg};
+    let name = "the_address_sanitizer_catches_a_kernel_writing_past_its_buffer";
+    let mode = Mode {
+        jitter_us: 0,
+        asan: true,
+    };
+    let out = in_child(name, mode, |c| {
+        let src = "extern \"C\" __global__ void past(float* x, int n) {\n\
+                   int i = blockIdx.x * blockDim.x + threadIdx.x;\n\
+                   if (i <= n) x[i] = 1.0f;\n}\n";
+        let ptx = c
+            .nvrtc
+            .compile(
+                src,
+                "past.cu",
+                &["--gpu-architecture=compute_90".to_string()],
+            )
+            .unwrap();
+        let module = c
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .unwrap();
+        let f = module.load_function("past").unwrap();
+        let stream = c.ctx.new_stream().unwrap();
+        let mut x = stream.alloc_zeros::<f32>(1000).unwrap();
+        let n = 1000i32;
+        let mut l = stream.launch_builder(&f);
+        l.arg(&mut x).arg(&n);
+        // SAFETY: none: this kernel writes x[1000], past the allocation, on purpose.
+        unsafe { l.launch(LaunchConfig::for_num_elems(1024)) }.unwrap();
+        stream.synchronize().unwrap();
+    });
+    if let Some(out) = out {
+        assert!(!out.status.success(), "the overflow went unnoticed");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("heap-buffer-overflow"),
+            "not the sanitizer's report"
+        );
+    }
 }
 
 #[test]

@@ -379,8 +379,10 @@ CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
     size_t rounded = (n + 255) / 256 * 256;
     std::lock_guard<std::mutex> g(g_mu);
     if (g_used + rounded > total_memory()) return CUDA_ERROR_OUT_OF_MEMORY;
-    void* m = aligned_alloc(256, rounded);
-    if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
+    // Exactly n bytes (aligned like cudaMalloc's), so that an address sanitizer sees the
+    // real end of the allocation.
+    void* m = nullptr;
+    if (posix_memalign(&m, 256, n) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
     g_device[(uintptr_t)m] = n;
     g_used += rounded;
     *p = (CUdeviceptr)(uintptr_t)m;
@@ -417,8 +419,8 @@ CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
 CUresult cuMemHostAlloc(void** pp, size_t n, unsigned) {
     if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
     size_t rounded = (n + 4095) / 4096 * 4096;
-    void* m = aligned_alloc(4096, rounded ? rounded : 4096);
-    if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
+    void* m = nullptr;
+    if (posix_memalign(&m, 4096, rounded ? rounded : 4096) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
     std::lock_guard<std::mutex> g(g_mu);
     g_host[(uintptr_t)m] = n;
     *pp = m;
