@@ -347,8 +347,8 @@ fn run_train(config: TrainConfig, json: Option<&Path>) -> stoker::Result<()> {
     }
     if let Some(bytes) = report.device_cache_bytes {
         println!(
-            "  device cache: {:.0} MB, epochs after the first read from the GPU",
-            bytes as f64 / 1e6
+            "  device cache: {}, epochs after the first read from the GPU",
+            stoker::report::megabytes(bytes)
         );
     }
     println!(

@@ -297,9 +297,18 @@ fn a_bad_label_is_an_error() {
 }
 
 fn stoker(dir: &Path, args: &[&str]) -> Output {
+    stoker_with(dir, None, args)
+}
+
+/// `stoker args` on the emulator, with its own kernel cache when `cache` is given.
+fn stoker_with(dir: &Path, cache: Option<&Path>, args: &[&str]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_stoker"));
     cmd.args(args);
-    let out = with_emulator(&mut cmd, dir, 20).output().unwrap();
+    with_emulator(&mut cmd, dir, 20);
+    if let Some(cache) = cache {
+        cmd.env("STOKER_CACHE", cache);
+    }
+    let out = cmd.output().unwrap();
     assert!(out.status.success(), "stoker {args:?}:\n{}", shown(&out));
     out
 }
@@ -318,8 +327,10 @@ fn train_on_the_cuda_backend_matches_the_cpu_backend() {
         tmp.path().join("trace.json"),
     );
     let common = ["train", "--data", DIGITS, "--epochs", "3", "--batch", "128"];
-    let g = stoker(
+    let cache = tmp.path().join("kernel-cache");
+    let g = stoker_with(
         dir,
+        Some(&cache),
         &[&common[..], &["--device", "cuda", "--warmup", "--cold"]].concat(),
     );
     let shown_out = String::from_utf8_lossy(&g.stdout).into_owned();
@@ -329,9 +340,12 @@ fn train_on_the_cuda_backend_matches_the_cpu_backend() {
         &["--device", "cuda", "--json", gpu.to_str().unwrap()][..],
         &["--device", "cpu", "--json", cpu.to_str().unwrap()][..],
     ] {
-        stoker(dir, &[&common[..], a].concat());
+        stoker_with(dir, Some(&cache), &[&common[..], a].concat());
     }
     let (g, c) = (json(&gpu), json(&cpu));
+    // The first run above compiled the kernels; this one read them from the disk cache.
+    assert_eq!(g["setup"]["kernels_from_cache"], true, "{}", g["setup"]);
+    assert!(shown_out.contains("(compiled)"), "{shown_out}");
     assert!(g["device"].as_str().unwrap().contains("emulator"));
     assert!(
         g["device_cache_bytes"].as_u64().unwrap() > 0,
@@ -379,6 +393,34 @@ fn train_on_the_cuda_backend_matches_the_cpu_backend() {
         tracks.contains(&"copy stream") && tracks.contains(&"compute stream"),
         "{tracks:?}"
     );
+    // With the device cache, epoch 0 is fed from the host, and the later epochs gather on
+    // the device: their spans are the device gather and the step, per batch.
+    stoker(
+        dir,
+        &[
+            &common[..],
+            &["--device", "cuda", "--trace", trace.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    let t = json(&trace);
+    let events = t["traceEvents"].as_array().unwrap();
+    let per_epoch = 1797usize.div_ceil(128);
+    for (name, epoch, want) in [
+        ("copy", 0, per_epoch),
+        ("compute", 0, per_epoch),
+        ("copy", 1, 0),
+        ("device gather", 1, per_epoch),
+        ("compute", 1, per_epoch),
+        ("device gather", 2, per_epoch),
+        ("compute", 2, per_epoch),
+    ] {
+        let got = events
+            .iter()
+            .filter(|e| e["name"] == name && e["args"]["epoch"] == epoch)
+            .count();
+        assert_eq!(got, want, "{name} spans in epoch {epoch}");
+    }
 }
 
 #[test]

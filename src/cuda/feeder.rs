@@ -257,6 +257,11 @@ impl Feeder {
         self.trace = Some(trace);
     }
 
+    /// The trace spans are recorded into, if any.
+    pub(crate) fn trace(&self) -> Option<&Arc<Trace>> {
+        self.trace.as_ref()
+    }
+
     /// The layout of the batches it feeds.
     pub fn layout(&self) -> &BatchLayout {
         &self.layout

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::cache::DeviceCache;
 use super::feeder::{addr, cuda_err, DeviceBatch, Feeder};
@@ -19,6 +19,9 @@ pub struct CudaTrainer {
     feeder: Feeder,
     step: Step,
     cache: Option<DeviceCache>,
+    /// Events for trace spans of epochs served by the device cache: an origin, then per
+    /// batch the start of its device gather, the start of its step and the step's end.
+    marks: Option<(CudaEvent, Vec<[CudaEvent; 3]>)>,
 }
 
 /// The model on the device and the kernels that train it, enqueued on `stream`.
@@ -103,6 +106,7 @@ impl CudaTrainer {
             feeder,
             step,
             cache: None,
+            marks: None,
         })
     }
 
@@ -186,17 +190,47 @@ impl CudaTrainer {
         self.step.reset_metrics()?;
         let stream = Arc::clone(self.feeder.stream());
         cache.upload_order(order, &stream)?;
+        let trace = self.feeder.trace().cloned();
+        let n = order.batches() as usize;
+        let marks = match &trace {
+            Some(_) => Some(marks_for(&mut self.marks, self.feeder.cuda(), n)?),
+            None => None,
+        };
+        let t0 = std::time::Instant::now();
+        if let Some((origin, _)) = &marks {
+            origin.record(&stream).map_err(cuda_err)?;
+        }
+        let mark = |b: usize, i: usize| match &marks {
+            Some((_, m)) => m[b][i].record(&stream).map_err(cuda_err),
+            None => Ok(()),
+        };
         let (mut batches, mut samples) = (0, 0);
         for b in 0..order.batches() {
             let rows = order.batch_len(b);
+            mark(b as usize, 0)?;
             let db = cache.gather(&self.step.kernels, &stream, order.epoch(), b, rows)?;
+            mark(b as usize, 1)?;
             self.step.enqueue(&db)?;
+            mark(b as usize, 2)?;
             batches += 1;
             samples += rows as u64;
             progress(rows as u64, 0.0);
         }
         let metrics = self.step.read_metrics(samples)?;
         let wall = start.elapsed();
+        if let (Some(tr), Some((origin, m))) = (&trace, &marks) {
+            // The stream is synchronised: every event has completed.
+            let at = |e: &CudaEvent| -> Result<std::time::Instant> {
+                let ms = origin.elapsed_ms(e).map_err(cuda_err)?;
+                Ok(t0 + std::time::Duration::from_secs_f64(ms.max(0.0) as f64 / 1e3))
+            };
+            for (b, [g, s, e]) in m.iter().take(n).enumerate() {
+                let track = "compute stream";
+                let (g, s, e) = (at(g)?, at(s)?, at(e)?);
+                tr.span("device gather", track, (g, s), order.epoch(), b as u64);
+                tr.span("compute", track, (s, e), order.epoch(), b as u64);
+            }
+        }
         let mut out = EpochOutcome {
             metrics,
             wall,
@@ -278,6 +312,24 @@ impl CudaTrainer {
         out.stages.compute = fed.compute;
         Ok(out)
     }
+}
+
+/// The trace events of a cached epoch of `n` batches, made on first use and kept.
+fn marks_for<'a>(
+    marks: &'a mut Option<(CudaEvent, Vec<[CudaEvent; 3]>)>,
+    cuda: &Cuda,
+    n: usize,
+) -> Result<&'a (CudaEvent, Vec<[CudaEvent; 3]>)> {
+    let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let event = || cuda.ctx.new_event(timed).map_err(cuda_err);
+    if marks.is_none() {
+        *marks = Some((event()?, Vec::new()));
+    }
+    let (_, m) = marks.as_mut().expect("just set");
+    while m.len() < n {
+        m.push([event()?, event()?, event()?]);
+    }
+    Ok(marks.as_ref().expect("just set"))
 }
 
 impl Step {

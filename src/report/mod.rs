@@ -81,6 +81,9 @@ pub struct Setup {
     pub cuda_context_s: f64,
     /// Compiling kernels or loading them from the cache (0 on the CPU).
     pub kernels_s: f64,
+    /// Whether the kernels came from the on-disk cache (`false`: NVRTC compiled them, and
+    /// the cache was written for the next run).
+    pub kernels_from_cache: bool,
     /// First launch of every kernel, with `--warmup` (lazy module loading; 0 on the CPU).
     pub first_launch_s: f64,
     /// Allocating the loader's host-buffer pool.
@@ -224,8 +227,15 @@ impl TrainReport {
         );
         if st.cuda_context_s > 0.0 || st.kernels_s > 0.0 {
             s += &format!(
-                ", CUDA context {:.3} s, kernels {:.3} s, first launches {:.3} s",
-                st.cuda_context_s, st.kernels_s, st.first_launch_s
+                ", CUDA context {:.3} s, kernels {:.3} s ({}), first launches {:.3} s",
+                st.cuda_context_s,
+                st.kernels_s,
+                if st.kernels_from_cache {
+                    "from the disk cache"
+                } else {
+                    "compiled"
+                },
+                st.first_launch_s
             );
         }
         if st.warmup_s > 0.0 {
@@ -258,11 +268,21 @@ impl TrainReport {
         );
         if let Some(bytes) = self.device_cache_bytes {
             s += &format!(
-                "  (epochs after the first read a {:.0} MB device cache: they skip host gathering \
+                "  (epochs after the first read a {} device cache: they skip host gathering \
                  and copies, so part of the excess is work the cache removed)\n",
-                bytes as f64 / 1e6
+                megabytes(bytes)
             );
         }
         s
+    }
+}
+
+/// Bytes as megabytes, with a decimal where the figure is small (`0.13 MB`, `616 MB`).
+pub fn megabytes(bytes: u64) -> String {
+    let mb = bytes as f64 / 1e6;
+    if mb < 10.0 {
+        format!("{mb:.2} MB")
+    } else {
+        format!("{mb:.0} MB")
     }
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::cpu::CpuTrainer;
-use crate::cuda::{CudaTrainer, Kernels, PinnedAlloc, PinnedKind};
+use crate::cuda::{CudaTrainer, KernelOrigin, Kernels, PinnedAlloc, PinnedKind};
 use crate::dataset::{Dataset, NpyDataset};
 use crate::device::{Device, DeviceChoice};
 use crate::error::{Error, Result};
@@ -110,6 +110,7 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
             let t = Instant::now();
             let k = Kernels::load(c)?;
             setup.kernels_s = t.elapsed().as_secs_f64();
+            setup.kernels_from_cache = matches!(k.origin, KernelOrigin::Cached { .. });
             Some(k)
         }
         Device::Cpu { .. } => None,
