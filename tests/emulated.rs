@@ -290,6 +290,13 @@ fn serialised_epochs_match_the_cpu_backend() {
 }
 
 #[test]
+fn the_kernel_cache_survives_damage() {
+    emulated("the_kernel_cache_survives_damage", 0, |c| {
+        gpu_checks::the_kernel_cache_survives_damage(c)
+    });
+}
+
+#[test]
 fn a_bad_label_is_an_error() {
     emulated("a_bad_label_is_an_error", 0, |c| {
         gpu_checks::a_bad_label_is_an_error(c)

@@ -67,6 +67,13 @@ fn serialised_epochs_match_the_cpu_backend() {
 }
 
 #[test]
+fn the_kernel_cache_survives_damage() {
+    if let Some(c) = cuda() {
+        gpu_checks::the_kernel_cache_survives_damage(c);
+    }
+}
+
+#[test]
 fn a_bad_label_is_an_error() {
     if let Some(c) = cuda() {
         gpu_checks::a_bad_label_is_an_error(c);

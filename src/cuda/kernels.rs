@@ -1,6 +1,6 @@
 //! The training-step kernels: compiled by NVRTC once, cached on disk, loaded per run.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -90,6 +90,23 @@ pub fn cache_dir() -> PathBuf {
     std::env::temp_dir().join("stoker")
 }
 
+/// Whether `bytes` is a whole 64-bit ELF file: the magic, and at least as long as its
+/// header says (the end of its section or program header table, whichever is last: the
+/// program headers in NVRTC's cubins), so that a truncated cache file is compiled afresh
+/// rather than handed to the driver.
+pub fn elf_complete(bytes: &[u8]) -> bool {
+    if bytes.len() < 64 || !bytes.starts_with(b"\x7fELF\x02\x01") {
+        return false;
+    }
+    let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().expect("8 bytes"));
+    let u16_at = |o: usize| u16::from_le_bytes(bytes[o..o + 2].try_into().expect("2 bytes"));
+    let table_end = |off: usize, size: usize, count: usize| {
+        u64_at(off).saturating_add(u64::from(u16_at(size)) * u64::from(u16_at(count)))
+    };
+    let end = table_end(0x28, 0x3A, 0x3C).max(table_end(0x20, 0x36, 0x38));
+    end <= bytes.len() as u64
+}
+
 /// NVRTC's options for [`SOURCE`]: a cubin for the real architecture `sm_XY` when
 /// `cubin`, else PTX for the virtual `compute_XY`.
 pub fn compile_options(arch: (i32, i32), cubin: bool) -> Vec<String> {
@@ -113,31 +130,53 @@ pub fn build_arch(device: (i32, i32), supported: &[(i32, i32)]) -> (i32, i32) {
 }
 
 impl Kernels {
-    /// Compiles (or loads from the cache) and loads the kernels into `cuda`'s context.
+    /// Compiles (or loads from the cache in [`cache_dir`]) and loads the kernels into
+    /// `cuda`'s context.
     ///
     /// # Errors
     /// [`Error::Cuda`] with NVRTC's log or the driver's error.
     pub fn load(cuda: &Cuda) -> Result<Kernels> {
-        let (image, origin) = match Self::image(cuda, true) {
-            Ok(found) => found,
-            Err(_) => Self::image(cuda, false)?,
-        };
-        match Self::from_image(cuda, image, origin.clone()) {
-            Ok(k) => Ok(k),
-            // A cached image that does not load (a half-written file, another driver):
-            // compile afresh, once.
-            Err(_) if matches!(origin, KernelOrigin::Cached { .. }) => {
-                let _ = std::fs::remove_file(origin.cache());
-                let (image, origin) = Self::image(cuda, false)?;
-                Self::from_image(cuda, image, origin)
+        Self::load_from(cuda, &cache_dir())
+    }
+
+    /// [`load`](Kernels::load) with the compiled images cached in `dir`.
+    ///
+    /// A cubin for the device's own architecture first, PTX if that cannot be built or
+    /// loaded. A cached image the driver rejects (damaged, or from another driver) is
+    /// deleted and compiled afresh, once.
+    ///
+    /// # Errors
+    /// As [`load`](Kernels::load): the last error met.
+    pub fn load_from(cuda: &Cuda, dir: &Path) -> Result<Kernels> {
+        let mut last = None;
+        for cubin in [true, false] {
+            for attempt in 0..2 {
+                let (image, origin) = match Self::image(cuda, dir, cubin) {
+                    Ok(found) => found,
+                    Err(e) => {
+                        last = Some(e);
+                        break;
+                    }
+                };
+                match Self::from_image(cuda, image, origin.clone()) {
+                    Ok(k) => return Ok(k),
+                    Err(e) => {
+                        last = Some(e);
+                        if attempt == 0 && matches!(origin, KernelOrigin::Cached { .. }) {
+                            let _ = std::fs::remove_file(origin.cache());
+                            continue;
+                        }
+                        break;
+                    }
+                }
             }
-            Err(e) => Err(e),
         }
+        Err(last.unwrap_or_else(|| Error::Cuda("no kernel image could be built".into())))
     }
 
     /// The compiled image (a cubin for the device's own architecture, or PTX), from the
     /// cache or from NVRTC.
-    fn image(cuda: &Cuda, cubin: bool) -> Result<(Ptx, KernelOrigin)> {
+    fn image(cuda: &Cuda, dir: &Path, cubin: bool) -> Result<(Ptx, KernelOrigin)> {
         let archs = cuda.nvrtc.supported_archs();
         let arch = build_arch(cuda.arch, &archs);
         if cubin && arch != cuda.arch {
@@ -155,7 +194,6 @@ impl Kernels {
             options.join(" ").as_bytes(),
             format!("nvrtc {major}.{minor}").as_bytes(),
         ]);
-        let dir = cache_dir();
         let file = dir.join(format!(
             "mlp-{key:016x}.{}",
             if cubin { "cubin" } else { "ptx" }
@@ -164,7 +202,7 @@ impl Kernels {
         let cache = file.display().to_string();
         if let Ok(bytes) = std::fs::read(&file) {
             let ok = if cubin {
-                bytes.starts_with(b"\x7fELF")
+                elf_complete(&bytes)
             } else {
                 !bytes.contains(&0) && bytes.windows(6).any(|w| w == b".entry")
             };
@@ -195,7 +233,7 @@ impl Kernels {
             std::process::id(),
             std::thread::current().id()
         ));
-        let _ = std::fs::create_dir_all(&dir)
+        let _ = std::fs::create_dir_all(dir)
             .and_then(|()| std::fs::write(&tmp, &bytes))
             .and_then(|()| std::fs::rename(&tmp, &file));
         let _ = std::fs::remove_file(&tmp);
@@ -247,6 +285,21 @@ mod tests {
         assert_eq!(super::build_arch((8, 6), &known), (8, 6));
         assert_eq!(super::build_arch((12, 0), &known), (9, 0));
         assert_eq!(super::build_arch((12, 0), &[]), (12, 0));
+    }
+
+    #[test]
+    fn a_truncated_or_foreign_cubin_is_not_complete() {
+        let mut elf = vec![0u8; 200];
+        elf[..6].copy_from_slice(b"\x7fELF\x02\x01");
+        elf[0x28..0x30].copy_from_slice(&72u64.to_le_bytes()); // section headers at 72
+        elf[0x3A..0x3C].copy_from_slice(&64u16.to_le_bytes()); // of 64 bytes
+        elf[0x3C..0x3E].copy_from_slice(&2u16.to_le_bytes()); // two: ends at 200
+        assert!(super::elf_complete(&elf));
+        assert!(!super::elf_complete(&elf[..199]));
+        assert!(!super::elf_complete(&elf[..40]));
+        assert!(!super::elf_complete(
+            b"not an elf file at all, but long enough to be read......."
+        ));
     }
 
     #[test]

@@ -14,7 +14,9 @@ use std::sync::Arc;
 pub use cache::DeviceCache;
 pub use cudarc::driver::CudaContext;
 pub use feeder::{DeviceBatch, FeedStats, Feeder};
-pub use kernels::{build_arch, cache_dir, compile_options, KernelOrigin, Kernels, SOURCE};
+pub use kernels::{
+    build_arch, cache_dir, compile_options, elf_complete, KernelOrigin, Kernels, SOURCE,
+};
 pub use nvrtc::{candidates as nvrtc_candidates, Nvrtc};
 pub use pinned::{PinnedAlloc, PinnedKind};
 pub use trainer::CudaTrainer;

@@ -16,6 +16,7 @@
 //   its parameters (their sizes come from the kernel's C++ signature) and checks its
 //   configuration against the limits of a real device.
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -647,13 +648,18 @@ CUresult cuModuleLoadData(CUmodule* m, const void* image) {
         return load_so(m, std::string(path, strcspn(path, "\n")));
     }
     if (memcmp(p, "\x7f" "ELF", 4) != 0 || p[4] != 2) return CUDA_ERROR_INVALID_IMAGE;
-    // An ELF64 file ends with its section headers: that gives its length.
-    uint64_t shoff;
-    uint16_t shentsize, shnum;
+    // An ELF64 file ends with its section or program header table: that gives its
+    // length (the driver is not told it).
+    uint64_t shoff, phoff;
+    uint16_t shentsize, shnum, phentsize, phnum;
     memcpy(&shoff, p + 0x28, 8);
     memcpy(&shentsize, p + 0x3A, 2);
     memcpy(&shnum, p + 0x3C, 2);
-    size_t len = shoff + (size_t)shentsize * shnum;
+    memcpy(&phoff, p + 0x20, 8);
+    memcpy(&phentsize, p + 0x36, 2);
+    memcpy(&phnum, p + 0x38, 2);
+    size_t len = std::max(shoff + (size_t)shentsize * shnum, phoff + (size_t)phentsize * phnum);
+    if (len < 64 || len > (1ull << 30)) return CUDA_ERROR_INVALID_IMAGE;
     const char* tmp = getenv("TMPDIR");
     std::string path = std::string(tmp && *tmp ? tmp : "/tmp") + "/stoker-emu-module-XXXXXX";
     std::vector<char> name(path.begin(), path.end());

@@ -286,3 +286,42 @@ pub fn a_bad_label_is_an_error(c: Cuda) {
     assert!(err.contains("row 11 "), "{err}");
     assert_eq!(loader.free_buffers(), loader.buffers());
 }
+
+/// The kernel cache: compiled on the first load, read on the second; a truncated or
+/// foreign cache file is compiled afresh and replaced, never an error.
+pub fn the_kernel_cache_survives_damage(c: Cuda) {
+    use stoker::cuda::KernelOrigin;
+    let dir = tempfile::tempdir().unwrap();
+    let first = Kernels::load_from(&c, dir.path()).unwrap();
+    assert!(
+        matches!(first.origin, KernelOrigin::Compiled { .. }),
+        "{:?}",
+        first.origin
+    );
+    let second = Kernels::load_from(&c, dir.path()).unwrap();
+    assert!(
+        matches!(second.origin, KernelOrigin::Cached { .. }),
+        "{:?}",
+        second.origin
+    );
+    let file = std::path::PathBuf::from(first.origin.cache());
+    let whole = std::fs::read(&file).unwrap();
+    for damaged in [
+        &whole[..whole.len() / 2],
+        &b"\x7fELF\x02\x01 not a cubin"[..],
+        b"",
+    ] {
+        std::fs::write(&file, damaged).unwrap();
+        let k = Kernels::load_from(&c, dir.path()).unwrap();
+        assert!(
+            matches!(k.origin, KernelOrigin::Compiled { .. }),
+            "{:?}",
+            k.origin
+        );
+        assert_eq!(
+            std::fs::read(&file).unwrap(),
+            whole,
+            "the cache file is whole again"
+        );
+    }
+}
