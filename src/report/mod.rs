@@ -1,9 +1,11 @@
 //! Epoch reports: per-epoch figures, the warm-up split, the human table and JSON.
 
 mod progress;
+mod timer;
 mod trace;
 
 pub use progress::EpochProgress;
+pub use timer::EpochTimer;
 pub use trace::Trace;
 
 use crate::cpu::EpochOutcome;
@@ -179,7 +181,48 @@ fn pct(r: Residency) -> String {
     format!("{:.0}%", 100.0 * r.fraction())
 }
 
+impl Setup {
+    /// The loader's own one-off costs (pool allocation, worker start); the rest zero,
+    /// for you to fill in.
+    pub fn of_loader(loader: &crate::Loader) -> Setup {
+        let s = loader.startup();
+        Setup {
+            pool_alloc_s: s.pool_alloc.as_secs_f64(),
+            worker_start_s: s.threads.as_secs_f64(),
+            ..Setup::default()
+        }
+    }
+}
+
 impl TrainReport {
+    /// An empty report for a loop of yours over `dataset`, found at `data`, running on
+    /// `device` (any name: it is printed as given). Add epochs with
+    /// [`push`](TrainReport::push); see [`EpochTimer`].
+    pub fn new(
+        device: impl Into<String>,
+        data: impl Into<String>,
+        dataset: &dyn crate::Dataset,
+    ) -> TrainReport {
+        TrainReport {
+            device: device.into(),
+            fallback_reason: None,
+            device_cache_bytes: None,
+            data: data.into(),
+            samples: dataset.len(),
+            bytes_per_sample: dataset.columns().iter().map(|c| c.row_bytes as u64).sum(),
+            config: serde_json::Value::Null,
+            setup: Setup::default(),
+            epochs: Vec::new(),
+            warmup: None,
+        }
+    }
+
+    /// Adds an epoch's row and updates the warm-up split.
+    pub fn push(&mut self, row: EpochRow) {
+        self.epochs.push(row);
+        self.warmup = Warmup::of(&self.epochs);
+    }
+
     /// The epoch table.
     pub fn table(&self) -> String {
         let mut s = format!(

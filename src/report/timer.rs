@@ -1,0 +1,155 @@
+//! Epoch timers for your own training loop: the figures and the warm-up split that
+//! `stoker train` reports, around a step stoker does not know.
+
+use std::time::{Duration, Instant};
+
+use crate::cpu::EpochOutcome;
+use crate::dataset::Dataset;
+use crate::error::Result;
+use crate::loader::{Epoch, HostBatch};
+use crate::pagecache::{self, Residency};
+use crate::train::Metrics;
+
+use super::EpochRow;
+
+/// Times one epoch of a loop of yours: the wait for each batch, your copies and your
+/// step, the page-cache residency of the dataset at the start and the end, and the loss
+/// and accuracy you record. [`finish`](EpochTimer::finish) gives the same
+/// [`EpochRow`] as `stoker train`'s, for a [`TrainReport`](super::TrainReport).
+///
+/// ```no_run
+/// use stoker::report::{EpochTimer, Setup, TrainReport};
+/// use stoker::{Dataset, Loader, NpyDataset};
+/// # fn my_step(x: &[u8], y: &[i64]) -> (f64, u64) { (0.0, 0) }
+/// # fn main() -> stoker::Result<()> {
+/// let ds = std::sync::Arc::new(NpyDataset::open("datasets/digits")?);
+/// let mut loader = Loader::builder_shared(ds.clone()).batch_size(128).build()?;
+/// let mut report = TrainReport::new("my model (cpu)", "datasets/digits", ds.as_ref());
+/// report.setup = Setup::of_loader(&loader);
+/// for epoch in 0..3 {
+///     let mut timer = EpochTimer::new(loader.epoch(epoch)?, ds.as_ref())?;
+///     while let Some(batch) = timer.next() {
+///         let batch = batch?;
+///         let (x, y) = (batch.column::<u8>(0)?, batch.column::<i64>(1)?);
+///         let (loss_sum, correct) = timer.step(|| my_step(x, y));
+///         timer.record(loss_sum, correct, batch.len() as u64);
+///     }
+///     report.push(timer.finish()?);
+/// }
+/// print!("{}{}", report.table(), report.warmup_text());
+/// # Ok(())
+/// # }
+/// ```
+pub struct EpochTimer<'a> {
+    epoch: Epoch<'a>,
+    dataset: &'a dyn Dataset,
+    number: u64,
+    start: Instant,
+    residency_start: Residency,
+    wait: Duration,
+    copy: Duration,
+    compute: Duration,
+    metrics: Metrics,
+    batches: u64,
+}
+
+impl<'a> EpochTimer<'a> {
+    /// Starts timing `epoch`, a loader's epoch over `dataset` (whose files' residency is
+    /// read now and at the end).
+    ///
+    /// # Errors
+    /// The error of [`pagecache::residency`] on the dataset's mappings.
+    pub fn new(epoch: Epoch<'a>, dataset: &'a dyn Dataset) -> Result<EpochTimer<'a>> {
+        let residency_start = pagecache::residency(dataset)?;
+        Ok(EpochTimer {
+            number: epoch.epoch(),
+            epoch,
+            dataset,
+            start: Instant::now(),
+            residency_start,
+            wait: Duration::ZERO,
+            copy: Duration::ZERO,
+            compute: Duration::ZERO,
+            metrics: Metrics::default(),
+            batches: 0,
+        })
+    }
+
+    /// Runs `f` (your training step) and counts its time as compute.
+    pub fn step<R>(&mut self, f: impl FnOnce() -> R) -> R {
+        let t = Instant::now();
+        let r = f();
+        self.compute += t.elapsed();
+        r
+    }
+
+    /// Runs `f` (your copy to a device, say) and counts its time as copy.
+    pub fn copy<R>(&mut self, f: impl FnOnce() -> R) -> R {
+        let t = Instant::now();
+        let r = f();
+        self.copy += t.elapsed();
+        r
+    }
+
+    /// Adds a batch's summed loss, its correct predictions and its sample count. The
+    /// row's loss is the mean over the recorded samples, its accuracy the share correct.
+    pub fn record(&mut self, loss_sum: f64, correct: u64, samples: u64) {
+        self.metrics.loss_sum += loss_sum;
+        self.metrics.correct += correct;
+        self.metrics.samples += samples;
+    }
+
+    /// Ends the epoch and returns its row. Batches not taken are dropped (their buffers
+    /// go back to the loader). Time outside `step` and `copy` and the waits for batches
+    /// shows in the warm-up split as unexplained.
+    ///
+    /// # Errors
+    /// As [`new`](EpochTimer::new), for the residency at the end.
+    pub fn finish(self) -> Result<EpochRow> {
+        let wall = self.start.elapsed();
+        let loader = self.epoch.stats();
+        drop(self.epoch);
+        let residency_end = pagecache::residency(self.dataset)?;
+        let mut out = EpochOutcome {
+            metrics: self.metrics,
+            loader,
+            wall,
+            batches: self.batches,
+            ..EpochOutcome::default()
+        };
+        if out.metrics.samples == 0 {
+            out.metrics.samples = loader.samples;
+        }
+        out.stages.gather = loader.gather;
+        out.stages.wait_data = self.wait;
+        out.stages.copy = self.copy;
+        out.stages.compute = self.compute;
+        let bytes_per_sample = self
+            .dataset
+            .columns()
+            .iter()
+            .map(|c| c.row_bytes as u64)
+            .sum();
+        Ok(EpochRow::new(
+            self.number,
+            &out,
+            bytes_per_sample,
+            (self.residency_start, residency_end),
+        ))
+    }
+}
+
+impl Iterator for EpochTimer<'_> {
+    type Item = Result<HostBatch>;
+
+    /// The next batch, timing the wait for it.
+    fn next(&mut self) -> Option<Result<HostBatch>> {
+        let t = Instant::now();
+        let b = self.epoch.next();
+        self.wait += t.elapsed();
+        if matches!(b, Some(Ok(_))) {
+            self.batches += 1;
+        }
+        b
+    }
+}
