@@ -297,6 +297,13 @@ fn the_kernel_cache_survives_damage() {
 }
 
 #[test]
+fn partial_and_failing_epochs() {
+    emulated("partial_and_failing_epochs", 50, |c| {
+        gpu_checks::partial_and_failing_epochs(c)
+    });
+}
+
+#[test]
 fn a_bad_label_is_an_error() {
     emulated("a_bad_label_is_an_error", 0, |c| {
         gpu_checks::a_bad_label_is_an_error(c)

@@ -74,6 +74,13 @@ fn the_kernel_cache_survives_damage() {
 }
 
 #[test]
+fn partial_and_failing_epochs() {
+    if let Some(c) = cuda() {
+        gpu_checks::partial_and_failing_epochs(c);
+    }
+}
+
+#[test]
 fn a_bad_label_is_an_error() {
     if let Some(c) = cuda() {
         gpu_checks::a_bad_label_is_an_error(c);

@@ -325,3 +325,87 @@ pub fn the_kernel_cache_survives_damage(c: Cuda) {
         );
     }
 }
+
+/// Epochs that are not whole: a resumed epoch trains on the rest and leaves the device
+/// cache unfilled (a whole epoch then fills it); a sharded order gets no cache; an error
+/// from the work on a batch ends the epoch with every pinned buffer back, and the next
+/// epoch runs.
+pub fn partial_and_failing_epochs(c: Cuda) {
+    use stoker::cuda::Feeder;
+    use stoker::{Error, Shard};
+    let (mut loader, mlp, norm, kernels) = setup(&c, DIGITS.as_ref(), 64, 16, 0.1);
+    let layout = loader.layout().clone();
+    let mut t = CudaTrainer::new(c.clone(), kernels, &mlp, norm, &layout, (0, 1), 3).unwrap();
+    assert!(t
+        .enable_device_cache(loader.order(), 0.5)
+        .unwrap()
+        .is_some());
+    {
+        let mut it = loader.epoch(0).unwrap();
+        for _ in 0..5 {
+            it.next().unwrap().unwrap();
+        }
+    }
+    // A loader resumed where that one stopped: epoch 0 from batch 5.
+    let state = loader.state();
+    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(DIGITS).unwrap());
+    let mut loader = Loader::builder_shared(Arc::clone(&ds))
+        .batch_size(64)
+        .workers(2)
+        .shuffle(Shuffle::Full { seed: 2 })
+        .allocator(Arc::new(PinnedAlloc::new(
+            Arc::clone(&c.ctx),
+            PinnedKind::Plain,
+        )))
+        .resume(state)
+        .build()
+        .unwrap();
+    let out = t
+        .train_epoch_with(loader.epoch(0).unwrap(), &mut |_, _| {})
+        .unwrap();
+    assert_eq!(out.metrics.samples, 1797 - 5 * 64);
+    assert!(!t.cache_filled(), "a resumed epoch must not fill the cache");
+    t.train_epoch_with(loader.epoch(1).unwrap(), &mut |_, _| {})
+        .unwrap();
+    assert!(t.cache_filled(), "a whole epoch fills it");
+    let cached = t
+        .train_epoch_cached(&loader.order().epoch(2), &mut |_, _| {})
+        .unwrap();
+    assert_eq!(cached.metrics.samples, 1797);
+
+    let mut feeder = Feeder::new(&c, &layout, 3).unwrap();
+    let mut seen = 0;
+    let err = feeder
+        .run_epoch(
+            loader.epoch(3).unwrap(),
+            &mut |_| {
+                seen += 1;
+                if seen == 4 {
+                    Err(Error::Config("the work failed".into()))
+                } else {
+                    Ok(())
+                }
+            },
+            &mut |_, _| {},
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("the work failed"), "{err}");
+    assert_eq!(
+        loader.free_buffers(),
+        loader.buffers(),
+        "buffers back after an error"
+    );
+    let next = feeder
+        .run_epoch(loader.epoch(4).unwrap(), &mut |_| Ok(()), &mut |_, _| {})
+        .unwrap();
+    assert_eq!(next.samples, 1797);
+    assert_eq!(loader.free_buffers(), loader.buffers());
+
+    let sharded = Loader::builder_shared(ds)
+        .batch_size(64)
+        .shard(Shard::new(1, 2).unwrap())
+        .build()
+        .unwrap();
+    assert_eq!(t.enable_device_cache(sharded.order(), 0.5).unwrap(), None);
+    assert!(!t.cache_filled());
+}
