@@ -398,6 +398,11 @@ fn train_on_the_cuda_backend_matches_the_cpu_backend() {
     let spans = |name: &str| events.iter().filter(|e| e["name"] == name).count();
     let batches = 3 * 1797usize.div_ceil(128);
     assert_eq!((spans("copy"), spans("compute")), (batches, batches));
+    // The feeding thread's waits: for each batch, and for copies before their buffers go
+    // back (but for the last few of each epoch, released after one stream sync).
+    assert_eq!(spans("wait for data"), batches);
+    let copy_waits = spans("wait for copy");
+    assert!(copy_waits > 0 && copy_waits <= batches, "{copy_waits}");
     let tracks: Vec<&str> = events
         .iter()
         .filter(|e| e["ph"] == "M")

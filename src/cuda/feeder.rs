@@ -251,6 +251,13 @@ impl Feeder {
         Ok(ms as f64)
     }
 
+    /// A span of the feeding thread, from `start` to now, when tracing.
+    fn host_span(&self, name: &'static str, start: Instant, epoch: u64, batch: u64) {
+        if let Some(tr) = self.trace.as_deref() {
+            tr.span(name, "feeder thread", (start, Instant::now()), epoch, batch);
+        }
+    }
+
     /// Records spans into `trace` from now on: gather on each loader worker, and the
     /// copies and the work on each batch as the device ran them (from the events).
     pub fn set_trace(&mut self, trace: Arc<Trace>) {
@@ -341,10 +348,13 @@ impl Feeder {
                     return Ok(());
                 };
                 stats.wait_data += t.elapsed();
+                self.host_span("wait for data", t, epoch_no, i as u64);
                 let batch = batch?;
                 let k = i % k_slots;
                 if i >= k_slots {
+                    let t = Instant::now();
                     self.consumed[k].synchronize().map_err(cuda_err)?;
+                    self.host_span("wait for slot", t, epoch_no, i as u64);
                     work_ms += self.work_done(k, (t0, epoch_no))?;
                 }
                 if let Some(tr) = self.trace.as_deref() {
@@ -390,7 +400,9 @@ impl Feeder {
                     if inflight.len() < k_slots && !self.copied[k0].is_complete() {
                         break;
                     }
+                    let t = Instant::now();
                     self.copied[k0].synchronize().map_err(cuda_err)?;
+                    self.host_span("wait for copy", t, epoch_no, self.slot_batch[k0]);
                     copy_ms += self.copy_done(k0, (t0, epoch_no))?;
                     inflight.pop_front();
                 }
