@@ -242,6 +242,31 @@ fn the_address_sanitizer_catches_a_kernel_writing_past_its_buffer() {
 }
 
 #[test]
+fn the_emulator_catches_memory_used_before_its_stream_allocates_it() {
+    // cuMemAllocAsync is ordered on its stream: another stream must wait for it. Without
+    // cudarc's event tracking (the feeder turns it off), nothing makes it wait here.
+    let name = "the_emulator_catches_memory_used_before_its_stream_allocates_it";
+    let out = in_child(name, Mode::default(), |c| {
+        // SAFETY: none: the point is the missing order.
+        unsafe { c.ctx.disable_event_tracking() };
+        let (a, b) = (c.ctx.new_stream().unwrap(), c.ctx.new_stream().unwrap());
+        // Stream a is busy zeroing 512 MB when it reaches the allocation b uses at once.
+        let _busy = a.alloc_zeros::<u8>(512 << 20).unwrap();
+        let mut x = a.alloc_zeros::<u8>(4096).unwrap();
+        b.memcpy_htod(&[1u8; 4096], &mut x).unwrap();
+        b.synchronize().unwrap();
+        a.synchronize().unwrap();
+    });
+    if let Some(out) = out {
+        assert!(!out.status.success(), "the early use went unnoticed");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("not yet allocated in stream order"),
+            "not the emulator's report"
+        );
+    }
+}
+
+#[test]
 fn first_step_matches_the_cpu_backend() {
     emulated("first_step_matches_the_cpu_backend", 0, |c| {
         gpu_checks::first_step_matches_the_cpu_backend(c)

@@ -77,7 +77,13 @@ Ctx g_ctx;
 bool g_init = false;
 thread_local CUcontext t_current = nullptr;
 std::mutex g_mu;  // allocations, streams, modules
-std::map<uintptr_t, size_t> g_device;  // device allocations: start -> bytes
+// A device allocation. One made by cuMemAllocAsync is `ready` only once its stream has
+// reached the allocation: touching it before then, from another stream, is an error.
+struct Alloc {
+    size_t bytes;
+    bool ready;
+};
+std::map<uintptr_t, Alloc> g_device;  // device allocations by start
 std::map<uintptr_t, size_t> g_host;    // pinned host allocations: start -> bytes
 size_t g_used = 0;
 
@@ -99,13 +105,32 @@ bool logging() {
         }                                           \
     } while (0)
 
+// The allocation holding [p, p + n), if one does (call with g_mu held).
+Alloc* find_alloc(CUdeviceptr p, size_t n) {
+    auto it = g_device.upper_bound((uintptr_t)p);
+    if (it == g_device.begin()) return nullptr;
+    --it;
+    bool inside = (uintptr_t)p >= it->first && (uintptr_t)p + n <= it->first + it->second.bytes;
+    return inside ? &it->second : nullptr;
+}
+
 // Whether [p, p + n) lies inside one live device allocation.
 bool in_device(CUdeviceptr p, size_t n) {
     std::lock_guard<std::mutex> g(g_mu);
-    auto it = g_device.upper_bound((uintptr_t)p);
-    if (it == g_device.begin()) return false;
-    --it;
-    return (uintptr_t)p >= it->first && (uintptr_t)p + n <= it->first + it->second;
+    return find_alloc(p, n) != nullptr;
+}
+
+// Checked again when a copy or memset runs: the memory may have been freed (by a
+// cuMemFreeAsync that ran first on another stream), or not yet be allocated in stream
+// order. On a GPU either is undefined behaviour; here it stops the process, loudly.
+void check_live(const char* what, CUdeviceptr p, size_t n) {
+    std::lock_guard<std::mutex> g(g_mu);
+    Alloc* a = find_alloc(p, n);
+    if (!a || !a->ready) {
+        fprintf(stderr, "stoker-emu: %s of %zu bytes at 0x%llx runs on memory that is %s\n", what, n,
+                (unsigned long long)p, a ? "not yet allocated in stream order (cuMemAllocAsync)" : "freed");
+        abort();
+    }
 }
 
 // Whether [p, p + n) lies inside one pinned host allocation. Copies from or to other
@@ -156,7 +181,11 @@ struct Stream {
             {
                 std::unique_lock<std::mutex> g(mu);
                 cv.wait(g, [&] { return stop || !ops.empty(); });
-                if (ops.empty()) return;
+                if (ops.empty()) {
+                    g.unlock();
+                    delete this;
+                    return;
+                }
                 op = std::move(ops.front());
                 ops.pop_front();
             }
@@ -190,14 +219,15 @@ struct Stream {
         return done == enqueued;
     }
 
+    // Returns at once, as cuStreamDestroy does: the worker finishes the queue, then
+    // deletes the stream.
+    // The worker may delete the stream as soon as it sees `stop`: detach first, and
+    // touch nothing after releasing the lock.
     void shut() {
-        sync();
-        {
-            std::lock_guard<std::mutex> g(mu);
-            stop = true;
-        }
+        worker.detach();
+        std::lock_guard<std::mutex> g(mu);
+        stop = true;
         cv.notify_all();
-        worker.join();
     }
 };
 
@@ -384,7 +414,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
     // real end of the allocation.
     void* m = nullptr;
     if (posix_memalign(&m, 256, n) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
-    g_device[(uintptr_t)m] = n;
+    g_device[(uintptr_t)m] = Alloc{n, true};
     g_used += rounded;
     *p = (CUdeviceptr)(uintptr_t)m;
     LOG("cuMemAlloc %zu -> %p", n, m);
@@ -395,15 +425,28 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
     std::lock_guard<std::mutex> g(g_mu);
     auto it = g_device.find((uintptr_t)p);
     if (it == g_device.end()) return CUDA_ERROR_INVALID_VALUE;
-    g_used -= (it->second + 255) / 256 * 256;
+    g_used -= (it->second.bytes + 255) / 256 * 256;
     g_device.erase(it);
     free((void*)(uintptr_t)p);
     return CUDA_SUCCESS;
 }
 
 CUresult cuMemAllocAsync(CUdeviceptr* p, size_t n, CUstream s) {
-    if (!stream_of(s)) return CUDA_ERROR_INVALID_HANDLE;
-    return cuMemAlloc_v2(p, n);
+    Stream* st = stream_of(s);
+    if (!st) return CUDA_ERROR_INVALID_HANDLE;
+    CUresult r = cuMemAlloc_v2(p, n);
+    if (r != CUDA_SUCCESS) return r;
+    CUdeviceptr at = *p;
+    {
+        std::lock_guard<std::mutex> g(g_mu);
+        g_device[(uintptr_t)at].ready = false;
+    }
+    st->push([at] {
+        std::lock_guard<std::mutex> g(g_mu);
+        auto it = g_device.find((uintptr_t)at);
+        if (it != g_device.end()) it->second.ready = true;
+    });
+    return CUDA_SUCCESS;
 }
 
 CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
@@ -444,13 +487,19 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstre
     }
     if (pinned(src, n)) {
         // Read when the copy runs: the buffer must stay untouched until then.
-        st->push([=] { memcpy((void*)(uintptr_t)dst, src, n); });
+        st->push([=] {
+            check_live("cuMemcpyHtoDAsync", dst, n);
+            memcpy((void*)(uintptr_t)dst, src, n);
+        });
         return CUDA_SUCCESS;
     }
     // Pageable: returns once the source is staged; the copy itself runs in stream order.
     auto staged = std::make_shared<std::vector<unsigned char>>((const unsigned char*)src,
                                                                (const unsigned char*)src + n);
-    st->push([=] { memcpy((void*)(uintptr_t)dst, staged->data(), n); });
+    st->push([=] {
+        check_live("cuMemcpyHtoDAsync", dst, n);
+        memcpy((void*)(uintptr_t)dst, staged->data(), n);
+    });
     return CUDA_SUCCESS;
 }
 
@@ -458,7 +507,10 @@ CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream s) 
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     if (!in_device(src, n)) return CUDA_ERROR_INVALID_VALUE;
-    st->push([=] { memcpy(dst, (const void*)(uintptr_t)src, n); });
+    st->push([=] {
+        check_live("cuMemcpyDtoHAsync", src, n);
+        memcpy(dst, (const void*)(uintptr_t)src, n);
+    });
     // Pageable: returns only once the copy has completed.
     if (!pinned(dst, n)) st->sync();
     return CUDA_SUCCESS;
@@ -468,7 +520,11 @@ CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstre
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     if (!in_device(src, n) || !in_device(dst, n)) return CUDA_ERROR_INVALID_VALUE;
-    st->push([=] { memmove((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, n); });
+    st->push([=] {
+        check_live("cuMemcpyDtoDAsync", src, n);
+        check_live("cuMemcpyDtoDAsync", dst, n);
+        memmove((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, n);
+    });
     return CUDA_SUCCESS;
 }
 
@@ -476,7 +532,10 @@ CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream s)
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     if (!in_device(dst, n)) return CUDA_ERROR_INVALID_VALUE;
-    st->push([=] { memset((void*)(uintptr_t)dst, v, n); });
+    st->push([=] {
+        check_live("cuMemsetD8Async", dst, n);
+        memset((void*)(uintptr_t)dst, v, n);
+    });
     return CUDA_SUCCESS;
 }
 
@@ -523,9 +582,8 @@ CUresult cuStreamDestroy_v2(CUstream s) {
         std::lock_guard<std::mutex> g(g_mu);
         if ((uintptr_t)s <= 2 || !g_streams.erase(s)) return CUDA_ERROR_INVALID_HANDLE;
     }
-    // Work already enqueued still runs, as on the GPU.
+    // Work already enqueued still runs, as on the GPU, and the call returns at once.
     s->shut();
-    delete s;
     return CUDA_SUCCESS;
 }
 
@@ -716,9 +774,24 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
     int id = f->id;
     dim3 grid{gx, gy, gz}, block{bx, by, bz};
     LOG("launch %s <<<(%u,%u,%u), (%u,%u,%u)>>>", f->name.c_str(), gx, gy, gz, bx, by, bz);
-    st->push([mod, id, grid, block, storage] {
+    std::string name = f->name;
+    st->push([mod, id, grid, block, storage, name] {
         std::vector<void*> ptrs;
-        for (auto& a : *storage) ptrs.push_back(a.data());
+        for (auto& a : *storage) {
+            ptrs.push_back(a.data());
+            // A pointer argument into memory not yet allocated in stream order.
+            if (a.size() == 8) {
+                uint64_t v;
+                memcpy(&v, a.data(), 8);
+                std::lock_guard<std::mutex> g(g_mu);
+                Alloc* al = find_alloc(v, 1);
+                if (al && !al->ready) {
+                    fprintf(stderr, "stoker-emu: %s reads 0x%llx before its cuMemAllocAsync ran\n",
+                            name.c_str(), (unsigned long long)v);
+                    abort();
+                }
+            }
+        }
         mod->run(id, grid, block, ptrs.data());
     });
     return CUDA_SUCCESS;

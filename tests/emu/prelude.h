@@ -259,6 +259,18 @@ extern "C" size_t emu_params(int id, const size_t** sizes) {
     return emu_entries[id].nparams;
 }
 
+// Under STOKER_EMU_JITTER_US the blocks, and the threads of barrier-free kernels, run in
+// reverse order: a kernel that only works in index order shows it.
+static bool emu_reversed() {
+    static const bool on = [] {
+        const char* j = getenv("STOKER_EMU_JITTER_US");
+        return j && atoi(j) > 0;
+    }();
+    return on;
+}
+
+static inline unsigned emu_at(unsigned i, unsigned n) { return emu_reversed() ? n - 1 - i : i; }
+
 extern "C" void emu_run(int id, dim3 grid, dim3 block, void** params) {
     const emu::Entry& e = emu_entries[id];
     gridDim = grid;
@@ -268,7 +280,7 @@ extern "C" void emu_run(int id, dim3 grid, dim3 block, void** params) {
     for (unsigned bz = 0; bz < grid.z; ++bz)
         for (unsigned by = 0; by < grid.y; ++by)
             for (unsigned bx = 0; bx < grid.x; ++bx) {
-                blockIdx = dim3{bx, by, bz};
+                blockIdx = dim3{emu_at(bx, grid.x), emu_at(by, grid.y), emu_at(bz, grid.z)};
                 if (e.barriers) {
                     emu::run_block_fibers(block);
                     continue;
@@ -276,7 +288,7 @@ extern "C" void emu_run(int id, dim3 grid, dim3 block, void** params) {
                 for (unsigned z = 0; z < block.z; ++z)
                     for (unsigned y = 0; y < block.y; ++y)
                         for (unsigned x = 0; x < block.x; ++x) {
-                            threadIdx = dim3{x, y, z};
+                            threadIdx = dim3{emu_at(x, block.x), emu_at(y, block.y), emu_at(z, block.z)};
                             e.invoke(params);
                         }
             }
