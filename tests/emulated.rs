@@ -524,3 +524,44 @@ fn the_cuda_example_runs_a_users_kernel() {
         "{text}"
     );
 }
+
+#[test]
+fn a_driver_without_nvrtc_falls_back_to_the_cpu_or_says_why() {
+    // The common machine with a driver but no toolkit: libcuda and a device, no NVRTC.
+    let Some(dir) = emulator() else { return };
+    // A library path with the emulated libcuda alone.
+    let tmp = tempfile::tempdir().unwrap();
+    for lib in ["libcuda.so", "libcuda.so.1"] {
+        std::os::unix::fs::symlink(dir.join("libcuda.so.1"), tmp.path().join(lib)).unwrap();
+    }
+    let run = |device: &str| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_stoker"));
+        cmd.args([
+            "train", "--data", DIGITS, "--epochs", "1", "--device", device,
+        ]);
+        with_emulator(&mut cmd, dir, 0)
+            .env("LD_LIBRARY_PATH", tmp.path())
+            .env("STOKER_NVRTC", tmp.path().join("no-such-libnvrtc.so"));
+        cmd.output().unwrap()
+    };
+    let auto = run("auto");
+    let text = shown(&auto);
+    if !text.contains("NVRTC not found") {
+        println!("skipping: this machine has an NVRTC of its own\n{text}");
+        return;
+    }
+    assert!(auto.status.success(), "{text}");
+    assert!(
+        String::from_utf8_lossy(&auto.stdout).contains("device: cpu"),
+        "{text}"
+    );
+    let cuda = run("cuda");
+    let text = shown(&cuda);
+    assert_eq!(cuda.status.code(), Some(1), "{text}");
+    let err = String::from_utf8_lossy(&cuda.stderr);
+    assert!(
+        err.contains("NVRTC not found") && err.contains("STOKER_NVRTC"),
+        "{text}"
+    );
+    assert!(!err.contains("panicked"), "{text}");
+}

@@ -1,6 +1,6 @@
 //! The CPU backend: the same training step and the same pipeline shape as the GPU.
 //!
-//! A copy thread takes each [`HostBatch`](crate::HostBatch) from the loader and copies it
+//! A copy thread takes each [`HostBatch`] from the loader and copies it
 //! into a free "device slot" (a host buffer standing in for device memory), then releases
 //! the loader's buffer at once, as the GPU path does after its host-to-device copy. The
 //! calling thread runs the training step on filled slots and hands them back. Slots are a
