@@ -8,6 +8,7 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use stoker::bench::{self, BenchConfig};
+use stoker::cuda::PinnedKind;
 use stoker::device::DeviceChoice;
 use stoker::gen::{self, ClassificationSpec};
 use stoker::train::TrainConfig;
@@ -60,6 +61,10 @@ enum Command {
         /// On CUDA, do not keep the dataset on the device after epoch 0.
         #[arg(long)]
         no_device_cache: bool,
+        /// On CUDA, the loader's page-locked buffers: plain, or write-combined (faster
+        /// for the host to write and for some PCIe copies, very slow to read back).
+        #[arg(long, value_enum, default_value_t = PinnedKind::Plain)]
+        pinned: PinnedKind,
     },
     /// Write a learnable classification set (x.npy u8, y.npy i64), or a token stream.
     Gen {
@@ -392,6 +397,7 @@ fn main() -> ExitCode {
             json,
             trace,
             no_device_cache,
+            pinned,
         } => run_train(
             TrainConfig {
                 data,
@@ -413,6 +419,7 @@ fn main() -> ExitCode {
                 quiet: false,
                 trace,
                 device_cache: !no_device_cache,
+                pinned,
             },
             json.as_deref(),
         ),

@@ -376,7 +376,14 @@ fn train_on_the_cuda_backend_matches_the_cpu_backend() {
     println!("{shown_out}");
     assert!(shown_out.contains("stoker CUDA emulator"), "{shown_out}");
     for a in [
-        &["--device", "cuda", "--json", gpu.to_str().unwrap()][..],
+        &[
+            "--device",
+            "cuda",
+            "--json",
+            gpu.to_str().unwrap(),
+            "--pinned",
+            "write-combined",
+        ][..],
         &["--device", "cpu", "--json", cpu.to_str().unwrap()][..],
     ] {
         stoker_with(dir, Some(&cache), &[&common[..], a].concat());
@@ -386,6 +393,7 @@ fn train_on_the_cuda_backend_matches_the_cpu_backend() {
     assert_eq!(g["setup"]["kernels_from_cache"], true, "{}", g["setup"]);
     assert!(shown_out.contains("(compiled)"), "{shown_out}");
     assert!(g["device"].as_str().unwrap().contains("emulator"));
+    assert_eq!(g["config"]["pinned"], "WriteCombined", "{}", g["config"]);
     assert!(
         g["device_cache_bytes"].as_u64().unwrap() > 0,
         "digits fit the cache"

@@ -169,6 +169,7 @@ fn the_main_job_reports_every_epoch_and_the_warmup_split() {
         quiet: true,
         trace: Some(trace_path.clone()),
         device_cache: true,
+        pinned: stoker::cuda::PinnedKind::Plain,
     };
     let report = stoker::train::run(&config).unwrap();
     assert_eq!(report.epochs.len(), 3);

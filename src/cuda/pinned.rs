@@ -8,10 +8,11 @@ use crate::error::{Error, Result};
 use crate::loader::{HostAlloc, HostMemory};
 
 /// Which kind of page-locked memory to allocate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, clap::ValueEnum)]
 pub enum PinnedKind {
     /// Plain pinned memory (`cuMemHostAlloc` with `PORTABLE`): fast to write and read
     /// on the host, full-speed DMA. The default.
+    #[default]
     Plain,
     /// Write-combined: fast for the host to write, very slow for it to read; only for
     /// buffers the host never reads back.

@@ -55,6 +55,8 @@ pub struct TrainConfig {
     /// On CUDA, keep the dataset on the device after epoch 0 when it fits under half of
     /// the free device memory.
     pub device_cache: bool,
+    /// On CUDA, the kind of page-locked memory the loader's buffers are.
+    pub pinned: PinnedKind,
 }
 
 /// What a classifier over `ds` needs from the data: the input normalisation (from the
@@ -136,7 +138,7 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
     if let Device::Cuda(c) = &device {
         builder = builder.allocator(Arc::new(PinnedAlloc::new(
             Arc::clone(&c.ctx),
-            PinnedKind::Plain,
+            config.pinned,
         )));
     }
     let mut loader = builder.build()?;
