@@ -91,6 +91,53 @@ fn with_emulator<'a>(cmd: &'a mut Command, dir: &Path, jitter_us: u32) -> &'a mu
         .env("STOKER_EMU_JITTER_US", jitter_us.to_string())
 }
 
+/// Runs `cmd` to its end and collects its output, or kills it after five minutes and
+/// fails with what it printed: a hang in the emulator or the CUDA path is a failure,
+/// not a stuck CI run.
+fn output_within(cmd: &mut Command) -> Output {
+    use std::io::Read;
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+    const LIMIT: Duration = Duration::from_secs(300);
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let drain = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = r.read_to_end(&mut v);
+            v
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().unwrap()));
+    let err = drain(Box::new(child.stderr.take().unwrap()));
+    let start = Instant::now();
+    let (status, hung) = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break (status, false);
+        }
+        if start.elapsed() > LIMIT {
+            let _ = child.kill();
+            break (child.wait().unwrap(), true);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let output = Output {
+        status,
+        stdout: out.join().unwrap(),
+        stderr: err.join().unwrap(),
+    };
+    assert!(
+        !hung,
+        "killed after {LIMIT:?}: {:?}\n{}",
+        cmd,
+        shown(&output)
+    );
+    output
+}
+
 fn shown(out: &Output) -> String {
     format!(
         "status {}\n--- stdout\n{}\n--- stderr\n{}",
@@ -170,7 +217,7 @@ fn in_child(name: &str, mode: Mode, check: impl FnOnce(Cuda)) -> Option<Output> 
             // Kernels built with the sanitizer get their own cache.
             .env("STOKER_CACHE", dir.join("kernel-cache-asan"));
     }
-    let out = cmd.output().unwrap();
+    let out = output_within(&mut cmd);
     println!("{}", shown(&out));
     Some(out)
 }
@@ -347,7 +394,7 @@ fn stoker_with(dir: &Path, cache: Option<&Path>, args: &[&str]) -> Output {
     if let Some(cache) = cache {
         cmd.env("STOKER_CACHE", cache);
     }
-    let out = cmd.output().unwrap();
+    let out = output_within(&mut cmd);
     assert!(out.status.success(), "stoker {args:?}:\n{}", shown(&out));
     out
 }
@@ -523,7 +570,7 @@ fn the_cuda_example_runs_a_users_kernel() {
         return;
     }
     let mut cmd = Command::new(&example);
-    let out = with_emulator(&mut cmd, dir, 20).output().unwrap();
+    let out = output_within(with_emulator(&mut cmd, dir, 20));
     let text = shown(&out);
     println!("{text}");
     assert!(out.status.success(), "{text}");
@@ -550,7 +597,7 @@ fn a_driver_without_nvrtc_falls_back_to_the_cpu_or_says_why() {
         with_emulator(&mut cmd, dir, 0)
             .env("LD_LIBRARY_PATH", tmp.path())
             .env("STOKER_NVRTC", tmp.path().join("no-such-libnvrtc.so"));
-        cmd.output().unwrap()
+        output_within(&mut cmd)
     };
     let auto = run("auto");
     let text = shown(&auto);

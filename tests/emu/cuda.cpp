@@ -76,15 +76,17 @@ namespace {
 Ctx g_ctx;
 bool g_init = false;
 thread_local CUcontext t_current = nullptr;
-std::mutex g_mu;  // allocations, streams, modules
+// The emulator's globals are never destroyed: stream threads may still use them while the
+// process exits (destroying a condition variable with waiters would hang the exit).
+std::mutex& g_mu = *new std::mutex;  // allocations, streams, modules
 // A device allocation. One made by cuMemAllocAsync is `ready` only once its stream has
 // reached the allocation: touching it before then, from another stream, is an error.
 struct Alloc {
     size_t bytes;
     bool ready;
 };
-std::map<uintptr_t, Alloc> g_device;  // device allocations by start
-std::map<uintptr_t, size_t> g_host;    // pinned host allocations: start -> bytes
+std::map<uintptr_t, Alloc>& g_device = *new std::map<uintptr_t, Alloc>;  // by start
+std::map<uintptr_t, size_t>& g_host = *new std::map<uintptr_t, size_t>;  // pinned: start -> bytes
 size_t g_used = 0;
 
 size_t total_memory() {
@@ -145,8 +147,8 @@ bool pinned(const void* p, size_t n) {
 
 // ---- events ------------------------------------------------------------------------
 
-std::mutex g_ev_mu;
-std::condition_variable g_ev_cv;
+std::mutex& g_ev_mu = *new std::mutex;
+std::condition_variable& g_ev_cv = *new std::condition_variable;
 
 }  // namespace
 
@@ -233,7 +235,7 @@ struct Stream {
 
 namespace {
 
-std::set<Stream*> g_streams;
+std::set<Stream*>& g_streams = *new std::set<Stream*>;
 Stream* g_default = nullptr;
 
 // The stream a handle names: null, CU_STREAM_LEGACY (1) and CU_STREAM_PER_THREAD (2) are
@@ -606,15 +608,9 @@ CUresult cuEventCreate(CUevent* e, unsigned flags) {
     return CUDA_SUCCESS;
 }
 
-CUresult cuEventDestroy_v2(CUevent e) {
-    if (!e) return CUDA_ERROR_INVALID_HANDLE;
-    // A record still queued would touch the event: wait for it first.
-    std::unique_lock<std::mutex> g(g_ev_mu);
-    g_ev_cv.wait(g, [&] { return e->completed >= e->recorded; });
-    g.unlock();
-    delete e;
-    return CUDA_SUCCESS;
-}
+// Returns at once, as the driver's does. The event is never freed: records and waits
+// still queued on streams refer to it (an event is a few dozen bytes).
+CUresult cuEventDestroy_v2(CUevent e) { return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE; }
 
 CUresult cuEventRecord(CUevent e, CUstream s) {
     Stream* st = stream_of(s);

@@ -190,11 +190,16 @@ static void run_block_fibers(const dim3& block) {
 #endif
             }
     in_fibers = true;
+    // Under jitter, each round resumes the threads in reverse order.
+    static const bool reversed = [] {
+        const char* j = getenv("STOKER_EMU_JITTER_US");
+        return j && atoi(j) > 0;
+    }();
     bool left = true;
     while (left) {
         left = false;
-        for (size_t k = 0; k < n; ++k) {
-            Fiber& f = fibers[k];
+        for (size_t r = 0; r < n; ++r) {
+            Fiber& f = fibers[reversed ? n - 1 - r : r];
             if (f.done) continue;
             current = &f;
             threadIdx = f.tid;
