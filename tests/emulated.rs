@@ -11,17 +11,18 @@
 //! same test binary) started with the emulator on its library path. The emulator is built
 //! with the system C++ compiler; where there is none, the tests say so and skip.
 
+mod common;
 mod gpu_checks;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
+use common::DIGITS;
 use stoker::cuda::Cuda;
 use stoker::device::Device;
 
 const EMU: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/emu");
-const DIGITS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
 const CHILD: &str = "STOKER_EMU_CHILD";
 
 fn cxx() -> String {
@@ -178,11 +179,28 @@ fn emulated(name: &str, jitter_us: u32, check: impl FnOnce(Cuda)) {
         jitter_us,
         asan: false,
     };
+    passes_in_child(name, mode, check);
+}
+
+/// [`emulated`] in any mode: the child ran test `name` and passed.
+fn passes_in_child(name: &str, mode: Mode, check: impl FnOnce(Cuda)) {
     if let Some(out) = in_child(name, mode, check) {
         assert!(out.status.success(), "{name} failed on the emulator");
         assert!(
             String::from_utf8_lossy(&out.stdout).contains("1 passed"),
             "{name} did not run in the child"
+        );
+    }
+}
+
+/// The child for test `name` must fail, saying `report` on stderr: a check of the
+/// emulator's own checks.
+fn fails_in_child(name: &str, mode: Mode, report: &str, check: impl FnOnce(Cuda)) {
+    if let Some(out) = in_child(name, mode, check) {
+        assert!(!out.status.success(), "{name}: the fault went unnoticed");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(report),
+            "{name}: no {report:?} on stderr"
         );
     }
 }
@@ -231,17 +249,10 @@ fn the_kernels_stay_inside_their_buffers() {
         jitter_us: 20,
         asan: true,
     };
-    let out = in_child(name, mode, |c| {
+    passes_in_child(name, mode, |c| {
         gpu_checks::the_device_cache_gives_the_same_epochs(c.clone());
         gpu_checks::a_bad_label_is_an_error(c);
     });
-    if let Some(out) = out {
-        assert!(
-            out.status.success(),
-            "{name} failed under the address sanitizer"
-        );
-        assert!(String::from_utf8_lossy(&out.stdout).contains("1 passed"));
-    }
 }
 
 #[test]
@@ -253,7 +264,7 @@ fn the_address_sanitizer_catches_a_kernel_writing_past_its_buffer() {
         jitter_us: 0,
         asan: true,
     };
-    let out = in_child(name, mode, |c| {
+    fails_in_child(name, mode, "heap-buffer-overflow", |c| {
         let src = "extern \"C\" __global__ void past(float* x, int n) {\n\
                    int i = blockIdx.x * blockDim.x + threadIdx.x;\n\
                    if (i <= n) x[i] = 1.0f;\n}\n";
@@ -279,13 +290,6 @@ fn the_address_sanitizer_catches_a_kernel_writing_past_its_buffer() {
         unsafe { l.launch(LaunchConfig::for_num_elems(1024)) }.unwrap();
         stream.synchronize().unwrap();
     });
-    if let Some(out) = out {
-        assert!(!out.status.success(), "the overflow went unnoticed");
-        assert!(
-            String::from_utf8_lossy(&out.stderr).contains("heap-buffer-overflow"),
-            "not the sanitizer's report"
-        );
-    }
 }
 
 #[test]
@@ -293,7 +297,8 @@ fn the_emulator_catches_memory_used_before_its_stream_allocates_it() {
     // cuMemAllocAsync is ordered on its stream: another stream must wait for it. Without
     // cudarc's event tracking (the feeder turns it off), nothing makes it wait here.
     let name = "the_emulator_catches_memory_used_before_its_stream_allocates_it";
-    let out = in_child(name, Mode::default(), |c| {
+    let report = "not yet allocated in stream order";
+    fails_in_child(name, Mode::default(), report, |c| {
         // SAFETY: none: the point is the missing order.
         unsafe { c.ctx.disable_event_tracking() };
         let (a, b) = (c.ctx.new_stream().unwrap(), c.ctx.new_stream().unwrap());
@@ -304,13 +309,6 @@ fn the_emulator_catches_memory_used_before_its_stream_allocates_it() {
         b.synchronize().unwrap();
         a.synchronize().unwrap();
     });
-    if let Some(out) = out {
-        assert!(!out.status.success(), "the early use went unnoticed");
-        assert!(
-            String::from_utf8_lossy(&out.stderr).contains("not yet allocated in stream order"),
-            "not the emulator's report"
-        );
-    }
 }
 
 #[test]

@@ -2,10 +2,18 @@
 //! found; `tests/emulated.rs` runs the same checks on stoker's CPU emulator of the
 //! driver, everywhere.
 
+mod common;
 mod gpu_checks;
 
 use stoker::cuda::Cuda;
 use stoker::device::Device;
+
+/// Runs `check` on the GPU, or prints why there is none.
+fn on_gpu(check: impl FnOnce(Cuda)) {
+    if let Some(c) = cuda() {
+        check(c);
+    }
+}
 
 fn cuda() -> Option<Cuda> {
     match Device::auto() {
@@ -26,63 +34,45 @@ fn cuda() -> Option<Cuda> {
 
 #[test]
 fn first_step_matches_the_cpu_backend() {
-    if let Some(c) = cuda() {
-        gpu_checks::first_step_matches_the_cpu_backend(c);
-    }
+    on_gpu(gpu_checks::first_step_matches_the_cpu_backend);
 }
 
 #[test]
 fn digits_reach_90_percent_on_the_gpu() {
-    if let Some(c) = cuda() {
-        gpu_checks::digits_reach_90_percent_on_the_gpu(c);
-    }
+    on_gpu(gpu_checks::digits_reach_90_percent_on_the_gpu);
 }
 
 #[test]
 fn a_generated_set_reaches_95_percent_on_the_gpu() {
-    if let Some(c) = cuda() {
-        gpu_checks::a_generated_set_reaches_95_percent_on_the_gpu(c, 20_000, &[3, 32, 32]);
-    }
+    on_gpu(|c| gpu_checks::a_generated_set_reaches_95_percent_on_the_gpu(c, 20_000, &[3, 32, 32]));
 }
 
 #[test]
 fn the_device_cache_gives_the_same_epochs() {
-    if let Some(c) = cuda() {
-        gpu_checks::the_device_cache_gives_the_same_epochs(c);
-    }
+    on_gpu(gpu_checks::the_device_cache_gives_the_same_epochs);
 }
 
 #[test]
 fn overlapped_epochs_match_the_cpu_backend() {
-    if let Some(c) = cuda() {
-        gpu_checks::epochs_match_the_cpu_backend(c, false);
-    }
+    on_gpu(|c| gpu_checks::epochs_match_the_cpu_backend(c, false));
 }
 
 #[test]
 fn serialised_epochs_match_the_cpu_backend() {
-    if let Some(c) = cuda() {
-        gpu_checks::epochs_match_the_cpu_backend(c, true);
-    }
+    on_gpu(|c| gpu_checks::epochs_match_the_cpu_backend(c, true));
 }
 
 #[test]
 fn the_kernel_cache_survives_damage() {
-    if let Some(c) = cuda() {
-        gpu_checks::the_kernel_cache_survives_damage(c);
-    }
+    on_gpu(gpu_checks::the_kernel_cache_survives_damage);
 }
 
 #[test]
 fn partial_and_failing_epochs() {
-    if let Some(c) = cuda() {
-        gpu_checks::partial_and_failing_epochs(c);
-    }
+    on_gpu(gpu_checks::partial_and_failing_epochs);
 }
 
 #[test]
 fn a_bad_label_is_an_error() {
-    if let Some(c) = cuda() {
-        gpu_checks::a_bad_label_is_an_error(c);
-    }
+    on_gpu(gpu_checks::a_bad_label_is_an_error);
 }

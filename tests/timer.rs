@@ -1,11 +1,12 @@
 //! The epoch timers and report as a library API around a loop of the user's own.
 
+mod common;
+
 use std::sync::Arc;
 
+use common::DIGITS;
 use stoker::report::{EpochTimer, Setup, TrainReport};
 use stoker::{pagecache, Loader, NpyDataset, Shuffle};
-
-const DIGITS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
 
 #[test]
 fn a_users_loop_gets_the_rows_and_the_warmup_split() {

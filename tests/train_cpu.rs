@@ -1,7 +1,10 @@
 //! The CPU backend learns: digits, a generated CIFAR-shaped set, and bad labels.
 
+mod common;
+
 use std::sync::Arc;
 
+use common::write_bad_label_set;
 use indicatif::ProgressBar;
 use stoker::cpu::CpuTrainer;
 use stoker::gen::{self, ClassificationSpec, NpyWriter};
@@ -113,18 +116,7 @@ fn shuffled_labels_do_not_learn() {
 #[test]
 fn a_bad_label_is_an_error_naming_the_sample_and_nothing_hangs() {
     let dir = tempfile::tempdir().unwrap();
-    let mut x = NpyWriter::create(dir.path().join("x.npy"), DType::U8, &[300, 4]).unwrap();
-    x.data_mut()
-        .iter_mut()
-        .enumerate()
-        .for_each(|(i, b)| *b = i as u8);
-    x.finish().unwrap();
-    let mut y = NpyWriter::create(dir.path().join("y.npy"), DType::I64, &[300]).unwrap();
-    for (i, out) in y.data_mut().chunks_exact_mut(8).enumerate() {
-        let label: i64 = if i == 123 { 42 } else { (i % 10) as i64 };
-        out.copy_from_slice(&label.to_le_bytes());
-    }
-    y.finish().unwrap();
+    write_bad_label_set(dir.path());
     let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(dir.path()).unwrap());
     let mut loader = Loader::builder_shared(ds.clone())
         .batch_size(16)

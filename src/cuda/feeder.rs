@@ -264,6 +264,22 @@ impl Feeder {
         self.trace = Some(trace);
     }
 
+    /// `batch`, copied into slot `k`, as work on the compute stream sees it.
+    fn in_slot<'b>(&'b self, k: usize, batch: &'b HostBatch) -> DeviceBatch<'b> {
+        let base = addr(&self.slots[k], &self.compute);
+        let (epoch, number) = (batch.epoch(), batch.number());
+        let (layout, stream) = (&self.layout, &self.compute);
+        DeviceBatch::new(
+            base,
+            layout,
+            stream,
+            batch.len(),
+            epoch,
+            number,
+            batch.indices(),
+        )
+    }
+
     /// The trace spans are recorded into, if any.
     pub(crate) fn trace(&self) -> Option<&Arc<Trace>> {
         self.trace.as_ref()
@@ -295,15 +311,7 @@ impl Feeder {
         unsafe { result::memcpy_htod_async(dst, batch.as_bytes(), self.copy.cu_stream()) }
             .map_err(cuda_err)?;
         self.copy.synchronize().map_err(cuda_err)?;
-        let db = DeviceBatch {
-            base: addr(&self.slots[0], &self.compute),
-            layout: &self.layout,
-            stream: &self.compute,
-            len: batch.len(),
-            epoch: batch.epoch(),
-            number: batch.number(),
-            indices: batch.indices(),
-        };
+        let db = self.in_slot(0, batch);
         let r = work(&db)?;
         self.compute.synchronize().map_err(cuda_err)?;
         Ok(r)
@@ -376,15 +384,7 @@ impl Feeder {
                 self.copied[k].record(&self.copy).map_err(cuda_err)?;
                 self.compute.wait(&self.copied[k]).map_err(cuda_err)?;
                 self.work_start[k].record(&self.compute).map_err(cuda_err)?;
-                let db = DeviceBatch {
-                    base: addr(&self.slots[k], &self.compute),
-                    layout: &self.layout,
-                    stream: &self.compute,
-                    len: batch.len(),
-                    epoch: batch.epoch(),
-                    number: batch.number(),
-                    indices: batch.indices(),
-                };
+                let db = self.in_slot(k, batch);
                 let worked = work(&db);
                 // Record even after an error, so the slot's ordering stays sound.
                 self.consumed[k].record(&self.compute).map_err(cuda_err)?;

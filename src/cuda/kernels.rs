@@ -107,6 +107,15 @@ pub fn elf_complete(bytes: &[u8]) -> bool {
     end <= bytes.len() as u64
 }
 
+/// A compiled image for the driver: a cubin's bytes, or PTX text.
+fn image(bytes: Vec<u8>, cubin: bool) -> Ptx {
+    if cubin {
+        Ptx::from_binary(bytes)
+    } else {
+        Ptx::from_src(String::from_utf8_lossy(&bytes).into_owned())
+    }
+}
+
 /// NVRTC's options for [`SOURCE`]: a cubin for the real architecture `sm_XY` when
 /// `cubin`, else PTX for the virtual `compute_XY`.
 pub fn compile_options(arch: (i32, i32), cubin: bool) -> Vec<String> {
@@ -208,12 +217,7 @@ impl Kernels {
             };
             if ok {
                 let seconds = t.elapsed().as_secs_f64();
-                let ptx = if cubin {
-                    Ptx::from_binary(bytes)
-                } else {
-                    Ptx::from_src(String::from_utf8_lossy(&bytes).into_owned())
-                };
-                return Ok((ptx, KernelOrigin::Cached { seconds, cache }));
+                return Ok((image(bytes, cubin), KernelOrigin::Cached { seconds, cache }));
             }
         }
         let bytes = if cubin {
@@ -237,12 +241,10 @@ impl Kernels {
             .and_then(|()| std::fs::write(&tmp, &bytes))
             .and_then(|()| std::fs::rename(&tmp, &file));
         let _ = std::fs::remove_file(&tmp);
-        let ptx = if cubin {
-            Ptx::from_binary(bytes)
-        } else {
-            Ptx::from_src(String::from_utf8_lossy(&bytes).into_owned())
-        };
-        Ok((ptx, KernelOrigin::Compiled { seconds, cache }))
+        Ok((
+            image(bytes, cubin),
+            KernelOrigin::Compiled { seconds, cache },
+        ))
     }
 
     fn from_image(cuda: &Cuda, ptx: Ptx, origin: KernelOrigin) -> Result<Kernels> {

@@ -84,3 +84,24 @@ impl HostAlloc for CountingAlloc {
         PlainAlloc.alloc(bytes)
     }
 }
+
+/// The digits set shipped with the crate.
+pub const DIGITS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
+
+/// Writes a 300-sample set to `dir` (`x.npy`: 300 x 4 u8, `y.npy`: i64 labels `i % 10`)
+/// whose sample 123 has the label 42, outside 10 classes.
+pub fn write_bad_label_set(dir: &std::path::Path) {
+    use stoker::gen::NpyWriter;
+    let mut x = NpyWriter::create(dir.join("x.npy"), DType::U8, &[300, 4]).unwrap();
+    x.data_mut()
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, b)| *b = i as u8);
+    x.finish().unwrap();
+    let mut y = NpyWriter::create(dir.join("y.npy"), DType::I64, &[300]).unwrap();
+    for (i, out) in y.data_mut().chunks_exact_mut(8).enumerate() {
+        let label: i64 = if i == 123 { 42 } else { (i % 10) as i64 };
+        out.copy_from_slice(&label.to_le_bytes());
+    }
+    y.finish().unwrap();
+}

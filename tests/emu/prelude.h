@@ -153,6 +153,16 @@ namespace emu {
 
 constexpr size_t kStack = 64 * 1024;
 
+// Under STOKER_EMU_JITTER_US, blocks run in reverse order, and so do the threads of a
+// block (each round of fibers too): a kernel that only works in index order shows it.
+static bool reversed() {
+    static const bool on = [] {
+        const char* j = getenv("STOKER_EMU_JITTER_US");
+        return j && atoi(j) > 0;
+    }();
+    return on;
+}
+
 // Runs one block of `n` threads as fibers, round by round: each round resumes every
 // unfinished thread until its next barrier or its end.
 static void run_block_fibers(const dim3& block) {
@@ -190,16 +200,11 @@ static void run_block_fibers(const dim3& block) {
 #endif
             }
     in_fibers = true;
-    // Under jitter, each round resumes the threads in reverse order.
-    static const bool reversed = [] {
-        const char* j = getenv("STOKER_EMU_JITTER_US");
-        return j && atoi(j) > 0;
-    }();
     bool left = true;
     while (left) {
         left = false;
         for (size_t r = 0; r < n; ++r) {
-            Fiber& f = fibers[reversed ? n - 1 - r : r];
+            Fiber& f = fibers[reversed() ? n - 1 - r : r];
             if (f.done) continue;
             current = &f;
             threadIdx = f.tid;
@@ -264,17 +269,7 @@ extern "C" size_t emu_params(int id, const size_t** sizes) {
     return emu_entries[id].nparams;
 }
 
-// Under STOKER_EMU_JITTER_US the blocks, and the threads of barrier-free kernels, run in
-// reverse order: a kernel that only works in index order shows it.
-static bool emu_reversed() {
-    static const bool on = [] {
-        const char* j = getenv("STOKER_EMU_JITTER_US");
-        return j && atoi(j) > 0;
-    }();
-    return on;
-}
-
-static inline unsigned emu_at(unsigned i, unsigned n) { return emu_reversed() ? n - 1 - i : i; }
+static inline unsigned emu_at(unsigned i, unsigned n) { return emu::reversed() ? n - 1 - i : i; }
 
 extern "C" void emu_run(int id, dim3 grid, dim3 block, void** params) {
     const emu::Entry& e = emu_entries[id];

@@ -10,6 +10,8 @@ use stoker::gen::{self, ClassificationSpec};
 use stoker::train::{step, Metrics, Mlp, MlpConfig, Normalize, Workspace};
 use stoker::{Dataset, Loader, NpyDataset, Shuffle};
 
+use crate::common::DIGITS;
+
 fn setup(
     c: &Cuda,
     dir: &std::path::Path,
@@ -48,8 +50,6 @@ fn setup(
     );
     (loader, mlp, Normalize::fit(&x), kernels)
 }
-
-const DIGITS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
 
 pub fn first_step_matches_the_cpu_backend(c: Cuda) {
     let (mut loader, mlp, norm, kernels) = setup(&c, DIGITS.as_ref(), 128, 64, 0.1);
@@ -235,21 +235,8 @@ pub fn epochs_match_the_cpu_backend(c: Cuda, serial: bool) {
 /// A label outside the classes is flagged on the device and comes back as an error
 /// naming the row, at the end of the epoch; the loader is left whole.
 pub fn a_bad_label_is_an_error(c: Cuda) {
-    use stoker::gen::NpyWriter;
-    use stoker::DType;
     let dir = tempfile::tempdir().unwrap();
-    let mut x = NpyWriter::create(dir.path().join("x.npy"), DType::U8, &[300, 4]).unwrap();
-    x.data_mut()
-        .iter_mut()
-        .enumerate()
-        .for_each(|(i, b)| *b = i as u8);
-    x.finish().unwrap();
-    let mut y = NpyWriter::create(dir.path().join("y.npy"), DType::I64, &[300]).unwrap();
-    for (i, out) in y.data_mut().chunks_exact_mut(8).enumerate() {
-        let label: i64 = if i == 123 { 42 } else { (i % 10) as i64 };
-        out.copy_from_slice(&label.to_le_bytes());
-    }
-    y.finish().unwrap();
+    crate::common::write_bad_label_set(dir.path());
     let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(dir.path()).unwrap());
     let mut loader = Loader::builder_shared(Arc::clone(&ds))
         .batch_size(16)
