@@ -3,166 +3,392 @@
 // Compiled at run time by NVRTC (no headers needed), cached on disk by stoker keyed by
 // this source, the options, the architecture and the NVRTC version.
 //
-// Layout: row-major float matrices. The matrix products use one strided kernel,
-// C = alpha * A(m x k) B(k x n) + beta * C, where each operand has a row stride and a
-// column stride, so transposes cost nothing (the same convention as the CPU backend's
-// matrixmultiply::sgemm, which the GPU results are checked against).
+// Layout: row-major float matrices, x (n x d, u8), W1 (d x h), W2 (h x c); the same math
+// as the CPU backend (src/train/mlp.rs), which the GPU results are checked against.
 
-#define TILE 16
+// The step is three launches per batch, with the input normalisation fused into both
+// products that read the u8 batch:
+//   forward_partial  split-K, register-blocked: part[s] = norm(x) W1 over k-chunk s
+//   row_tail         per sample: h = relu(b1 + sum_s part[s]), z = h W2 + b2, softmax
+//                    cross-entropy, dz = (softmax - onehot) / n, dh = (dz W2^T) masked
+//   update           W1 -= lr norm(x)^T dh (register-blocked tiles, samples split, the
+//                    splits added by the tile's last block), and in the same launch
+//                    b1 -= lr sum dh, W2 -= lr h^T dz, b2 -= lr sum dz
+// Every sum is taken in a fixed order (partial sums are added by one thread, in split
+// order), so a step is deterministic but for the epoch's loss total, which is
+// accumulated with atomics.
 
-extern "C" __global__ void sgemm_strided(
-    int m, int n, int k, float alpha,
-    const float* __restrict__ a, long long rsa, long long csa,
-    const float* __restrict__ b, long long rsb, long long csb,
-    float beta, float* __restrict__ c, long long rsc)
+// Both products use 64 x 64 output tiles per block of 256 threads, 4 x 4 outputs per
+// thread read from shared memory as 16-byte vectors, KT values of the summed dimension
+// per shared-memory stage. Shared rows are padded to 68 floats (16-byte multiples, and
+// the transposed stores spread over the banks).
+#define TILE 64
+#define KT 16
+#define PAD 68
+
+struct alignas(16) f4 {
+    float x, y, z, w;
+};
+
+struct alignas(16) Stage {
+    float v[KT][PAD];
+};
+
+// part[s][r][j] = sum over k in [s * chunk, (s + 1) * chunk) of
+// ((x[r][k] - mean) * inv_std) * w1[k][j]. Grid: (ceil(h / 64), ceil(n / 64), splits).
+extern "C" __global__ void forward_partial(
+    const unsigned char* __restrict__ x, const float* __restrict__ w1,
+    float* __restrict__ part, int n, int d, int h, int chunk, float mean, float inv_std)
 {
-    __shared__ float as[TILE][TILE];
-    __shared__ float bs[TILE][TILE + 1];
-    int row = blockIdx.y * TILE + threadIdx.y;
-    int col = blockIdx.x * TILE + threadIdx.x;
-    float acc = 0.0f;
-    for (int t = 0; t < k; t += TILE) {
-        int ka = t + threadIdx.x;
-        int kb = t + threadIdx.y;
-        as[threadIdx.y][threadIdx.x] = (row < m && ka < k) ? a[row * rsa + ka * csa] : 0.0f;
-        bs[threadIdx.y][threadIdx.x] = (kb < k && col < n) ? b[kb * rsb + col * csb] : 0.0f;
+    __shared__ Stage xs;  // xs.v[k][r]
+    __shared__ Stage ws;  // ws.v[k][j]
+    const int t = threadIdx.x, tx = t % 16, ty = t / 16;
+    const int r0 = blockIdx.y * TILE, j0 = blockIdx.x * TILE, s = blockIdx.z;
+    const int k_begin = s * chunk;
+    const int k_end = min(d, k_begin + chunk);
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+    for (int k0 = k_begin; k0 < k_end; k0 += KT) {
+        // 64 rows x 16 inputs: consecutive threads read consecutive bytes of a row.
+        for (int i = t; i < KT * TILE; i += 256) {
+            int r = i / KT, k = i % KT, gr = r0 + r, gk = k0 + k;
+            xs.v[k][r] = (gr < n && gk < k_end)
+                ? ((float)x[(long long)gr * d + gk] - mean) * inv_std : 0.0f;
+        }
+        for (int i = t; i < KT * TILE; i += 256) {
+            int k = i / TILE, j = i % TILE, gk = k0 + k, gj = j0 + j;
+            ws.v[k][j] = (gk < k_end && gj < h) ? w1[(long long)gk * h + gj] : 0.0f;
+        }
         __syncthreads();
 #pragma unroll
-        for (int i = 0; i < TILE; ++i) {
-            acc += as[threadIdx.y][i] * bs[i][threadIdx.x];
+        for (int k = 0; k < KT; ++k) {
+            f4 a = *(const f4*)&xs.v[k][4 * ty];
+            f4 b = *(const f4*)&ws.v[k][4 * tx];
+            float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] += av[i] * bv[j];
         }
         __syncthreads();
     }
-    if (row < m && col < n) {
-        float* out = &c[row * rsc + col];
-        *out = alpha * acc + (beta == 0.0f ? 0.0f : beta * *out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        int r = r0 + 4 * ty + i;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            int col = j0 + 4 * tx + j;
+            if (r < n && col < h) {
+                part[((long long)s * n + r) * h + col] = acc[i][j];
+            }
+        }
     }
 }
 
-// out[i] = (x[i] - mean) * inv_std, u8 inputs to float.
-extern "C" __global__ void normalize_u8(
-    const unsigned char* __restrict__ x, float* __restrict__ out, long long count,
-    float mean, float inv_std)
-{
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i < count) {
-        out[i] = ((float)x[i] - mean) * inv_std;
-    }
-}
+// row_tail: one block of TAIL threads per sample; logits reduced CC classes at a time.
+#define TAIL 64
+#define CC 16
 
-// Broadcast a bias over rows: m[r * cols + j] = bias[j].
-extern "C" __global__ void fill_rows(
-    float* __restrict__ m, const float* __restrict__ bias, int rows, int cols)
-{
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i < (long long)rows * cols) {
-        m[i] = bias[i % cols];
-    }
-}
-
-extern "C" __global__ void relu(float* __restrict__ h, long long count)
-{
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i < count && h[i] < 0.0f) {
-        h[i] = 0.0f;
-    }
-}
-
-// Softmax cross-entropy, one thread per sample. Accumulates the loss and the correct
-// predictions on the device (read once per epoch), and turns z into dL/dz =
-// (softmax - onehot) / n. A label outside 0..classes sets *bad to 1 + its row and
-// contributes nothing.
-extern "C" __global__ void softmax_xent(
-    float* __restrict__ z, const long long* __restrict__ y, int n, int classes,
+// Sample r = blockIdx.x: hid = relu(b1 + sum_s part[s][r]); z = hid W2 + b2; softmax
+// cross-entropy against y[r] (loss and correct predictions accumulated on the device; a
+// label outside 0..c sets *bad to 1 + r and contributes nothing); z becomes dz =
+// (softmax - onehot) / n; dh = (dz W2^T) where hid > 0, else 0.
+extern "C" __global__ void row_tail(
+    const float* __restrict__ part, int splits, const float* __restrict__ b1,
+    const float* __restrict__ w2, const float* __restrict__ b2,
+    const long long* __restrict__ y, float* __restrict__ hid, float* __restrict__ z,
+    float* __restrict__ dh, int n, int h, int c,
     double* __restrict__ loss_sum, unsigned long long* __restrict__ correct,
     int* __restrict__ bad)
 {
-    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    __shared__ float red[CC][TAIL];
+    const int r = blockIdx.x, t = threadIdx.x;
     if (r >= n) {
-        return;
+        return;  // the whole block: r is the block's
     }
-    float* row = z + (long long)r * classes;
-    long long label = y[r];
-    if (label < 0 || label >= classes) {
-        atomicCAS(bad, 0, r + 1);
-        for (int j = 0; j < classes; ++j) {
-            row[j] = 0.0f;
+    const long long split_stride = (long long)n * h;
+    float* hr = hid + (long long)r * h;
+    float* zr = z + (long long)r * c;
+    for (int j = t; j < h; j += TAIL) {
+        const float* p = part + (long long)r * h + j;
+        float v = b1[j];
+        for (int s = 0; s < splits; ++s) {
+            v += p[s * split_stride];
         }
-        return;
+        hr[j] = v > 0.0f ? v : 0.0f;
     }
-    float mx = row[0];
-    int arg = 0;
-    for (int j = 1; j < classes; ++j) {
-        if (row[j] > mx) {
-            mx = row[j];
-            arg = j;
+    for (int c0 = 0; c0 < c; c0 += CC) {
+        float acc[CC];
+#pragma unroll
+        for (int q = 0; q < CC; ++q) acc[q] = 0.0f;
+        const int cn = min(CC, c - c0);
+        for (int j = t; j < h; j += TAIL) {
+            float hv = hr[j];
+            const float* wrow = w2 + (long long)j * c + c0;
+#pragma unroll
+            for (int q = 0; q < CC; ++q) {
+                if (q < cn) acc[q] += hv * wrow[q];
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < CC; ++q) red[q][t] = acc[q];
+        __syncthreads();
+        for (int half = TAIL / 2; half > 0; half /= 2) {
+            for (int i = t; i < CC * half; i += TAIL) {
+                int q = i / half, u = i % half;
+                red[q][u] += red[q][u + half];
+            }
+            __syncthreads();
+        }
+        if (t < cn) {
+            zr[c0 + t] = red[t][0] + b2[c0 + t];
+        }
+        __syncthreads();
+    }
+    if (t == 0) {
+        long long label = y[r];
+        if (label < 0 || label >= c) {
+            atomicCAS(bad, 0, r + 1);
+            for (int q = 0; q < c; ++q) zr[q] = 0.0f;
+        } else {
+            float mx = zr[0];
+            int arg = 0;
+            for (int q = 1; q < c; ++q) {
+                if (zr[q] > mx) {
+                    mx = zr[q];
+                    arg = q;
+                }
+            }
+            // log softmax of the label, taken before exponentiation so that a very
+            // negative logit gives a large finite loss rather than log(0).
+            float z_label = zr[label] - mx;
+            float sum = 0.0f;
+            for (int q = 0; q < c; ++q) {
+                zr[q] = __expf(zr[q] - mx);
+                sum += zr[q];
+            }
+            atomicAdd(loss_sum, (double)(logf(sum) - z_label));
+            if (arg == label) {
+                atomicAdd(correct, 1ULL);
+            }
+            float scale = 1.0f / ((float)n * sum);
+            for (int q = 0; q < c; ++q) zr[q] *= scale;
+            zr[label] -= 1.0f / (float)n;
         }
     }
-    // log softmax of the label, taken before exponentiation so that a very negative
-    // logit gives a large finite loss rather than log(0).
-    float z_label = row[label] - mx;
-    float sum = 0.0f;
-    for (int j = 0; j < classes; ++j) {
-        row[j] = __expf(row[j] - mx);
-        sum += row[j];
+    __syncthreads();
+    float* dr = dh + (long long)r * h;
+    for (int j = t; j < h; j += TAIL) {
+        float v = 0.0f;
+        if (hr[j] > 0.0f) {
+            const float* wrow = w2 + (long long)j * c;
+            for (int q = 0; q < c; ++q) v += zr[q] * wrow[q];
+        }
+        dr[j] = v;
     }
-    atomicAdd(loss_sum, (double)(logf(sum) - z_label));
-    if (arg == label) {
-        atomicAdd(correct, 1ULL);
-    }
-    float scale = 1.0f / ((float)n * sum);
-    for (int j = 0; j < classes; ++j) {
-        row[j] *= scale;
-    }
-    row[label] -= 1.0f / (float)n;
 }
 
-// dh[i] = 0 where the forward activation h[i] was clipped by the ReLU.
-extern "C" __global__ void relu_backward(
-    float* __restrict__ dh, const float* __restrict__ h, long long count)
+// update, small part: 8 outputs per block, 32 threads summing over the samples for each.
+#define SMALL 8
+
+// Blocks [0, w1_blocks): the W1 step, W1[k][j] -= lr * sum_r norm(x[r][k]) * dh[r][j],
+// in 64 x 64 tiles (ceil(h / 64) per row of tiles), each tile's samples split in
+// `row_splits` runs of `rows_per` (block = tile * row_splits + split). Each block writes
+// its partial sums to gpart[split][k][j]; the last block of a tile to finish (counted in
+// ticket[tile], which it resets) adds the partials in split order and updates W1, so the
+// result does not depend on which block ran first.
+// Blocks after those: one output each per 32 threads, in the order b1 (h), W2 (h x c,
+// row-major), b2 (c):
+//   b1[j]    -= lr * sum_r dh[r][j]
+//   W2[j][q] -= lr * sum_r hid[r][j] * dz[r][q]
+//   b2[q]    -= lr * sum_r dz[r][q]
+extern "C" __global__ void update(
+    const unsigned char* __restrict__ x, const float* __restrict__ hid,
+    const float* __restrict__ dz, const float* __restrict__ dh,
+    float* __restrict__ w1, float* __restrict__ b1, float* __restrict__ w2,
+    float* __restrict__ b2, float* gpart, unsigned int* ticket, int n, int d, int h, int c,
+    float mean, float inv_std, float lr, int w1_blocks, int row_splits, int rows_per)
 {
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i < count && h[i] <= 0.0f) {
-        dh[i] = 0.0f;
+    __shared__ Stage xs;  // xs.v[r][k]
+    __shared__ Stage gs;  // gs.v[r][j]
+    __shared__ float sums[SMALL][33];
+    __shared__ unsigned int last;
+    const int t = threadIdx.x;
+    const int block = blockIdx.x;
+    if (block < w1_blocks) {
+        const int tiles_j = (h + TILE - 1) / TILE;
+        const int tile = block / row_splits, split = block % row_splits;
+        const int k0 = (tile / tiles_j) * TILE, j0 = (tile % tiles_j) * TILE;
+        const int tx = t % 16, ty = t / 16;
+        const int r_begin = split * rows_per, r_end = min(n, r_begin + rows_per);
+        float acc[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+        for (int r0 = r_begin; r0 < r_end; r0 += KT) {
+            for (int i = t; i < KT * TILE; i += 256) {
+                int r = i / TILE, k = i % TILE, gr = r0 + r, gk = k0 + k;
+                xs.v[r][k] = (gr < r_end && gk < d)
+                    ? ((float)x[(long long)gr * d + gk] - mean) * inv_std : 0.0f;
+            }
+            for (int i = t; i < KT * TILE; i += 256) {
+                int r = i / TILE, j = i % TILE, gr = r0 + r, gj = j0 + j;
+                gs.v[r][j] = (gr < r_end && gj < h) ? dh[(long long)gr * h + gj] : 0.0f;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int r = 0; r < KT; ++r) {
+                f4 a = *(const f4*)&xs.v[r][4 * ty];
+                f4 b = *(const f4*)&gs.v[r][4 * tx];
+                float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) acc[i][j] += av[i] * bv[j];
+            }
+            __syncthreads();
+        }
+        if (row_splits == 1) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                int k = k0 + 4 * ty + i;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    int col = j0 + 4 * tx + j;
+                    if (k < d && col < h) {
+                        w1[(long long)k * h + col] -= lr * acc[i][j];
+                    }
+                }
+            }
+            return;  // the whole block
+        }
+        const long long plane = (long long)d * h;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            int k = k0 + 4 * ty + i;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                int col = j0 + 4 * tx + j;
+                if (k < d && col < h) {
+                    gpart[split * plane + (long long)k * h + col] = acc[i][j];
+                }
+            }
+        }
+        // Publish the partials, then take a ticket: the tile's last block applies them.
+        __threadfence();
+        __syncthreads();
+        if (t == 0) {
+            unsigned int done = atomicAdd(&ticket[tile], 1u);
+            last = done == (unsigned int)row_splits - 1;
+            if (last) {
+                ticket[tile] = 0;  // ready for the next step
+            }
+        }
+        __syncthreads();
+        if (last) {
+            __threadfence();
+            const volatile float* gp = gpart;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                int k = k0 + 4 * ty + i;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    int col = j0 + 4 * tx + j;
+                    if (k < d && col < h) {
+                        long long at = (long long)k * h + col;
+                        float g = 0.0f;
+                        for (int q = 0; q < row_splits; ++q) g += gp[q * plane + at];
+                        w1[at] -= lr * g;
+                    }
+                }
+            }
+        }
+        return;  // the whole block: `block` is the block's
+    }
+    const long long outputs = (long long)h + (long long)h * c + c;
+    const long long o = (long long)(block - w1_blocks) * SMALL + t / 32;
+    const int lane = t % 32, slot = t / 32;
+    float v = 0.0f;
+    if (o < outputs) {
+        if (o < h) {
+            for (int r = lane; r < n; r += 32) v += dh[(long long)r * h + o];
+        } else if (o < h + (long long)h * c) {
+            int j = (int)((o - h) / c), q = (int)((o - h) % c);
+            for (int r = lane; r < n; r += 32) {
+                v += hid[(long long)r * h + j] * dz[(long long)r * c + q];
+            }
+        } else {
+            int q = (int)(o - h - (long long)h * c);
+            for (int r = lane; r < n; r += 32) v += dz[(long long)r * c + q];
+        }
+    }
+    sums[slot][lane] = v;
+    __syncthreads();
+    for (int half = 16; half > 0; half /= 2) {
+        if (lane < half) sums[slot][lane] += sums[slot][lane + half];
+        __syncthreads();
+    }
+    if (lane == 0 && o < outputs) {
+        float g = lr * sums[slot][0];
+        if (o < h) {
+            b1[o] -= g;
+        } else if (o < h + (long long)h * c) {
+            w2[o - h] -= g;
+        } else {
+            b2[o - h - (long long)h * c] -= g;
+        }
     }
 }
 
-// b[j] -= lr * sum_r g[r * cols + j]: the bias gradient and its SGD step, one thread per
-// column.
-extern "C" __global__ void bias_sgd(
-    float* __restrict__ b, const float* __restrict__ g, int rows, int cols, float lr)
-{
-    int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= cols) {
-        return;
-    }
-    float s = 0.0f;
-    for (int r = 0; r < rows; ++r) {
-        s += g[(long long)r * cols + j];
-    }
-    b[j] -= lr * s;
-}
+// The device cache moves rows in units of 16, 8 or 1 bytes (`unit`, chosen by the host:
+// the largest that divides the row size; every base address is 256-byte aligned).
+struct alignas(16) u128 {
+    unsigned long long lo, hi;
+};
 
-// Device cache: copy row k of a batch column to the dataset-sized cache at idx[k].
+// Device cache: copy row k of a batch column into the dataset-sized cache at idx[k],
+// `unit` bytes per thread (rows * row_bytes / unit threads).
 extern "C" __global__ void scatter_rows(
     const unsigned char* __restrict__ batch, unsigned char* __restrict__ cache,
-    const unsigned long long* __restrict__ idx, int rows, long long row_bytes)
+    const unsigned long long* __restrict__ idx, int rows, long long row_bytes, int unit)
 {
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i < rows * row_bytes) {
-        long long r = i / row_bytes, o = i % row_bytes;
-        cache[idx[r] * row_bytes + o] = batch[i];
+    long long units = row_bytes / unit;
+    if (i >= rows * units) {
+        return;
+    }
+    long long r = i / units, o = i % units;
+    long long at = (long long)idx[r] * units + o;
+    if (unit == 16) {
+        ((u128*)cache)[at] = ((const u128*)batch)[i];
+    } else if (unit == 8) {
+        ((unsigned long long*)cache)[at] = ((const unsigned long long*)batch)[i];
+    } else {
+        cache[at] = batch[i];
     }
 }
 
 // Device cache: the inverse, assembling a batch column from the cache by sample index.
 extern "C" __global__ void gather_rows(
     const unsigned char* __restrict__ cache, unsigned char* __restrict__ batch,
-    const unsigned long long* __restrict__ idx, int rows, long long row_bytes)
+    const unsigned long long* __restrict__ idx, int rows, long long row_bytes, int unit)
 {
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i < rows * row_bytes) {
-        long long r = i / row_bytes, o = i % row_bytes;
-        batch[i] = cache[idx[r] * row_bytes + o];
+    long long units = row_bytes / unit;
+    if (i >= rows * units) {
+        return;
+    }
+    long long r = i / units, o = i % units;
+    long long at = (long long)idx[r] * units + o;
+    if (unit == 16) {
+        ((u128*)batch)[i] = ((const u128*)cache)[at];
+    } else if (unit == 8) {
+        ((unsigned long long*)batch)[i] = ((const unsigned long long*)cache)[at];
+    } else {
+        batch[i] = cache[at];
     }
 }

@@ -1,5 +1,7 @@
 //! Backend selection never panics, and says why it falls back.
 
+mod common;
+
 use stoker::device::{Device, DeviceChoice};
 use stoker::Error;
 
@@ -18,7 +20,7 @@ fn auto_picks_cuda_or_says_why_not() {
         }
         Device::Cpu { reason } => {
             let reason = reason.expect("auto gives a reason for the CPU");
-            println!("skipping CUDA checks: {reason}");
+            common::skip_gpu(&reason);
             assert!(
                 reason.starts_with("no libcuda found")
                     || reason.starts_with("no CUDA device")

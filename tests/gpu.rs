@@ -1,5 +1,5 @@
 //! GPU checks on a real device. Each prints why it skips where no usable CUDA device is
-//! found; `tests/emulated.rs` runs the same checks on stoker's CPU emulator of the
+//! found, and fails instead with `STOKEHOLD_REQUIRE_GPU=1` (the GPU run scripts set it); `tests/emulated.rs` runs the same checks on stoker's CPU emulator of the
 //! driver, everywhere.
 
 mod common;
@@ -18,7 +18,7 @@ fn on_gpu(check: impl FnOnce(Cuda)) {
 fn cuda() -> Option<Cuda> {
     match Device::auto() {
         Device::Cuda(c) if c.name.contains("stoker CUDA emulator") => {
-            println!("skipping GPU test: the emulator is loaded, not a GPU");
+            common::skip_gpu("the emulator is loaded, not a GPU");
             None
         }
         Device::Cuda(c) => {
@@ -26,7 +26,7 @@ fn cuda() -> Option<Cuda> {
             Some(c)
         }
         Device::Cpu { reason } => {
-            println!("skipping GPU test: {}", reason.unwrap_or_default());
+            common::skip_gpu(&reason.unwrap_or_default());
             None
         }
     }

@@ -36,6 +36,11 @@ impl Drop for DeviceCache {
     }
 }
 
+/// Bytes each thread of the row kernels moves: 16 or 8 where that divides the row, else 1.
+fn copy_unit(row_bytes: usize) -> usize {
+    [16, 8].into_iter().find(|u| row_bytes % u == 0).unwrap_or(1)
+}
+
 impl DeviceCache {
     /// A cache for `rows` samples of `layout`'s columns and epochs of up to `samples`
     /// indices, if its size fits under `share` of the device's free memory.
@@ -139,18 +144,21 @@ impl DeviceCache {
         rows: usize,
         row_bytes: usize,
     ) -> Result<()> {
-        let total = (rows * row_bytes) as u64;
+        let unit = copy_unit(row_bytes);
+        let total = (rows * row_bytes / unit) as u64;
         let cfg = LaunchConfig {
             grid_dim: (total.div_ceil(256).max(1) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (rows, rb) = (rows as i32, row_bytes as i64);
+        let (rows, rb, unit) = (rows as i32, row_bytes as i64, unit as i32);
         let mut l = stream.launch_builder(f);
-        l.arg(&src).arg(&dst).arg(&idx).arg(&rows).arg(&rb);
-        // SAFETY: scatter_rows/gather_rows(const u8*, u8*, const u64*, int, i64): the
+        l.arg(&src).arg(&dst).arg(&idx).arg(&rows).arg(&rb).arg(&unit);
+        // SAFETY: scatter_rows/gather_rows(const u8*, u8*, const u64*, int, i64, int): the
         // batch column holds rows * row_bytes bytes, the cache column len * row_bytes,
-        // and every index is below len (the sampler's indices).
+        // every index is below len (the sampler's indices), and `unit` divides row_bytes
+        // while every base address is 256-byte aligned (device allocations, and batch
+        // columns at 256-byte offsets), so the kernel's 16- or 8-byte accesses are aligned.
         unsafe { l.launch(cfg) }.map(|_| ()).map_err(cuda_err)
     }
 
@@ -206,5 +214,17 @@ impl DeviceCache {
             b,
             indices,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn rows_move_in_the_widest_unit_that_divides_them() {
+        assert_eq!(super::copy_unit(3072), 16);
+        assert_eq!(super::copy_unit(8), 8);
+        assert_eq!(super::copy_unit(24), 8);
+        assert_eq!(super::copy_unit(3), 1);
+        assert_eq!(super::copy_unit(1), 1);
     }
 }

@@ -18,20 +18,12 @@ pub const SOURCE: &str = include_str!("../../kernels/mlp.cu");
 pub struct Kernels {
     /// The module.
     pub module: Arc<CudaModule>,
-    /// `sgemm_strided`.
-    pub sgemm: CudaFunction,
-    /// `normalize_u8`.
-    pub normalize: CudaFunction,
-    /// `fill_rows`.
-    pub fill_rows: CudaFunction,
-    /// `relu`.
-    pub relu: CudaFunction,
-    /// `softmax_xent`.
-    pub softmax_xent: CudaFunction,
-    /// `relu_backward`.
-    pub relu_backward: CudaFunction,
-    /// `bias_sgd`.
-    pub bias_sgd: CudaFunction,
+    /// `forward_partial`: the first product, split over the inputs.
+    pub forward: CudaFunction,
+    /// `row_tail`: per sample, the hidden layer, logits, loss and gradients.
+    pub tail: CudaFunction,
+    /// `update`: the SGD step of every weight.
+    pub update: CudaFunction,
     /// `scatter_rows` (device cache fill).
     pub scatter_rows: CudaFunction,
     /// `gather_rows` (device cache read).
@@ -253,13 +245,9 @@ impl Kernels {
         let module = cuda.ctx.load_module(ptx).map_err(cuda_err)?;
         let f = |name: &str| module.load_function(name).map_err(cuda_err);
         Ok(Kernels {
-            sgemm: f("sgemm_strided")?,
-            normalize: f("normalize_u8")?,
-            fill_rows: f("fill_rows")?,
-            relu: f("relu")?,
-            softmax_xent: f("softmax_xent")?,
-            relu_backward: f("relu_backward")?,
-            bias_sgd: f("bias_sgd")?,
+            forward: f("forward_partial")?,
+            tail: f("row_tail")?,
+            update: f("update")?,
             scatter_rows: f("scatter_rows")?,
             gather_rows: f("gather_rows")?,
             load_time: t.elapsed(),

@@ -35,7 +35,13 @@ struct Step {
     b1: CudaSlice<f32>,
     w2: CudaSlice<f32>,
     b2: CudaSlice<f32>,
-    x: CudaSlice<f32>,
+    /// The first product's partial sums, `splits` of them (split-K).
+    part: CudaSlice<f32>,
+    split: Split,
+    /// The W1 step's per-split partial gradients, and a ticket per tile (see `update`).
+    gpart: CudaSlice<f32>,
+    ticket: CudaSlice<u32>,
+    rows: RowSplit,
     h: CudaSlice<f32>,
     z: CudaSlice<f32>,
     dh: CudaSlice<f32>,
@@ -61,20 +67,6 @@ impl CudaTrainer {
         slots: usize,
     ) -> Result<CudaTrainer> {
         check_columns(mlp, layout, columns.0, columns.1)?;
-        // The matrix kernel puts 16 rows per block on the grid's y axis (at most 65535).
-        let largest = layout
-            .batch_size()
-            .max(mlp.config.inputs)
-            .max(mlp.config.hidden);
-        if largest > 65_535 * 16 {
-            return Err(Error::Config(format!(
-                "the CUDA step handles batch, inputs and hidden up to {}, got {largest}",
-                65_535 * 16
-            )));
-        }
-        let feeder = Feeder::new(&cuda, layout, slots)?;
-        let s = Arc::clone(feeder.stream());
-        let up = |v: &[f32]| s.clone_htod(v).map_err(cuda_err);
         let MlpConfig {
             inputs: d,
             hidden: hd,
@@ -82,6 +74,17 @@ impl CudaTrainer {
             ..
         } = mlp.config;
         let b = layout.batch_size();
+        let split = Split::of(b, d, hd);
+        let rows = RowSplit::of(b, d, hd);
+        if b.div_ceil(TILE) > 65_535 || split.splits > 65_535 {
+            return Err(Error::Config(format!(
+                "the CUDA step handles batches of up to {} samples, got {b}",
+                65_535 * TILE
+            )));
+        }
+        let feeder = Feeder::new(&cuda, layout, slots)?;
+        let s = Arc::clone(feeder.stream());
+        let up = |v: &[f32]| s.clone_htod(v).map_err(cuda_err);
         let zeros_f = |n: usize| s.alloc_zeros::<f32>(n.max(1)).map_err(cuda_err);
         let step = Step {
             stream: Arc::clone(&s),
@@ -89,7 +92,11 @@ impl CudaTrainer {
             b1: up(&mlp.b1)?,
             w2: up(&mlp.w2)?,
             b2: up(&mlp.b2)?,
-            x: zeros_f(b * d)?,
+            part: zeros_f(split.splits * b * hd)?,
+            split,
+            gpart: zeros_f(if rows.splits > 1 { rows.splits * d * hd } else { 1 })?,
+            ticket: s.alloc_zeros::<u32>(rows.tiles.max(1)).map_err(cuda_err)?,
+            rows,
             h: zeros_f(b * hd)?,
             z: zeros_f(b * c)?,
             dh: zeros_f(b * hd)?,
@@ -332,6 +339,64 @@ fn marks_for<'a>(
     Ok(marks.as_ref().expect("just set"))
 }
 
+/// Both products' output tiles are `TILE x TILE` per block (`TILE` in the kernel).
+const TILE: usize = 64;
+/// `update`'s small outputs (b1, W2, b2) per block (`SMALL`).
+const SMALL_PER_BLOCK: usize = 8;
+/// `row_tail`'s threads per sample (`TAIL`).
+const TAIL_THREADS: u32 = 64;
+/// The first product's inputs per shared-memory stage (`KT`): chunks are multiples.
+const FORWARD_STAGE: usize = 16;
+/// Blocks each product aims for: two per SM on the largest GPUs (132 SMs on an H100
+/// SXM), so that a skinny product (256 x 64 outputs: 4 tiles) fills the device.
+const TARGET_BLOCKS: usize = 264;
+
+/// How the first product's inputs are split (split-K): `splits` chunks of `chunk`
+/// inputs, the last possibly shorter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Split {
+    splits: usize,
+    chunk: usize,
+}
+
+impl Split {
+    /// The split for batches of `batch` samples, `inputs` inputs and `hidden` units.
+    fn of(batch: usize, inputs: usize, hidden: usize) -> Split {
+        let tiles = batch.div_ceil(TILE).max(1) * hidden.div_ceil(TILE).max(1);
+        let stages = inputs.div_ceil(FORWARD_STAGE).max(1);
+        let want = TARGET_BLOCKS.div_ceil(tiles).clamp(1, stages);
+        let chunk = stages.div_ceil(want) * FORWARD_STAGE;
+        Split {
+            splits: inputs.div_ceil(chunk).max(1),
+            chunk,
+        }
+    }
+}
+
+/// How the W1 step's samples are split: `tiles` tiles of W1, each summed over `splits`
+/// runs of `rows` samples (a multiple of the stage), the last possibly shorter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RowSplit {
+    tiles: usize,
+    splits: usize,
+    rows: usize,
+}
+
+impl RowSplit {
+    /// The split for batches of `batch` samples, `inputs` inputs and `hidden` units.
+    fn of(batch: usize, inputs: usize, hidden: usize) -> RowSplit {
+        let tiles = inputs.div_ceil(TILE).max(1) * hidden.div_ceil(TILE).max(1);
+        let stages = batch.div_ceil(FORWARD_STAGE).max(1);
+        let want = TARGET_BLOCKS.div_ceil(tiles).clamp(1, stages);
+        let rows = stages.div_ceil(want) * FORWARD_STAGE;
+        RowSplit {
+            tiles,
+            splits: batch.div_ceil(rows).max(1),
+            rows,
+        }
+    }
+}
+
 impl Step {
     fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
@@ -341,37 +406,27 @@ impl Step {
     /// is read or written) and waits: CUDA's lazy module loading is paid here, not by
     /// the first batch.
     fn warm_up(&self) -> Result<()> {
-        let (zero, zero64, null) = (0i32, 0i64, 0u64);
+        let (zero, zero64, null, f, one) = (0i32, 0i64, 0u64, 0f32, 1i32);
         let kk = &self.kernels;
-        let f = 0f32;
-        self.launch1(&kk.normalize, 0, &[&null, &null, &zero64, &f, &f])?;
-        self.launch1(&kk.fill_rows, 0, &[&null, &null, &zero, &zero])?;
-        self.launch1(&kk.relu, 0, &[&null, &zero64])?;
-        self.launch1(
-            &kk.softmax_xent,
-            0,
-            &[&null, &null, &zero, &zero, &null, &null, &null],
+        let one_block = ((1, 1, 1), 256);
+        self.launch(
+            &kk.forward,
+            one_block,
+            &[&null, &null, &null, &zero, &zero, &zero, &one, &f, &f],
         )?;
-        self.launch1(&kk.relu_backward, 0, &[&null, &null, &zero64])?;
-        self.launch1(&kk.bias_sgd, 0, &[&null, &null, &zero, &zero, &f])?;
-        self.launch1(&kk.scatter_rows, 0, &[&null, &null, &null, &zero, &zero64])?;
-        self.launch1(&kk.gather_rows, 0, &[&null, &null, &null, &zero, &zero64])?;
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (16, 16, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut l = self.stream().launch_builder(&self.kernels.sgemm);
-        l.arg(&zero).arg(&zero).arg(&zero).arg(&f);
-        l.arg(&null)
-            .arg(&zero64)
-            .arg(&zero64)
-            .arg(&null)
-            .arg(&zero64)
-            .arg(&zero64);
-        l.arg(&f).arg(&null).arg(&zero64);
-        // SAFETY: m = n = k = 0: the kernel's bounds checks skip every load and store.
-        unsafe { l.launch(cfg) }.map_err(cuda_err)?;
+        let args: [&dyn ArgOf; 15] = [
+            &null, &zero, &null, &null, &null, &null, &null, &null, &null, &zero, &zero, &zero,
+            &null, &null, &null,
+        ];
+        self.launch(&kk.tail, ((1, 1, 1), TAIL_THREADS), &args)?;
+        let args: [&dyn ArgOf; 20] = [
+            &null, &null, &null, &null, &null, &null, &null, &null, &null, &null, &zero, &zero,
+            &zero, &zero, &f, &f, &f, &zero, &one, &zero,
+        ];
+        self.launch(&kk.update, one_block, &args)?;
+        let rows = [&null as &dyn ArgOf, &null, &null, &zero, &zero64, &one];
+        self.launch(&kk.scatter_rows, one_block, &rows)?;
+        self.launch(&kk.gather_rows, one_block, &rows)?;
         self.stream().synchronize().map_err(cuda_err)
     }
 
@@ -388,16 +443,16 @@ impl Step {
         })
     }
 
-    fn launch1(
+    /// Launches `f` on the compute stream with a `grid` of blocks of `threads` threads.
+    fn launch(
         &self,
         f: &cudarc::driver::CudaFunction,
-        count: u64,
+        (grid, threads): ((u32, u32, u32), u32),
         args: &[&dyn ArgOf],
     ) -> Result<()> {
-        let blocks = count.div_ceil(256).max(1) as u32;
         let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (256, 1, 1),
+            grid_dim: grid,
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = self.stream().launch_builder(f);
@@ -405,41 +460,11 @@ impl Step {
             a.push(&mut b);
         }
         // SAFETY: every kernel of `kernels/mlp.cu` takes exactly the arguments its caller
-        // passes here (device addresses as u64, sizes, scalars), and every address points
-        // into a live allocation of at least the size the kernel reads or writes.
+        // passes here (device addresses as u64, sizes, scalars, in its order), every
+        // address points into a live allocation of at least the size the kernel reads or
+        // writes for the sizes passed with it, and each kernel checks its indices against
+        // those sizes (zero sizes touch nothing).
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(cuda_err)
-    }
-
-    /// `c = alpha * a(m x k) b(k x n) + beta * c` with strides, on the compute stream.
-    #[allow(clippy::too_many_arguments)]
-    fn gemm(
-        &self,
-        (m, n, k): (usize, usize, usize),
-        alpha: f32,
-        a: u64,
-        (rsa, csa): (usize, usize),
-        b: u64,
-        (rsb, csb): (usize, usize),
-        beta: f32,
-        c: u64,
-        rsc: usize,
-    ) -> Result<()> {
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
-            block_dim: (16, 16, 1),
-            shared_mem_bytes: 0,
-        };
-        let (m, n, k) = (m as i32, n as i32, k as i32);
-        let (rsa, csa, rsb, csb, rsc) =
-            (rsa as i64, csa as i64, rsb as i64, csb as i64, rsc as i64);
-        let mut l = self.stream().launch_builder(&self.kernels.sgemm);
-        l.arg(&m).arg(&n).arg(&k).arg(&alpha);
-        l.arg(&a).arg(&rsa).arg(&csa).arg(&b).arg(&rsb).arg(&csb);
-        l.arg(&beta).arg(&c).arg(&rsc);
-        // SAFETY: `sgemm_strided`'s signature is (int, int, int, float, ptr, i64, i64, ptr,
-        // i64, i64, float, ptr, i64); the callers' strides keep every access inside the
-        // matrices they pass, as in the CPU backend's checked `gemm`.
-        unsafe { l.launch(cfg) }.map(|_| ()).map_err(cuda_err)
     }
 
     /// Enqueues the step on a batch on the device (on the batch's stream, which is the
@@ -456,49 +481,40 @@ impl Step {
         } = self.config;
         let xin = batch.column_ptr(self.columns.0);
         let yin = batch.column_ptr(self.columns.1);
-        let (x, hh, z, dh) = (
-            addr(&self.x, s),
-            addr(&self.h, s),
-            addr(&self.z, s),
-            addr(&self.dh, s),
-        );
-        let (w1, b1, w2, b2) = (
-            addr(&self.w1, s),
-            addr(&self.b1, s),
-            addr(&self.w2, s),
-            addr(&self.b2, s),
-        );
-        let (nd, nh, nc) = ((n * d) as i64, (n * h) as i64, n * c);
-        let (ni, hi, ci) = (n as i32, h as i32, c as i32);
+        let [part, hid, z, dh, w1, b1, w2, b2] = [
+            &self.part, &self.h, &self.z, &self.dh, &self.w1, &self.b1, &self.w2, &self.b2,
+        ]
+        .map(|m| addr(m, s));
+        let [loss, correct] = [addr(&self.loss_sum, s), addr(&self.correct, s)];
+        let bad = addr(&self.bad, s);
+        let Normalize { mean, inv_std } = self.norm;
+        let (ni, di, hi, ci) = (n as i32, d as i32, h as i32, c as i32);
+        let Split { splits, chunk } = self.split;
+        let (splits_i, chunk_i) = (splits as i32, chunk as i32);
         let kk = &self.kernels;
-        self.launch1(
-            &kk.normalize,
-            nd as u64,
-            &[&xin, &x, &nd, &self.norm.mean, &self.norm.inv_std],
-        )?;
-        self.launch1(&kk.fill_rows, nh as u64, &[&hh, &b1, &ni, &hi])?;
-        self.gemm((n, h, d), 1.0, x, (d, 1), w1, (h, 1), 1.0, hh, h)?;
-        self.launch1(&kk.relu, nh as u64, &[&hh, &nh])?;
-        self.launch1(&kk.fill_rows, nc as u64, &[&z, &b2, &ni, &ci])?;
-        self.gemm((n, c, h), 1.0, hh, (h, 1), w2, (c, 1), 1.0, z, c)?;
-        let (loss, correct, bad) = (
-            addr(&self.loss_sum, s),
-            addr(&self.correct, s),
-            addr(&self.bad, s),
-        );
-        self.launch1(
-            &kk.softmax_xent,
-            n as u64,
-            &[&z, &yin, &ni, &ci, &loss, &correct, &bad],
-        )?;
-        // dh = dz W2^T (before W2 changes), masked by the ReLU.
-        self.gemm((n, h, c), 1.0, z, (c, 1), w2, (1, c), 0.0, dh, h)?;
-        self.launch1(&kk.relu_backward, nh as u64, &[&dh, &hh, &nh])?;
-        // W2 -= lr h^T dz ; b2 -= lr sum(dz) ; W1 -= lr x^T dh ; b1 -= lr sum(dh)
-        self.gemm((h, c, n), -lr, hh, (1, h), z, (c, 1), 1.0, w2, c)?;
-        self.launch1(&kk.bias_sgd, c as u64, &[&b2, &z, &ni, &ci, &lr])?;
-        self.gemm((d, h, n), -lr, x, (1, d), dh, (h, 1), 1.0, w1, h)?;
-        self.launch1(&kk.bias_sgd, h as u64, &[&b1, &dh, &ni, &hi, &lr])?;
+        // part[s] = norm(x) W1 over inputs [s * chunk, (s + 1) * chunk).
+        let grid = (h.div_ceil(TILE) as u32, n.div_ceil(TILE) as u32, splits as u32);
+        let args: [&dyn ArgOf; 9] = [
+            &xin, &w1, &part, &ni, &di, &hi, &chunk_i, &mean, &inv_std,
+        ];
+        self.launch(&kk.forward, (grid, 256), &args)?;
+        // Per sample: hidden layer, logits, loss, dz (in z) and dh.
+        let args: [&dyn ArgOf; 15] = [
+            &part, &splits_i, &b1, &w2, &b2, &yin, &hid, &z, &dh, &ni, &hi, &ci, &loss,
+            &correct, &bad,
+        ];
+        self.launch(&kk.tail, ((n as u32, 1, 1), TAIL_THREADS), &args)?;
+        // Every weight's SGD step.
+        let RowSplit { tiles, splits, rows } = self.rows;
+        let w1_blocks = tiles * splits;
+        let small = (h + h * c + c).div_ceil(SMALL_PER_BLOCK);
+        let [gpart, ticket] = [addr(&self.gpart, s), addr(&self.ticket, s)];
+        let [w1_blocks_i, row_splits, rows_per] = [w1_blocks, splits, rows].map(|v| v as i32);
+        let args: [&dyn ArgOf; 20] = [
+            &xin, &hid, &z, &dh, &w1, &b1, &w2, &b2, &gpart, &ticket, &ni, &di, &hi, &ci, &mean,
+            &inv_std, &lr, &w1_blocks_i, &row_splits, &rows_per,
+        ];
+        self.launch(&kk.update, (((w1_blocks + small) as u32, 1, 1), 256), &args)?;
         Ok(())
     }
 
@@ -531,7 +547,7 @@ impl Step {
     }
 }
 
-/// A kernel argument of any supported type, for `launch1`'s argument lists.
+/// A kernel argument of any supported type, for [`Step::launch`]'s argument lists.
 trait ArgOf {
     fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>);
 }
@@ -539,5 +555,37 @@ trait ArgOf {
 impl<T: DeviceRepr> ArgOf for T {
     fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
         b.arg(self);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{RowSplit, Split};
+
+    #[test]
+    fn the_split_covers_every_input_in_whole_stages() {
+        for (b, d, h) in [(256, 3072, 64), (256, 64, 64), (1, 1, 1), (64, 100, 4096), (512, 3, 10)] {
+            let s = Split::of(b, d, h);
+            assert_eq!(s.chunk % 16, 0, "{b} {d} {h}: {s:?}");
+            assert!(s.splits * s.chunk >= d, "{b} {d} {h}: {s:?}");
+            assert!((s.splits - 1) * s.chunk < d.max(1), "{b} {d} {h}: empty split {s:?}");
+        }
+        // The default model (CIFAR-like inputs, 64 hidden): the skinny product is split
+        // enough to fill an H100.
+        let s = Split::of(256, 3072, 64);
+        assert!(s.splits * 4 >= 132, "{s:?}");
+    }
+
+    #[test]
+    fn the_row_split_covers_every_sample() {
+        for (b, d, h) in [(256, 3072, 64), (256, 64, 64), (1, 1, 1), (64, 100, 4096), (7, 3, 10)] {
+            let r = RowSplit::of(b, d, h);
+            assert_eq!(r.rows % 16, 0, "{b} {d} {h}: {r:?}");
+            assert!(r.splits * r.rows >= b, "{b} {d} {h}: {r:?}");
+            assert!((r.splits - 1) * r.rows < b, "{b} {d} {h}: empty split {r:?}");
+        }
+        let r = RowSplit::of(256, 3072, 64);
+        assert!(r.tiles * r.splits >= 132, "{r:?}");
+        assert_eq!(RowSplit::of(256, 3072, 4096).splits, 1);
     }
 }

@@ -105,3 +105,21 @@ pub fn write_bad_label_set(dir: &std::path::Path) {
     }
     y.finish().unwrap();
 }
+
+/// Whether a GPU check may skip: not with `STOKEHOLD_REQUIRE_GPU=1`, which the GPU run
+/// scripts (`.ci/gpu/`) set so that a run on a GPU machine cannot pass by skipping.
+pub fn gpu_required() -> bool {
+    std::env::var("STOKEHOLD_REQUIRE_GPU").is_ok_and(|v| v == "1")
+}
+
+/// Prints why a GPU check skips, or fails it when a GPU is required.
+///
+/// # Panics
+/// When [`gpu_required`].
+pub fn skip_gpu(reason: &str) {
+    assert!(
+        !gpu_required(),
+        "STOKEHOLD_REQUIRE_GPU=1, but this GPU check would skip: {reason}"
+    );
+    println!("skipping GPU test: {reason}");
+}
