@@ -49,14 +49,21 @@ fn main() -> stoker::Result<()> {
         )))
         .build()?;
 
-    // Compile the kernel with the NVRTC stoker found, and load it.
-    let arch = format!("--gpu-architecture=compute_{}{}", cuda.arch.0, cuda.arch.1);
-    let ptx = cuda
-        .nvrtc
-        .compile(KERNEL, "count.cu", &[arch])
-        .map_err(stoker::Error::Cuda)?;
+    // Compile the kernel with the NVRTC stoker found, to a cubin for this GPU (a cubin
+    // needs no JIT, so it loads even where NVRTC is newer than the driver), and load it.
+    let arch = stoker::cuda::build_arch(cuda.arch, &cuda.nvrtc.supported_archs());
     let cuda_err = |e: cudarc::driver::DriverError| stoker::Error::Cuda(e.to_string());
-    let module = cuda.ctx.load_module(Ptx::from_src(ptx)).map_err(cuda_err)?;
+    let image = if arch == cuda.arch {
+        let sm = format!("--gpu-architecture=sm_{}{}", arch.0, arch.1);
+        let cubin = cuda.nvrtc.compile_cubin(KERNEL, "count.cu", &[sm]);
+        Ptx::from_binary(cubin.map_err(stoker::Error::Cuda)?)
+    } else {
+        // A GPU newer than this NVRTC knows: PTX for the newest architecture it knows.
+        let compute = format!("--gpu-architecture=compute_{}{}", arch.0, arch.1);
+        let ptx = cuda.nvrtc.compile(KERNEL, "count.cu", &[compute]);
+        Ptx::from_src(ptx.map_err(stoker::Error::Cuda)?)
+    };
+    let module = cuda.ctx.load_module(image).map_err(cuda_err)?;
     let count = module.load_function("count_labels").map_err(cuda_err)?;
 
     let mut feeder = Feeder::new(&cuda, loader.layout(), 4)?;

@@ -114,10 +114,17 @@ extern "C" __global__ void row_tail(
     float* zr = z + (long long)r * c;
     for (int j = t; j < h; j += TAIL) {
         const float* p = part + (long long)r * h + j;
-        float v = b1[j];
-        for (int s = 0; s < splits; ++s) {
-            v += p[s * split_stride];
+        // Eight loads in flight, eight running sums, added in a fixed order.
+        float v8[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        int s = 0;
+        for (; s + 8 <= splits; s += 8) {
+#pragma unroll
+            for (int u = 0; u < 8; ++u) v8[u] += p[(s + u) * split_stride];
         }
+        for (; s < splits; ++s) {
+            v8[0] += p[s * split_stride];
+        }
+        float v = b1[j] + (((v8[0] + v8[1]) + (v8[2] + v8[3])) + ((v8[4] + v8[5]) + (v8[6] + v8[7])));
         hr[j] = v > 0.0f ? v : 0.0f;
     }
     for (int c0 = 0; c0 < c; c0 += CC) {
@@ -209,7 +216,7 @@ extern "C" __global__ void update(
     const unsigned char* __restrict__ x, const float* __restrict__ hid,
     const float* __restrict__ dz, const float* __restrict__ dh,
     float* __restrict__ w1, float* __restrict__ b1, float* __restrict__ w2,
-    float* __restrict__ b2, float* gpart, unsigned int* ticket, int n, int d, int h, int c,
+    float* __restrict__ b2, float* __restrict__ gpart, unsigned int* __restrict__ ticket, int n, int d, int h, int c,
     float mean, float inv_std, float lr, int w1_blocks, int row_splits, int rows_per)
 {
     __shared__ Stage xs;  // xs.v[r][k]
@@ -291,7 +298,26 @@ extern "C" __global__ void update(
         __syncthreads();
         if (last) {
             __threadfence();
-            const volatile float* gp = gpart;
+            // Loads that skip L1 (other SMs wrote these), all 16 of a split in flight at
+            // once, added in split order.
+            float g[4][4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) g[i][j] = 0.0f;
+            for (int q = 0; q < row_splits; ++q) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    int k = k0 + 4 * ty + i;
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        int col = j0 + 4 * tx + j;
+                        if (k < d && col < h) {
+                            g[i][j] += __ldcg(&gpart[q * plane + (long long)k * h + col]);
+                        }
+                    }
+                }
+            }
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 int k = k0 + 4 * ty + i;
@@ -299,10 +325,7 @@ extern "C" __global__ void update(
                 for (int j = 0; j < 4; ++j) {
                     int col = j0 + 4 * tx + j;
                     if (k < d && col < h) {
-                        long long at = (long long)k * h + col;
-                        float g = 0.0f;
-                        for (int q = 0; q < row_splits; ++q) g += gp[q * plane + at];
-                        w1[at] -= lr * g;
+                        w1[(long long)k * h + col] -= lr * g[i][j];
                     }
                 }
             }
@@ -315,14 +338,17 @@ extern "C" __global__ void update(
     float v = 0.0f;
     if (o < outputs) {
         if (o < h) {
+#pragma unroll 4
             for (int r = lane; r < n; r += 32) v += dh[(long long)r * h + o];
         } else if (o < h + (long long)h * c) {
             int j = (int)((o - h) / c), q = (int)((o - h) % c);
+#pragma unroll 4
             for (int r = lane; r < n; r += 32) {
                 v += hid[(long long)r * h + j] * dz[(long long)r * c + q];
             }
         } else {
             int q = (int)(o - h - (long long)h * c);
+#pragma unroll 4
             for (int r = lane; r < n; r += 32) v += dz[(long long)r * c + q];
         }
     }

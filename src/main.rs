@@ -306,23 +306,24 @@ fn run_bench(data: &Path, json: Option<&Path>, cfg: BenchConfig) -> stoker::Resu
             let h = &g.h2d;
             println!("GPU {}:", g.device);
             println!(
-                "  H2D GB/s: bare pinned {:.1}, write-combined {:.1}, pageable {:.1}; feeder copies {:.1} = {:.0}% of bare pinned (wall {:.1})",
+                "  H2D GB/s: bare pinned {:.1}, write-combined {:.1}, pageable {:.1}; feeder copies {:.1} = {:.0}% of bare pinned (wall {:.1}), from write-combined buffers {:.1}",
                 h.bare_pinned_gb_s,
                 h.bare_write_combined_gb_s,
                 h.bare_pageable_gb_s,
                 h.feeder_copy_gb_s,
                 100.0 * h.feeder_vs_bare,
-                h.feeder_wall_gb_s
+                h.feeder_wall_gb_s,
+                h.feeder_copy_write_combined_gb_s
             );
             let o = &g.overlap;
             println!(
-                "  overlap (hidden {}): {:.3} s overlapped vs {:.3} s serialised; copy {:.3} s, compute {:.3} s, gather {:.3} s: {:.2}x the slowest stage",
-                o.hidden, o.overlapped_s, o.serialised_s, o.copy_s, o.compute_s, o.gather_s, o.overlapped_vs_slowest
+                "  overlap ({} workers, hidden {}): {:.3} s overlapped vs {:.3} s serialised; copy {:.3} s, compute {:.3} s, gather {:.3} s: {:.2}x the slowest stage",
+                o.workers, o.hidden, o.overlapped_s, o.serialised_s, o.copy_s, o.compute_s, o.gather_s, o.overlapped_vs_slowest
             );
-            if let Some(c) = &g.cache {
+            for c in &g.cache {
                 println!(
-                    "  device cache: epoch {:.3} s from the host path, {:.3} s from the cache ({:.1}x)",
-                    c.uncached_s, c.cached_s, c.speedup
+                    "  device cache, {} worker(s): epoch {:.3} s from the host path, {:.3} s from the cache ({:.1}x)",
+                    c.workers, c.uncached_s, c.cached_s, c.speedup
                 );
             }
         }

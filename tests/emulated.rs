@@ -543,13 +543,20 @@ fn bench_measures_its_gpu_figures_on_the_cuda_backend() {
         &gpu["h2d"]["bare_write_combined_gb_s"],
         &gpu["h2d"]["bare_pageable_gb_s"],
         &gpu["h2d"]["feeder_copy_gb_s"],
+        &gpu["h2d"]["feeder_copy_write_combined_gb_s"],
         &gpu["overlap"]["overlapped_s"],
         &gpu["overlap"]["serialised_s"],
-        &gpu["cache"]["cached_s"],
-        &gpu["cache"]["uncached_s"],
+        &gpu["cache"][0]["cached_s"],
+        &gpu["cache"][0]["uncached_s"],
+        &gpu["cache"][1]["cached_s"],
+        &gpu["cache"][1]["uncached_s"],
     ] {
         assert!(figure.as_f64().is_some_and(|v| v > 0.0), "{gpu}");
     }
+    // The device cache is measured with 1 worker and with the default 2.
+    assert_eq!(gpu["cache"][0]["workers"], 1, "{gpu}");
+    assert_eq!(gpu["cache"][1]["workers"], 2, "{gpu}");
+    assert!(gpu["overlap"]["workers"].as_u64().is_some_and(|w| w >= 2), "{gpu}");
 }
 
 #[test]

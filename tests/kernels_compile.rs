@@ -18,7 +18,21 @@ const ENTRIES: [&str; 5] = [
 fn nvrtc() -> Option<Nvrtc> {
     match Nvrtc::load() {
         Ok(n) => {
-            println!("NVRTC {:?} from {}", n.version(), n.path());
+            println!(
+                "NVRTC {:?} from {}, builtins {:?}",
+                n.version(),
+                n.path(),
+                n.builtins()
+            );
+            // NVRTC 13.0 finds its builtins only on the loader's path: stoker loads them
+            // from NVRTC's own directory (CI runs this with a pip NVRTC 13.0, no
+            // LD_LIBRARY_PATH).
+            let (major, minor) = n.version();
+            let dir = std::path::Path::new(n.path()).parent();
+            let beside = dir.map(|d| d.join(format!("libnvrtc-builtins.so.{major}.{minor}")));
+            if beside.as_ref().is_some_and(|p| p.exists()) {
+                assert!(n.builtins().is_some(), "builtins beside {} not loaded", n.path());
+            }
             Some(n)
         }
         Err(reason) => {

@@ -26,6 +26,8 @@ pub struct H2d {
     pub bare_pageable_gb_s: f64,
     /// The feeder's copies over their device time (copy events).
     pub feeder_copy_gb_s: f64,
+    /// The same from a loader whose buffers are write-combined pinned memory.
+    pub feeder_copy_write_combined_gb_s: f64,
     /// The feeder's bytes over the epoch's wall time (loader included).
     pub feeder_wall_gb_s: f64,
     /// `feeder_copy_gb_s / bare_pinned_gb_s`.
@@ -33,9 +35,12 @@ pub struct H2d {
 }
 
 /// Overlap figures: one epoch of the training step with copies overlapped, and the same
-/// epoch serialised (copies on the compute stream).
+/// epoch serialised (copies on the compute stream), with enough loader workers that the
+/// loader is not the slowest stage.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Overlap {
+    /// Loader workers used for this figure.
+    pub workers: usize,
     /// Hidden units chosen so compute per batch is close to copy time.
     pub hidden: usize,
     /// Overlapped epoch, seconds.
@@ -55,6 +60,8 @@ pub struct Overlap {
 /// Device cache figures: an epoch after the first with and without the cache.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Cache {
+    /// Loader workers of the host path.
+    pub workers: usize,
     /// Epoch time from the host path, seconds.
     pub uncached_s: f64,
     /// Epoch time from the device cache, seconds.
@@ -72,8 +79,9 @@ pub struct GpuBench {
     pub h2d: H2d,
     /// Overlap.
     pub overlap: Overlap,
-    /// Device cache.
-    pub cache: Option<Cache>,
+    /// Device cache, with 1 loader worker (the host path loader-bound) and with the
+    /// workers asked for.
+    pub cache: Vec<Cache>,
 }
 
 /// GB/s of `reps` copies of `src` into a device buffer, timed with events.
@@ -127,7 +135,7 @@ pub fn run(
         device: cuda.name.clone(),
         ..GpuBench::default()
     };
-    let loader = |alloc: PinnedKind| {
+    let loader = |alloc: PinnedKind, workers: usize| {
         Loader::builder_shared(Arc::clone(&dataset))
             .batch_size(batch)
             .workers(workers)
@@ -135,7 +143,7 @@ pub fn run(
             .allocator(Arc::new(PinnedAlloc::new(Arc::clone(&cuda.ctx), alloc)))
             .build()
     };
-    let mut l = loader(PinnedKind::Plain)?;
+    let mut l = loader(PinnedKind::Plain, workers)?;
     let bytes = l.layout().bytes();
     l.warmup()?;
 
@@ -159,7 +167,12 @@ pub fn run(
     out.h2d.feeder_copy_gb_s = fed.bytes as f64 / fed.copy.as_secs_f64().max(1e-9) / 1e9;
     out.h2d.feeder_wall_gb_s = fed.bytes as f64 / fed.wall.as_secs_f64().max(1e-9) / 1e9;
     out.h2d.feeder_vs_bare = out.h2d.feeder_copy_gb_s / out.h2d.bare_pinned_gb_s;
-    drop(feeder);
+    let mut lw = loader(PinnedKind::WriteCombined, workers)?;
+    let _ = feeder.run_epoch(lw.epoch(0)?, &mut |_| Ok(()), &mut |_, _| {})?;
+    let fed_wc = feeder.run_epoch(lw.epoch(1)?, &mut |_| Ok(()), &mut |_, _| {})?;
+    out.h2d.feeder_copy_write_combined_gb_s =
+        fed_wc.bytes as f64 / fed_wc.copy.as_secs_f64().max(1e-9) / 1e9;
+    drop((feeder, lw));
 
     // Overlap: pick the hidden width whose step takes about as long as a batch's copy.
     let inputs = dataset.columns()[0].row_bytes;
@@ -191,21 +204,37 @@ pub fn run(
         t.warm_up()?;
         Ok(t)
     };
-    let mut hidden = 64;
+    // The overlap figure needs a loader faster than both device stages: all cores but one.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let ov_workers = workers.max(cores.saturating_sub(1)).max(1);
+    let mut lo = loader(PinnedKind::Plain, ov_workers)?;
+    lo.warmup()?;
+    // Widen the hidden layer until a batch's step takes at least its copy; keep the width
+    // whose step is closest to the copy.
+    let (mut hidden, mut best) = (64, (f64::INFINITY, 64));
     let mut t = make(hidden)?;
     loop {
-        let o = t.train_epoch_with(l.epoch(2)?, &mut |_, _| {})?;
+        let o = t.train_epoch_with(lo.epoch(2)?, &mut |_, _| {})?;
         let per_batch = o.stages.compute.as_secs_f64() / o.batches.max(1) as f64;
+        let gap = (per_batch / copy_per_batch).ln().abs();
+        if gap < best.0 {
+            best = (gap, hidden);
+        }
         if per_batch >= copy_per_batch || hidden >= 16_384 {
             break;
         }
         hidden *= 2;
         t = make(hidden)?;
     }
-    let over = t.train_epoch_with(l.epoch(3)?, &mut |_, _| {})?;
+    if best.1 != hidden {
+        hidden = best.1;
+        t = make(hidden)?;
+        t.train_epoch_with(lo.epoch(2)?, &mut |_, _| {})?;
+    }
+    let over = t.train_epoch_with(lo.epoch(3)?, &mut |_, _| {})?;
     t.set_serial(true)?;
-    let ser = t.train_epoch_with(l.epoch(3)?, &mut |_, _| {})?;
-    let gather = over.stages.gather.as_secs_f64() / workers.max(1) as f64;
+    let ser = t.train_epoch_with(lo.epoch(3)?, &mut |_, _| {})?;
+    let gather = over.stages.gather.as_secs_f64() / ov_workers as f64;
     let slowest = over
         .stages
         .copy
@@ -213,6 +242,7 @@ pub fn run(
         .as_secs_f64()
         .max(gather);
     out.overlap = Overlap {
+        workers: ov_workers,
         hidden,
         overlapped_s: over.wall.as_secs_f64(),
         serialised_s: ser.wall.as_secs_f64(),
@@ -221,15 +251,24 @@ pub fn run(
         gather_s: gather,
         overlapped_vs_slowest: over.wall.as_secs_f64() / slowest.max(1e-9),
     };
+    drop((t, lo));
 
-    // Device cache: epoch 5 from the host path against epoch 5 from the cache (epoch 4
-    // fills it).
-    t.set_serial(false)?;
-    if t.enable_device_cache(l.order(), 0.5)?.is_some() {
-        t.train_epoch_with(l.epoch(4)?, &mut |_, _| {})?;
-        let host = t.train_epoch_with(l.epoch(5)?, &mut |_, _| {})?;
-        let cached = t.train_epoch_cached(&l.order().epoch(5), &mut |_, _| {})?;
-        out.cache = Some(Cache {
+    // Device cache, at the default width: epoch 5 from the host path against epoch 5 from
+    // the cache (epoch 4 fills it), with 1 worker and with the workers asked for.
+    let mut counts = vec![1, workers];
+    counts.dedup();
+    for w in counts {
+        let mut lc = loader(PinnedKind::Plain, w)?;
+        lc.warmup()?;
+        let mut t = make(64)?;
+        if t.enable_device_cache(lc.order(), 0.5)?.is_none() {
+            break;
+        }
+        t.train_epoch_with(lc.epoch(4)?, &mut |_, _| {})?;
+        let host = t.train_epoch_with(lc.epoch(5)?, &mut |_, _| {})?;
+        let cached = t.train_epoch_cached(&lc.order().epoch(5), &mut |_, _| {})?;
+        out.cache.push(Cache {
+            workers: w,
             uncached_s: host.wall.as_secs_f64(),
             cached_s: cached.wall.as_secs_f64(),
             speedup: host.wall.as_secs_f64() / cached.wall.as_secs_f64().max(1e-9),

@@ -188,6 +188,19 @@ impl Kernels {
                 cuda.arch.1
             )));
         }
+        if !cubin && cuda.nvrtc.version() > cuda.driver {
+            // PTX from a newer NVRTC names a PTX ISA the driver cannot JIT
+            // (CUDA_ERROR_UNSUPPORTED_PTX_VERSION): say so instead of trying.
+            return Err(Error::Cuda(format!(
+                "NVRTC {}.{} is newer than the driver's CUDA {}.{}: its PTX would not load, \
+                 and no cubin could be used (point STOKER_NVRTC at an NVRTC no newer than \
+                 the driver, or update the driver)",
+                cuda.nvrtc.version().0,
+                cuda.nvrtc.version().1,
+                cuda.driver.0,
+                cuda.driver.1
+            )));
+        }
         let options = compile_options(arch, cubin);
         let (major, minor) = cuda.nvrtc.version();
         let key = fnv1a(&[

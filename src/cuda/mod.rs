@@ -32,6 +32,8 @@ pub struct Cuda {
     pub name: String,
     /// Compute capability.
     pub arch: (i32, i32),
+    /// The CUDA version the driver supports (`cuDriverGetVersion`), e.g. `(13, 0)`.
+    pub driver: (i32, i32),
     /// How long creating the context took (a warm-up cost).
     pub context_time: std::time::Duration,
 }
@@ -51,6 +53,14 @@ pub fn probe() -> Result<Cuda, String> {
         .map_err(|_| "no CUDA device: the driver panicked while creating a context".to_string())?
         .map_err(|e| format!("no CUDA device: {e}"))?;
     let context_time = start.elapsed();
+    let mut version = 0;
+    // SAFETY: libcuda is loaded and initialised (a context exists); the call writes one
+    // int.
+    let status = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) };
+    if status != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+        return Err(format!("the CUDA driver cannot tell its version: {status:?}"));
+    }
+    let driver = (version / 1000, version % 1000 / 10);
     let nvrtc = Nvrtc::load()?;
     let name = ctx.name().unwrap_or_else(|_| "unknown CUDA device".into());
     let arch = ctx
@@ -83,6 +93,7 @@ pub fn probe() -> Result<Cuda, String> {
         nvrtc: Arc::new(nvrtc),
         name,
         arch,
+        driver,
         context_time,
     })
 }

@@ -19,6 +19,8 @@ pub struct Nvrtc {
     lib: Library,
     path: String,
     version: (i32, i32),
+    /// `libnvrtc-builtins`, loaded from NVRTC's own directory before the first compile.
+    builtins: Option<(Library, PathBuf)>,
 }
 
 impl std::fmt::Debug for Nvrtc {
@@ -26,6 +28,7 @@ impl std::fmt::Debug for Nvrtc {
         f.debug_struct("Nvrtc")
             .field("path", &self.path)
             .field("version", &self.version)
+            .field("builtins", &self.builtins())
             .finish()
     }
 }
@@ -88,8 +91,54 @@ pub fn candidates() -> Vec<String> {
     out
 }
 
+/// Loads `libnvrtc-builtins.so.MAJOR.MINOR` from the directory of the NVRTC at `nvrtc`
+/// (a path, not a bare name), globally, so that NVRTC's own `dlopen` of it by name finds
+/// it already loaded.
+///
+/// NVRTC 13.0 looks for its builtins on the loader's search path only: a toolkit or a pip
+/// wheel (`nvidia-cuda-nvrtc`) outside that path would fail every compile with
+/// `NVRTC_ERROR_BUILTIN_OPERATION_FAILURE`. A bare library name was found on that path,
+/// where NVRTC finds its builtins by itself: nothing to do.
+fn load_builtins(nvrtc: &Path, (major, minor): (i32, i32)) -> Option<(Library, PathBuf)> {
+    let dir = nvrtc.parent().filter(|d| !d.as_os_str().is_empty())?;
+    // The real directory, where the library is reached through a link.
+    let dirs = [
+        Some(dir.to_path_buf()),
+        std::fs::canonicalize(nvrtc)
+            .ok()
+            .and_then(|p| p.parent().map(Path::to_path_buf)),
+    ];
+    let names = [
+        format!("libnvrtc-builtins.so.{major}.{minor}"),
+        format!("libnvrtc-builtins.so.{major}"),
+        "libnvrtc-builtins.so".to_string(),
+    ];
+    for d in dirs.iter().flatten() {
+        for n in &names {
+            let p = d.join(n);
+            if !p.exists() {
+                continue;
+            }
+            // SAFETY: loading the builtins runs their initialisers, which have no
+            // preconditions; RTLD_GLOBAL makes the library visible to NVRTC's lookup by
+            // name.
+            let lib = unsafe {
+                libloading::os::unix::Library::open(
+                    Some(&p),
+                    libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
+                )
+            };
+            if let Ok(lib) = lib {
+                return Some((lib.into(), p));
+            }
+        }
+    }
+    None
+}
+
 impl Nvrtc {
-    /// Loads the first NVRTC found among [`candidates`].
+    /// Loads the first NVRTC found among [`candidates`], and its builtins library from
+    /// the same directory.
     ///
     /// # Errors
     /// A one-line reason naming where it looked.
@@ -104,6 +153,7 @@ impl Nvrtc {
                 lib,
                 path: c.clone(),
                 version: (0, 0),
+                builtins: None,
             };
             let (mut major, mut minor) = (0, 0);
             // SAFETY: `nvrtcVersion(int*, int*)` writes two ints.
@@ -113,6 +163,7 @@ impl Nvrtc {
             };
             if ok == Ok(true) {
                 nv.version = (major, minor);
+                nv.builtins = load_builtins(Path::new(c), nv.version);
                 return Ok(nv);
             }
         }
@@ -132,6 +183,11 @@ impl Nvrtc {
     /// NVRTC's version.
     pub fn version(&self) -> (i32, i32) {
         self.version
+    }
+
+    /// The `libnvrtc-builtins` loaded from NVRTC's own directory, if one was found there.
+    pub fn builtins(&self) -> Option<&Path> {
+        self.builtins.as_ref().map(|(_, p)| p.as_path())
     }
 
     /// The real architectures this NVRTC can build a cubin for, as compute capabilities

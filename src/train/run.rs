@@ -102,21 +102,31 @@ pub fn fit_classifier(ds: &NpyDataset) -> Result<(Normalize, usize)> {
 /// Anything the dataset, the loader, the backend or the step returns; [`Error::Cuda`]
 /// when CUDA is asked for and not usable.
 pub fn run(config: &TrainConfig) -> Result<TrainReport> {
-    let device = Device::select(config.device)?;
     let mut setup = Setup::default();
-    let fallback_reason = device.fallback_reason().map(str::to_string);
-    let device_name = device.name();
-    let kernels = match &device {
+    let (device, kernels) = match Device::select(config.device)? {
         Device::Cuda(c) => {
             setup.cuda_context_s = c.context_time.as_secs_f64();
             let t = Instant::now();
-            let k = Kernels::load(c)?;
-            setup.kernels_s = t.elapsed().as_secs_f64();
-            setup.kernels_from_cache = matches!(k.origin, KernelOrigin::Cached { .. });
-            Some(k)
+            match Kernels::load(&c) {
+                Ok(k) => {
+                    setup.kernels_s = t.elapsed().as_secs_f64();
+                    setup.kernels_from_cache = matches!(k.origin, KernelOrigin::Cached { .. });
+                    (Device::Cuda(c), Some(k))
+                }
+                // With --device auto, kernels the driver cannot load (an NVRTC newer than
+                // the driver, say) mean the CPU, with the reason.
+                Err(e) if config.device == DeviceChoice::Auto => {
+                    setup.cuda_context_s = 0.0;
+                    let reason = format!("{} is there, but its kernels are not: {e}", c.name);
+                    (Device::Cpu { reason: Some(reason) }, None)
+                }
+                Err(e) => return Err(e),
+            }
         }
-        Device::Cpu { .. } => None,
+        cpu => (cpu, None),
     };
+    let fallback_reason = device.fallback_reason().map(str::to_string);
+    let device_name = device.name();
 
     let t = Instant::now();
     let ds = NpyDataset::open(&config.data)?;

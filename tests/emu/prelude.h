@@ -42,6 +42,8 @@ static thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
 #define __logf(x) logf(x)
 static inline int min(int a, int b) { return a < b ? a : b; }
 static inline int max(int a, int b) { return a > b ? a : b; }
+template <class T>
+static inline T __ldcg(const T* p) { return *p; }
 static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 static inline float __fdividef(float a, float b) { return a / b; }
 static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
