@@ -26,13 +26,65 @@
 #define KT 16
 #define PAD 68
 
-struct alignas(16) f4 {
-    float x, y, z, w;
-};
-
 struct alignas(16) Stage {
     float v[KT][PAD];
 };
+
+// row[col..col + 4] = v, as one 16-byte store where the row allows (h a multiple of 4:
+// then col, a multiple of 4, is 16-byte aligned and col < h means all four fit), else
+// element by element up to h.
+__device__ void store4(float* row, int col, int h, const float v[4])
+{
+    if ((h & 3) == 0) {
+        if (col < h) {
+            *(float4*)(row + col) = make_float4(v[0], v[1], v[2], v[3]);
+        }
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        if (col + j < h) row[col + j] = v[j];
+    }
+}
+
+// v[0..4] += row[col..col + 4] (as `store4`), read past L1: other SMs wrote it.
+__device__ void add4_cg(const float* row, int col, int h, float v[4])
+{
+    if ((h & 3) == 0) {
+        if (col < h) {
+            float4 a = __ldcg((const float4*)(row + col));
+            v[0] += a.x;
+            v[1] += a.y;
+            v[2] += a.z;
+            v[3] += a.w;
+        }
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        if (col + j < h) v[j] += __ldcg(row + col + j);
+    }
+}
+
+// row[col..col + 4] -= lr * g (as `store4`).
+__device__ void sgd4(float* row, int col, int h, float lr, const float g[4])
+{
+    if ((h & 3) == 0) {
+        if (col < h) {
+            float4 w = *(float4*)(row + col);
+            w.x -= lr * g[0];
+            w.y -= lr * g[1];
+            w.z -= lr * g[2];
+            w.w -= lr * g[3];
+            *(float4*)(row + col) = w;
+        }
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        if (col + j < h) row[col + j] -= lr * g[j];
+    }
+}
 
 // part[s][r][j] = sum over k in [s * chunk, (s + 1) * chunk) of
 // ((x[r][k] - mean) * inv_std) * w1[k][j]. Grid: (ceil(h / 64), ceil(n / 64), splits).
@@ -65,8 +117,8 @@ extern "C" __global__ void forward_partial(
         __syncthreads();
 #pragma unroll
         for (int k = 0; k < KT; ++k) {
-            f4 a = *(const f4*)&xs.v[k][4 * ty];
-            f4 b = *(const f4*)&ws.v[k][4 * tx];
+            float4 a = *(const float4*)&xs.v[k][4 * ty];
+            float4 b = *(const float4*)&ws.v[k][4 * tx];
             float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
             for (int i = 0; i < 4; ++i)
@@ -78,12 +130,8 @@ extern "C" __global__ void forward_partial(
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         int r = r0 + 4 * ty + i;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            int col = j0 + 4 * tx + j;
-            if (r < n && col < h) {
-                part[((long long)s * n + r) * h + col] = acc[i][j];
-            }
+        if (r < n) {
+            store4(part + ((long long)s * n + r) * h, j0 + 4 * tx, h, acc[i]);
         }
     }
 }
@@ -198,8 +246,8 @@ extern "C" __global__ void row_tail(
     }
 }
 
-// update, small part: 8 outputs per block, 32 threads summing over the samples for each.
-#define SMALL 8
+// update, small part: 32 outputs per block of 8 warps.
+#define SMALL 32
 
 // Blocks [0, w1_blocks): the W1 step, W1[k][j] -= lr * sum_r norm(x[r][k]) * dh[r][j],
 // in 64 x 64 tiles (ceil(h / 64) per row of tiles), each tile's samples split in
@@ -207,8 +255,8 @@ extern "C" __global__ void row_tail(
 // its partial sums to gpart[split][k][j]; the last block of a tile to finish (counted in
 // ticket[tile], which it resets) adds the partials in split order and updates W1, so the
 // result does not depend on which block ran first.
-// Blocks after those: one output each per 32 threads, in the order b1 (h), W2 (h x c,
-// row-major), b2 (c):
+// Blocks after those: 32 outputs each, in the order b1 (h), W2 (h x c, row-major),
+// b2 (c):
 //   b1[j]    -= lr * sum_r dh[r][j]
 //   W2[j][q] -= lr * sum_r hid[r][j] * dz[r][q]
 //   b2[q]    -= lr * sum_r dz[r][q]
@@ -221,7 +269,7 @@ extern "C" __global__ void update(
 {
     __shared__ Stage xs;  // xs.v[r][k]
     __shared__ Stage gs;  // gs.v[r][j]
-    __shared__ float sums[SMALL][33];
+    __shared__ float sums[8][33];
     __shared__ unsigned int last;
     const int t = threadIdx.x;
     const int block = blockIdx.x;
@@ -249,8 +297,8 @@ extern "C" __global__ void update(
             __syncthreads();
 #pragma unroll
             for (int r = 0; r < KT; ++r) {
-                f4 a = *(const f4*)&xs.v[r][4 * ty];
-                f4 b = *(const f4*)&gs.v[r][4 * tx];
+                float4 a = *(const float4*)&xs.v[r][4 * ty];
+                float4 b = *(const float4*)&gs.v[r][4 * tx];
                 float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
                 for (int i = 0; i < 4; ++i)
@@ -263,13 +311,7 @@ extern "C" __global__ void update(
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 int k = k0 + 4 * ty + i;
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    int col = j0 + 4 * tx + j;
-                    if (k < d && col < h) {
-                        w1[(long long)k * h + col] -= lr * acc[i][j];
-                    }
-                }
+                if (k < d) sgd4(w1 + (long long)k * h, j0 + 4 * tx, h, lr, acc[i]);
             }
             return;  // the whole block
         }
@@ -277,13 +319,7 @@ extern "C" __global__ void update(
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             int k = k0 + 4 * ty + i;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                int col = j0 + 4 * tx + j;
-                if (k < d && col < h) {
-                    gpart[split * plane + (long long)k * h + col] = acc[i][j];
-                }
-            }
+            if (k < d) store4(gpart + split * plane + (long long)k * h, j0 + 4 * tx, h, acc[i]);
         }
         // Publish the partials, then take a ticket: the tile's last block applies them.
         __threadfence();
@@ -298,8 +334,7 @@ extern "C" __global__ void update(
         __syncthreads();
         if (last) {
             __threadfence();
-            // Loads that skip L1 (other SMs wrote these), all 16 of a split in flight at
-            // once, added in split order.
+            // The tile's partials, added in split order.
             float g[4][4];
 #pragma unroll
             for (int i = 0; i < 4; ++i)
@@ -309,57 +344,45 @@ extern "C" __global__ void update(
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     int k = k0 + 4 * ty + i;
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        int col = j0 + 4 * tx + j;
-                        if (k < d && col < h) {
-                            g[i][j] += __ldcg(&gpart[q * plane + (long long)k * h + col]);
-                        }
-                    }
+                    if (k < d) add4_cg(gpart + q * plane + (long long)k * h, j0 + 4 * tx, h, g[i]);
                 }
             }
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 int k = k0 + 4 * ty + i;
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    int col = j0 + 4 * tx + j;
-                    if (k < d && col < h) {
-                        w1[(long long)k * h + col] -= lr * g[i][j];
-                    }
-                }
+                if (k < d) sgd4(w1 + (long long)k * h, j0 + 4 * tx, h, lr, g[i]);
             }
         }
         return;  // the whole block: `block` is the block's
     }
+    // 32 consecutive outputs per block, one per lane; the 8 warps split the samples and
+    // their sums are added in warp order.
     const long long outputs = (long long)h + (long long)h * c + c;
-    const long long o = (long long)(block - w1_blocks) * SMALL + t / 32;
-    const int lane = t % 32, slot = t / 32;
+    const long long o = (long long)(block - w1_blocks) * 32 + t % 32;
+    const int lane = t % 32, warp = t / 32;
     float v = 0.0f;
     if (o < outputs) {
         if (o < h) {
 #pragma unroll 4
-            for (int r = lane; r < n; r += 32) v += dh[(long long)r * h + o];
+            for (int r = warp; r < n; r += 8) v += dh[(long long)r * h + o];
         } else if (o < h + (long long)h * c) {
             int j = (int)((o - h) / c), q = (int)((o - h) % c);
 #pragma unroll 4
-            for (int r = lane; r < n; r += 32) {
+            for (int r = warp; r < n; r += 8) {
                 v += hid[(long long)r * h + j] * dz[(long long)r * c + q];
             }
         } else {
             int q = (int)(o - h - (long long)h * c);
 #pragma unroll 4
-            for (int r = lane; r < n; r += 32) v += dz[(long long)r * c + q];
+            for (int r = warp; r < n; r += 8) v += dz[(long long)r * c + q];
         }
     }
-    sums[slot][lane] = v;
+    sums[warp][lane] = v;
     __syncthreads();
-    for (int half = 16; half > 0; half /= 2) {
-        if (lane < half) sums[slot][lane] += sums[slot][lane + half];
-        __syncthreads();
-    }
-    if (lane == 0 && o < outputs) {
-        float g = lr * sums[slot][0];
+    if (warp == 0 && o < outputs) {
+        float g = 0.0f;
+        for (int w = 0; w < 8; ++w) g += sums[w][lane];
+        g *= lr;
         if (o < h) {
             b1[o] -= g;
         } else if (o < h + (long long)h * c) {

@@ -242,7 +242,8 @@ fn in_child(name: &str, mode: Mode, check: impl FnOnce(Cuda)) -> Option<Output> 
 
 #[test]
 fn the_kernels_stay_inside_their_buffers() {
-    // The step, the device cache's scatter and gather, and a bad label's early return,
+    // The step (at odd shapes too), the device cache's scatter and gather, and a bad
+    // label's early return,
     // with every device allocation bounds-checked by the address sanitizer.
     let name = "the_kernels_stay_inside_their_buffers";
     let mode = Mode {
@@ -250,6 +251,7 @@ fn the_kernels_stay_inside_their_buffers() {
         asan: true,
     };
     passes_in_child(name, mode, |c| {
+        gpu_checks::odd_shapes_match_the_cpu_backend(c.clone());
         gpu_checks::the_device_cache_gives_the_same_epochs(c.clone());
         gpu_checks::a_bad_label_is_an_error(c);
     });
@@ -315,6 +317,13 @@ fn the_emulator_catches_memory_used_before_its_stream_allocates_it() {
 fn first_step_matches_the_cpu_backend() {
     emulated("first_step_matches_the_cpu_backend", 0, |c| {
         gpu_checks::first_step_matches_the_cpu_backend(c)
+    });
+}
+
+#[test]
+fn odd_shapes_match_the_cpu_backend() {
+    emulated("odd_shapes_match_the_cpu_backend", 0, |c| {
+        gpu_checks::odd_shapes_match_the_cpu_backend(c)
     });
 }
 

@@ -38,6 +38,11 @@ fn first_step_matches_the_cpu_backend() {
 }
 
 #[test]
+fn odd_shapes_match_the_cpu_backend() {
+    on_gpu(gpu_checks::odd_shapes_match_the_cpu_backend);
+}
+
+#[test]
 fn digits_reach_90_percent_on_the_gpu() {
     on_gpu(gpu_checks::digits_reach_90_percent_on_the_gpu);
 }

@@ -342,7 +342,7 @@ fn marks_for<'a>(
 /// Both products' output tiles are `TILE x TILE` per block (`TILE` in the kernel).
 const TILE: usize = 64;
 /// `update`'s small outputs (b1, W2, b2) per block (`SMALL`).
-const SMALL_PER_BLOCK: usize = 8;
+const SMALL_PER_BLOCK: usize = 32;
 /// `row_tail`'s threads per sample (`TAIL`).
 const TAIL_THREADS: u32 = 64;
 /// The first product's inputs per shared-memory stage (`KT`): chunks are multiples.

@@ -42,6 +42,10 @@ static thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
 #define __logf(x) logf(x)
 static inline int min(int a, int b) { return a < b ? a : b; }
 static inline int max(int a, int b) { return a > b ? a : b; }
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+static inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 template <class T>
 static inline T __ldcg(const T* p) { return *p; }
 static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }

@@ -52,13 +52,26 @@ fn setup(
 }
 
 pub fn first_step_matches_the_cpu_backend(c: Cuda) {
-    let (mut loader, mlp, norm, kernels) = setup(&c, DIGITS.as_ref(), 128, 64, 0.1);
+    first_step_matches_with(c, 128, 64);
+}
+
+/// Shapes off the kernels' tiles: a hidden width that is not a multiple of 4 (the scalar
+/// paths), one just over a tile, and batches that end mid-tile.
+pub fn odd_shapes_match_the_cpu_backend(c: Cuda) {
+    for (batch, hidden) in [(100, 10), (200, 70), (33, 3)] {
+        println!("batch {batch}, hidden {hidden}");
+        first_step_matches_with(c.clone(), batch, hidden);
+    }
+}
+
+fn first_step_matches_with(c: Cuda, batch_size: usize, hidden: usize) {
+    let (mut loader, mlp, norm, kernels) = setup(&c, DIGITS.as_ref(), batch_size, hidden, 0.1);
     let layout = loader.layout().clone();
     let mut gpu = CudaTrainer::new(c, kernels, &mlp, norm, &layout, (0, 1), 2).unwrap();
     let batch = loader.epoch(0).unwrap().next().unwrap().unwrap();
     let gm = gpu.step_once(&batch).unwrap();
     let mut cpu = mlp.clone();
-    let mut ws = Workspace::new(&mlp.config, 128);
+    let mut ws = Workspace::new(&mlp.config, batch_size);
     let mut cm = Metrics::default();
     let x: &[u8] = batch.column(0).unwrap();
     let y: &[i64] = batch.column(1).unwrap();
