@@ -7,7 +7,10 @@
 // For each size (one batch of the default dataset, 788,480 B; 8 MB; 64 MB) and each host
 // memory kind (pinned, pinned write-combined, pageable) it times 32 back-to-back
 // cudaMemcpyAsync calls between two events, and then the same copies each bracketed by its
-// own event pair (as the feeder times them), and prints GB/s (1e9 B/s) for both.
+// own event pair (as the feeder times them), and prints GB/s (1e9 B/s) for both. Then, at
+// one batch's size, the same from a ring of 48 pinned buffers taken in turn (as a loader's
+// pool is), first untouched since the last copy and then each rewritten by the CPU just
+// before its copy (as a loader worker does).
 
 #include <cstdio>
 #include <cstdlib>
@@ -25,6 +28,7 @@
     } while (0)
 
 static const int REPS = 32;
+static const int RING = 48;
 
 // Back-to-back: one event pair around all copies.
 static double loop_gbs(void* dst, const void* src, size_t n, cudaStream_t s) {
@@ -69,6 +73,37 @@ static double bracketed_gbs(void* dst, const void* src, size_t n, cudaStream_t s
     return (double)n * REPS / (total / 1e3) / 1e9;
 }
 
+// Copies from `RING` buffers in turn, each bracketed by events; `touch` rewrites each
+// buffer on the CPU just before its copy.
+static double ring_gbs(void* dst, void** bufs, size_t n, cudaStream_t s, bool touch) {
+    cudaEvent_t ev[2 * RING];
+    for (int i = 0; i < 2 * RING; ++i) {
+        CHECK(cudaEventCreate(&ev[i]));
+    }
+    double total = 0;
+    for (int pass = 0; pass < 2; ++pass) {  // the first pass is untimed
+        for (int i = 0; i < RING; ++i) {
+            if (touch) {
+                std::memset(bufs[i], pass + i, n);
+            }
+            CHECK(cudaEventRecord(ev[2 * i], s));
+            CHECK(cudaMemcpyAsync(dst, bufs[i], n, cudaMemcpyHostToDevice, s));
+            CHECK(cudaEventRecord(ev[2 * i + 1], s));
+            // One copy at a time, as a loader-bound feeder issues them.
+            CHECK(cudaEventSynchronize(ev[2 * i + 1]));
+        }
+    }
+    for (int i = 0; i < RING; ++i) {
+        float ms = 0;
+        CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+        total += ms;
+    }
+    for (int i = 0; i < 2 * RING; ++i) {
+        CHECK(cudaEventDestroy(ev[i]));
+    }
+    return (double)n * RING / (total / 1e3) / 1e9;
+}
+
 int main() {
     const size_t sizes[] = {788480, 8u << 20, 64u << 20};
     cudaDeviceProp p;
@@ -100,6 +135,22 @@ int main() {
         CHECK(cudaFreeHost(plain));
         CHECK(cudaFreeHost(wc));
         std::free(pageable);
+    }
+    const size_t n = sizes[0];
+    const unsigned kinds[] = {cudaHostAllocDefault, cudaHostAllocWriteCombined};
+    for (unsigned flags : kinds) {
+        void* bufs[RING];
+        for (int i = 0; i < RING; ++i) {
+            CHECK(cudaHostAlloc(&bufs[i], n, flags));
+            std::memset(bufs[i], 1, n);
+        }
+        const char* kind = flags ? "write-combined" : "pinned";
+        std::printf("%-10zu %-16s ring of %d, one copy at a time: %.2f GB/s untouched, "
+                    "%.2f GB/s rewritten before each copy\n",
+                    n, kind, RING, ring_gbs(dst, bufs, n, s, false), ring_gbs(dst, bufs, n, s, true));
+        for (int i = 0; i < RING; ++i) {
+            CHECK(cudaFreeHost(bufs[i]));
+        }
     }
     CHECK(cudaFree(dst));
     CHECK(cudaStreamDestroy(s));

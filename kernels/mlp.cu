@@ -19,11 +19,13 @@
 // accumulated with atomics.
 
 // Both products use 64 x 64 output tiles per block of 256 threads, 4 x 4 outputs per
-// thread read from shared memory as 16-byte vectors, KT values of the summed dimension
-// per shared-memory stage. Shared rows are padded to 68 floats (16-byte multiples, and
-// the transposed stores spread over the banks).
+// thread read from shared memory as 16-byte vectors, up to KT values of the summed
+// dimension per shared-memory stage. The host keeps each block's share of the summed
+// dimension within one stage, so a block loads everything it needs at once (one memory
+// round trip, not one per stage). Shared rows are padded to 68 floats (16-byte
+// multiples, and the transposed stores spread over the banks).
 #define TILE 64
-#define KT 16
+#define KT 64
 #define PAD 68
 
 struct alignas(16) Stage {
@@ -115,8 +117,9 @@ extern "C" __global__ void forward_partial(
             ws.v[k][j] = (gk < k_end && gj < h) ? w1[(long long)gk * h + gj] : 0.0f;
         }
         __syncthreads();
-#pragma unroll
-        for (int k = 0; k < KT; ++k) {
+        const int kn = min(KT, k_end - k0);
+#pragma unroll 8
+        for (int k = 0; k < kn; ++k) {
             float4 a = *(const float4*)&xs.v[k][4 * ty];
             float4 b = *(const float4*)&ws.v[k][4 * tx];
             float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
@@ -295,8 +298,9 @@ extern "C" __global__ void update(
                 gs.v[r][j] = (gr < r_end && gj < h) ? dh[(long long)gr * h + gj] : 0.0f;
             }
             __syncthreads();
-#pragma unroll
-            for (int r = 0; r < KT; ++r) {
+            const int rn = min(KT, r_end - r0);
+#pragma unroll 8
+            for (int r = 0; r < rn; ++r) {
                 float4 a = *(const float4*)&xs.v[r][4 * ty];
                 float4 b = *(const float4*)&gs.v[r][4 * tx];
                 float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};

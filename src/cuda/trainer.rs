@@ -345,11 +345,21 @@ const TILE: usize = 64;
 const SMALL_PER_BLOCK: usize = 32;
 /// `row_tail`'s threads per sample (`TAIL`).
 const TAIL_THREADS: u32 = 64;
-/// The first product's inputs per shared-memory stage (`KT`): chunks are multiples.
-const FORWARD_STAGE: usize = 16;
+/// Chunks of the summed dimension are multiples of this.
+const CHUNK_STEP: usize = 16;
 /// Blocks each product aims for: two per SM on the largest GPUs (132 SMs on an H100
 /// SXM), so that a skinny product (256 x 64 outputs: 4 tiles) fills the device.
 const TARGET_BLOCKS: usize = 264;
+
+/// The share of a summed dimension of `len` each block takes, with `tiles` output tiles:
+/// small enough that tiles x splits reaches [`TARGET_BLOCKS`], a multiple of
+/// [`CHUNK_STEP`]. Where the output alone has too few tiles (skinny products, the
+/// default model's), that share fits one shared-memory stage (`KT`, 64, in the
+/// kernels): each block loads all it needs at once, one memory round trip.
+fn chunk_of(len: usize, tiles: usize) -> usize {
+    let want = TARGET_BLOCKS.div_ceil(tiles).max(1);
+    len.div_ceil(want).div_ceil(CHUNK_STEP).max(1) * CHUNK_STEP
+}
 
 /// How the first product's inputs are split (split-K): `splits` chunks of `chunk`
 /// inputs, the last possibly shorter.
@@ -363,9 +373,7 @@ impl Split {
     /// The split for batches of `batch` samples, `inputs` inputs and `hidden` units.
     fn of(batch: usize, inputs: usize, hidden: usize) -> Split {
         let tiles = batch.div_ceil(TILE).max(1) * hidden.div_ceil(TILE).max(1);
-        let stages = inputs.div_ceil(FORWARD_STAGE).max(1);
-        let want = TARGET_BLOCKS.div_ceil(tiles).clamp(1, stages);
-        let chunk = stages.div_ceil(want) * FORWARD_STAGE;
+        let chunk = chunk_of(inputs, tiles);
         Split {
             splits: inputs.div_ceil(chunk).max(1),
             chunk,
@@ -386,9 +394,7 @@ impl RowSplit {
     /// The split for batches of `batch` samples, `inputs` inputs and `hidden` units.
     fn of(batch: usize, inputs: usize, hidden: usize) -> RowSplit {
         let tiles = inputs.div_ceil(TILE).max(1) * hidden.div_ceil(TILE).max(1);
-        let stages = batch.div_ceil(FORWARD_STAGE).max(1);
-        let want = TARGET_BLOCKS.div_ceil(tiles).clamp(1, stages);
-        let rows = stages.div_ceil(want) * FORWARD_STAGE;
+        let rows = chunk_of(batch, tiles);
         RowSplit {
             tiles,
             splits: batch.div_ceil(rows).max(1),
@@ -574,6 +580,8 @@ mod tests {
         // enough to fill an H100.
         let s = Split::of(256, 3072, 64);
         assert!(s.splits * 4 >= 132, "{s:?}");
+        // ... and each block's share fits one shared-memory stage (64).
+        assert!(s.chunk <= 64, "{s:?}");
     }
 
     #[test]
@@ -586,6 +594,8 @@ mod tests {
         }
         let r = RowSplit::of(256, 3072, 64);
         assert!(r.tiles * r.splits >= 132, "{r:?}");
-        assert_eq!(RowSplit::of(256, 3072, 4096).splits, 1);
+        assert!(r.rows <= 64, "{r:?}");
+        // A wide model has tiles enough: no split, no partial sums.
+        assert_eq!(RowSplit::of(256, 3072, 16_384).splits, 1);
     }
 }
