@@ -7,12 +7,14 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{result, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{result, sys, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use rayon::prelude::*;
 
 use super::feeder::{addr, cuda_err, DeviceBatch};
 use super::kernels::Kernels;
 use super::pinned::{PinnedAlloc, PinnedKind};
 use super::Cuda;
+use crate::dataset::Dataset;
 use crate::error::{Error, Result};
 use crate::loader::{BatchLayout, HostAlloc, HostMemory};
 use crate::sampler::EpochOrder;
@@ -25,6 +27,7 @@ pub struct DeviceCache {
     host_idx: Box<dyn HostMemory>,
     batch: CudaSlice<u8>,
     layout: BatchLayout,
+    rows: u64,
     filled: bool,
     bytes: u64,
 }
@@ -34,6 +37,30 @@ impl Drop for DeviceCache {
         // An index upload may still read the pinned host buffer freed below.
         let _ = self.stream.synchronize();
     }
+}
+
+/// Gathers rows `start..start + m` of `dataset` into `out` (one region per column),
+/// split into runs of 1024 rows over rayon's threads.
+fn gather_rows_in_parallel(
+    dataset: &dyn Dataset,
+    start: u64,
+    m: usize,
+    widths: &[usize],
+    out: &mut [&mut [u8]],
+) -> Result<()> {
+    const RUN: usize = 1024;
+    let mut runs: Vec<Vec<&mut [u8]>> = (0..m.div_ceil(RUN)).map(|_| Vec::new()).collect();
+    for (region, &w) in out.iter_mut().zip(widths) {
+        for (run, part) in runs.iter_mut().zip(region.chunks_mut(RUN * w.max(1))) {
+            run.push(part);
+        }
+    }
+    runs.into_par_iter().enumerate().try_for_each(|(k, mut parts)| {
+        let first = start + (k * RUN) as u64;
+        let n = (m - k * RUN).min(RUN) as u64;
+        let indices: Vec<u64> = (first..first + n).collect();
+        dataset.gather(0, &indices, &mut parts)
+    })
 }
 
 /// Bytes each thread of the row kernels moves: 16 or 8 where that divides the row, else 1.
@@ -79,6 +106,7 @@ impl DeviceCache {
             host_idx,
             batch: stream.alloc_zeros::<u8>(layout.bytes()).map_err(cuda_err)?,
             layout: layout.clone(),
+            rows,
             filled: false,
             bytes,
         }))
@@ -96,6 +124,65 @@ impl DeviceCache {
 
     pub(crate) fn set_filled(&mut self) {
         self.filled = true;
+    }
+
+    /// Fills the cache straight from `dataset`, its rows in order: gathered by rayon's
+    /// threads into two pinned staging buffers of about 32 MiB in turn, each copied in a
+    /// few large transfers while the other is filled. Sequential reads and large copies
+    /// make this far cheaper than the first epoch's per-batch scatter; `warmup` uses it so
+    /// that epoch 0 already reads the device.
+    ///
+    /// # Errors
+    /// The dataset's error, or a driver error.
+    pub(crate) fn fill_from(&mut self, cuda: &Cuda, dataset: &dyn Dataset) -> Result<()> {
+        const STAGING: usize = 32 << 20;
+        let widths: Vec<usize> = self.layout.columns().iter().map(|c| c.row_bytes).collect();
+        let per_row: usize = widths.iter().sum::<usize>().max(1);
+        let rows = self.rows as usize;
+        let chunk = (STAGING / per_row).clamp(1, rows.max(1));
+        let alloc = PinnedAlloc::new(Arc::clone(&cuda.ctx), PinnedKind::Plain);
+        let staging = [alloc.alloc(chunk * per_row)?, alloc.alloc(chunk * per_row)?];
+        let timing = Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        let done = [
+            cuda.ctx.new_event(timing).map_err(cuda_err)?,
+            cuda.ctx.new_event(timing).map_err(cuda_err)?,
+        ];
+        let stream = Arc::clone(&self.stream);
+        let filled = (|| -> Result<()> {
+            for (j, start) in (0..rows).step_by(chunk).enumerate() {
+                let m = chunk.min(rows - start);
+                let buf = &staging[j % 2];
+                // The copies that last read this buffer must be done before it is rewritten.
+                done[j % 2].synchronize().map_err(cuda_err)?;
+                // SAFETY: the buffer holds `len()` bytes it owns; its last copies have
+                // completed (the event above), and nothing else refers to it.
+                let bytes = unsafe { std::slice::from_raw_parts_mut(buf.as_ptr(), buf.len()) };
+                // Column c's rows at chunk * (widths before c).
+                let mut regions: Vec<&mut [u8]> = Vec::with_capacity(widths.len());
+                let mut rest = bytes;
+                for &w in &widths {
+                    let (head, tail) = rest.split_at_mut(chunk * w);
+                    regions.push(&mut head[..m * w]);
+                    rest = tail;
+                }
+                gather_rows_in_parallel(dataset, start as u64, m, &widths, &mut regions)?;
+                for (c, region) in regions.iter().enumerate() {
+                    let dst = addr(&self.columns[c], &stream) + (start * widths[c]) as u64;
+                    // SAFETY: the cache column holds rows * widths[c] bytes, of which rows
+                    // start..start + m are written; the pinned source stays untouched until
+                    // `done[j % 2]`, recorded below, has completed.
+                    unsafe { result::memcpy_htod_async(dst, &region[..], stream.cu_stream()) }
+                        .map_err(cuda_err)?;
+                }
+                done[j % 2].record(&stream).map_err(cuda_err)?;
+            }
+            Ok(())
+        })();
+        // Whatever happened, no staging buffer is freed while a copy may read it.
+        stream.synchronize().map_err(cuda_err)?;
+        filled?;
+        self.filled = true;
+        Ok(())
     }
 
     /// The host copy of the current epoch's indices.

@@ -173,6 +173,27 @@ impl CudaTrainer {
         Ok(self.cache.as_ref().map(DeviceCache::bytes))
     }
 
+    /// Fills the device cache (see
+    /// [`enable_device_cache`](CudaTrainer::enable_device_cache)) straight from
+    /// `dataset`, its rows in order, in large copies, so that the next epoch already reads
+    /// the device; returns how long it took, or `None` when there is no cache.
+    ///
+    /// # Errors
+    /// The dataset's error or a driver error.
+    pub fn fill_device_cache(
+        &mut self,
+        dataset: &dyn crate::dataset::Dataset,
+    ) -> Result<Option<std::time::Duration>> {
+        let t = std::time::Instant::now();
+        match &mut self.cache {
+            Some(c) => {
+                c.fill_from(self.feeder.cuda(), dataset)?;
+                Ok(Some(t.elapsed()))
+            }
+            None => Ok(None),
+        }
+    }
+
     /// Whether the device cache holds a whole epoch's samples.
     pub fn cache_filled(&self) -> bool {
         self.cache.as_ref().is_some_and(DeviceCache::filled)

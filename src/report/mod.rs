@@ -96,6 +96,9 @@ pub struct Setup {
     pub dataset_open_s: f64,
     /// An explicit warm-up (`--warmup`), when asked for.
     pub warmup_s: f64,
+    /// Filling the device cache from the files before epoch 0 (`--warmup` on CUDA with
+    /// the device cache; 0 otherwise).
+    pub device_cache_fill_s: f64,
 }
 
 /// Why the first epoch took longer than the steady ones, each cause measured.
@@ -284,6 +287,9 @@ impl TrainReport {
         if st.warmup_s > 0.0 {
             s += &format!(", explicit warm-up {:.3} s", st.warmup_s);
         }
+        if st.device_cache_fill_s > 0.0 {
+            s += &format!(", device cache filled {:.3} s", st.device_cache_fill_s);
+        }
         s.push('\n');
         let Some(w) = &self.warmup else {
             s += "one epoch only: no steady epochs to compare the first with\n";
@@ -309,12 +315,22 @@ impl TrainReport {
             "  unexplained:                        {:+.3} s\n",
             w.unexplained_s
         );
-        if let Some(bytes) = self.device_cache_bytes {
-            s += &format!(
-                "  (epochs after the first read a {} device cache: they skip host gathering \
-                 and copies, so part of the excess is work the cache removed)\n",
-                megabytes(bytes)
-            );
+        match self.device_cache_bytes {
+            Some(bytes) if self.setup.device_cache_fill_s > 0.0 => {
+                s += &format!(
+                    "  (every epoch read a {} device cache, filled before epoch 0 in {:.3} s)\n",
+                    megabytes(bytes),
+                    self.setup.device_cache_fill_s
+                );
+            }
+            Some(bytes) => {
+                s += &format!(
+                    "  (epochs after the first read a {} device cache: they skip host \
+                     gathering and copies, so part of the excess is work the cache removed)\n",
+                    megabytes(bytes)
+                );
+            }
+            None => {}
         }
         s
     }
