@@ -451,7 +451,11 @@ fn train_on_the_cuda_backend_matches_the_cpu_backend() {
     let (g, c, w) = (json(&gpu), json(&cpu), json(&warm));
     // --warmup filled the device cache from the files before epoch 0, so every epoch of
     // that run read the device; it trains exactly as the others.
-    assert!(w["setup"]["device_cache_fill_s"].as_f64().unwrap() > 0.0, "{}", w["setup"]);
+    assert!(
+        w["setup"]["device_cache_fill_s"].as_f64().unwrap() > 0.0,
+        "{}",
+        w["setup"]
+    );
     assert!(shown_out.contains("filled before epoch 0"), "{shown_out}");
     // The first run above compiled the kernels; this one read them from the disk cache.
     assert_eq!(g["setup"]["kernels_from_cache"], true, "{}", g["setup"]);
@@ -572,7 +576,10 @@ fn bench_measures_its_gpu_figures_on_the_cuda_backend() {
     // The device cache is measured with 1 worker and with the default 2.
     assert_eq!(gpu["cache"][0]["workers"], 1, "{gpu}");
     assert_eq!(gpu["cache"][1]["workers"], 2, "{gpu}");
-    assert!(gpu["overlap"]["workers"].as_u64().is_some_and(|w| w >= 2), "{gpu}");
+    assert!(
+        gpu["overlap"]["workers"].as_u64().is_some_and(|w| w >= 2),
+        "{gpu}"
+    );
 }
 
 #[test]

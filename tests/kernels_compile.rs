@@ -31,7 +31,11 @@ fn nvrtc() -> Option<Nvrtc> {
             let dir = std::path::Path::new(n.path()).parent();
             let beside = dir.map(|d| d.join(format!("libnvrtc-builtins.so.{major}.{minor}")));
             if beside.as_ref().is_some_and(|p| p.exists()) {
-                assert!(n.builtins().is_some(), "builtins beside {} not loaded", n.path());
+                assert!(
+                    n.builtins().is_some(),
+                    "builtins beside {} not loaded",
+                    n.path()
+                );
             }
             Some(n)
         }

@@ -55,17 +55,22 @@ fn gather_rows_in_parallel(
             run.push(part);
         }
     }
-    runs.into_par_iter().enumerate().try_for_each(|(k, mut parts)| {
-        let first = start + (k * RUN) as u64;
-        let n = (m - k * RUN).min(RUN) as u64;
-        let indices: Vec<u64> = (first..first + n).collect();
-        dataset.gather(0, &indices, &mut parts)
-    })
+    runs.into_par_iter()
+        .enumerate()
+        .try_for_each(|(k, mut parts)| {
+            let first = start + (k * RUN) as u64;
+            let n = (m - k * RUN).min(RUN) as u64;
+            let indices: Vec<u64> = (first..first + n).collect();
+            dataset.gather(0, &indices, &mut parts)
+        })
 }
 
 /// Bytes each thread of the row kernels moves: 16 or 8 where that divides the row, else 1.
 fn copy_unit(row_bytes: usize) -> usize {
-    [16, 8].into_iter().find(|u| row_bytes % u == 0).unwrap_or(1)
+    [16, 8]
+        .into_iter()
+        .find(|u| row_bytes % u == 0)
+        .unwrap_or(1)
 }
 
 impl DeviceCache {
@@ -240,7 +245,12 @@ impl DeviceCache {
         };
         let (rows, rb, unit) = (rows as i32, row_bytes as i64, unit as i32);
         let mut l = stream.launch_builder(f);
-        l.arg(&src).arg(&dst).arg(&idx).arg(&rows).arg(&rb).arg(&unit);
+        l.arg(&src)
+            .arg(&dst)
+            .arg(&idx)
+            .arg(&rows)
+            .arg(&rb)
+            .arg(&unit);
         // SAFETY: scatter_rows/gather_rows(const u8*, u8*, const u64*, int, i64, int): the
         // batch column holds rows * row_bytes bytes, the cache column len * row_bytes,
         // every index is below len (the sampler's indices), and `unit` divides row_bytes

@@ -58,7 +58,9 @@ pub fn probe() -> Result<Cuda, String> {
     // int.
     let status = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) };
     if status != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-        return Err(format!("the CUDA driver cannot tell its version: {status:?}"));
+        return Err(format!(
+            "the CUDA driver cannot tell its version: {status:?}"
+        ));
     }
     let driver = (version / 1000, version % 1000 / 10);
     let nvrtc = Nvrtc::load()?;

@@ -118,7 +118,12 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
                 Err(e) if config.device == DeviceChoice::Auto => {
                     setup.cuda_context_s = 0.0;
                     let reason = format!("{} is there, but its kernels are not: {e}", c.name);
-                    (Device::Cpu { reason: Some(reason) }, None)
+                    (
+                        Device::Cpu {
+                            reason: Some(reason),
+                        },
+                        None,
+                    )
                 }
                 Err(e) => return Err(e),
             }
@@ -199,7 +204,7 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
         if config.warmup {
             // The device cache filled up front, in large sequential copies: epoch 0 then
             // reads the device like the later ones.
-            if let Some(d) = t.fill_device_cache(ds.as_ref())? {
+            if let Some(d) = t.fill_device_cache(ds.as_ref(), loader.order())? {
                 setup.device_cache_fill_s = d.as_secs_f64();
             }
         }

@@ -62,7 +62,10 @@ enum : int {
     CUDA_ERROR_INVALID_CONTEXT = 201,
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_ILLEGAL_STATE = 401,
     CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
+    CUDA_ERROR_STREAM_CAPTURE_ISOLATION = 905,
     CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701,
     CUDA_ERROR_NOT_SUPPORTED = 801,
 };
@@ -169,6 +172,10 @@ struct Stream {
     bool stop = false;
     std::thread worker;
     unsigned jitter_us = 0;
+    // While capturing (cuStreamBeginCapture), work goes here instead of the queue, with
+    // the events recorded so far in the capture.
+    std::vector<std::function<void()>>* capture = nullptr;
+    std::set<Event*> captured_events;
 
     Stream() {
         const char* j = getenv("STOKER_EMU_JITTER_US");
@@ -202,6 +209,10 @@ struct Stream {
     }
 
     void push(std::function<void()> op) {
+        if (capture) {  // only the capturing thread enqueues on a capturing stream
+            capture->push_back(std::move(op));
+            return;
+        }
         {
             std::lock_guard<std::mutex> g(mu);
             ops.push_back(std::move(op));
@@ -294,6 +305,9 @@ CUresult cuGetErrorName(CUresult e, const char** s) {
         case CUDA_ERROR_INVALID_HANDLE: *s = "CUDA_ERROR_INVALID_HANDLE"; break;
         case CUDA_ERROR_NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
         case CUDA_ERROR_NOT_READY: *s = "CUDA_ERROR_NOT_READY"; break;
+        case CUDA_ERROR_ILLEGAL_STATE: *s = "CUDA_ERROR_ILLEGAL_STATE"; break;
+        case CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: *s = "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"; break;
+        case CUDA_ERROR_STREAM_CAPTURE_ISOLATION: *s = "CUDA_ERROR_STREAM_CAPTURE_ISOLATION"; break;
         case CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: *s = "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"; break;
         case CUDA_ERROR_NOT_SUPPORTED: *s = "CUDA_ERROR_NOT_SUPPORTED"; break;
         default: *s = "CUDA_ERROR_UNKNOWN"; return CUDA_ERROR_INVALID_VALUE;
@@ -592,6 +606,7 @@ CUresult cuStreamDestroy_v2(CUstream s) {
 CUresult cuStreamSynchronize(CUstream s) {
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
+    if (st->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     st->sync();
     return CUDA_SUCCESS;
 }
@@ -599,6 +614,7 @@ CUresult cuStreamSynchronize(CUstream s) {
 CUresult cuStreamQuery(CUstream s) {
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
+    if (st->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     return st->idle() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
@@ -615,6 +631,12 @@ CUresult cuEventDestroy_v2(CUevent e) { return e ? CUDA_SUCCESS : CUDA_ERROR_INV
 CUresult cuEventRecord(CUevent e, CUstream s) {
     Stream* st = stream_of(s);
     if (!st || !e) return CUDA_ERROR_INVALID_HANDLE;
+    if (st->capture) {
+        // In a capture a record is a node of the graph, for waits inside it only (an
+        // event to time or to wait on from outside needs CU_EVENT_RECORD_EXTERNAL).
+        st->captured_events.insert(e);
+        return CUDA_SUCCESS;
+    }
     uint64_t seq;
     {
         std::lock_guard<std::mutex> g(g_ev_mu);
@@ -636,6 +658,11 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
 CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
     Stream* st = stream_of(s);
     if (!st || !e) return CUDA_ERROR_INVALID_HANDLE;
+    if (st->capture) {
+        // Only on an event recorded in the same capture (the emulator captures one
+        // stream: such a wait orders nothing more).
+        return st->captured_events.count(e) ? CUDA_SUCCESS : CUDA_ERROR_STREAM_CAPTURE_ISOLATION;
+    }
     uint64_t target;
     {
         std::lock_guard<std::mutex> g(g_ev_mu);
@@ -790,6 +817,74 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
         }
         mod->run(id, grid, block, ptrs.data());
     });
+    return CUDA_SUCCESS;
+}
+
+// ---- graphs, from stream capture: a graph is the captured work, replayed in order on
+// the stream it is launched on. One stream per capture (no forked captures).
+
+struct Graph {
+    std::vector<std::function<void()>> ops;
+};
+typedef Graph* CUgraph;
+typedef Graph* CUgraphExec;
+
+CUresult cuStreamBeginCapture_v2(CUstream s, int mode) {
+    Stream* st = stream_of(s);
+    if (!st || (uintptr_t)s <= 2) return CUDA_ERROR_INVALID_HANDLE;  // not the default stream
+    if (mode < 0 || mode > 2) return CUDA_ERROR_INVALID_VALUE;
+    if (st->capture) return CUDA_ERROR_ILLEGAL_STATE;
+    st->capture = new std::vector<std::function<void()>>();
+    st->captured_events.clear();
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamEndCapture(CUstream s, CUgraph* g) {
+    Stream* st = stream_of(s);
+    if (!st || !g) return CUDA_ERROR_INVALID_HANDLE;
+    if (!st->capture) return CUDA_ERROR_ILLEGAL_STATE;
+    *g = new Graph{std::move(*st->capture)};
+    delete st->capture;
+    st->capture = nullptr;
+    st->captured_events.clear();
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamIsCapturing(CUstream s, int* status) {
+    Stream* st = stream_of(s);
+    if (!st || !status) return CUDA_ERROR_INVALID_HANDLE;
+    *status = st->capture ? 1 : 0;  // CU_STREAM_CAPTURE_STATUS_ACTIVE : _NONE
+    return CUDA_SUCCESS;
+}
+
+CUresult cuGraphInstantiateWithFlags(CUgraphExec* e, CUgraph g, unsigned long long) {
+    if (!e || !g) return CUDA_ERROR_INVALID_VALUE;
+    *e = new Graph{g->ops};
+    return CUDA_SUCCESS;
+}
+
+CUresult cuGraphLaunch(CUgraphExec e, CUstream s) {
+    Stream* st = stream_of(s);
+    if (!st || !e) return CUDA_ERROR_INVALID_HANDLE;
+    if (st->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    for (auto& op : e->ops) st->push(op);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuGraphUpload(CUgraphExec e, CUstream s) {
+    return e && stream_of(s) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+// The ops are copied into the streams they were launched on: freeing is safe at once.
+CUresult cuGraphExecDestroy(CUgraphExec e) {
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    delete e;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuGraphDestroy(CUgraph g) {
+    if (!g) return CUDA_ERROR_INVALID_HANDLE;
+    delete g;
     return CUDA_SUCCESS;
 }
 
