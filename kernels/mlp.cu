@@ -27,6 +27,8 @@
 #define TILE 64
 #define KT 64
 #define PAD 68
+// Elements of a 64 x 64 stage each of 256 threads loads.
+#define LOADS (KT * TILE / 256)
 
 struct alignas(16) Stage {
     float v[KT][PAD];
@@ -106,15 +108,23 @@ extern "C" __global__ void forward_partial(
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
     for (int k0 = k_begin; k0 < k_end; k0 += KT) {
-        // 64 rows x 16 inputs: consecutive threads read consecutive bytes of a row.
-        for (int i = t; i < KT * TILE; i += 256) {
+        // 64 rows x 64 inputs of x and 64 x 64 of W1, every load issued before the first
+        // is used (one memory round trip); consecutive threads read consecutive bytes of
+        // a row of x and consecutive floats of a row of W1.
+        float xv[LOADS], wv[LOADS];
+#pragma unroll
+        for (int u = 0; u < LOADS; ++u) {
+            int i = t + u * 256;
             int r = i / KT, k = i % KT, gr = r0 + r, gk = k0 + k;
-            xs.v[k][r] = (gr < n && gk < k_end)
-                ? ((float)x[(long long)gr * d + gk] - mean) * inv_std : 0.0f;
+            xv[u] = (gr < n && gk < k_end) ? (float)x[(long long)gr * d + gk] : mean;
+            int kw = i / TILE, j = i % TILE, gkw = k0 + kw, gj = j0 + j;
+            wv[u] = (gkw < k_end && gj < h) ? w1[(long long)gkw * h + gj] : 0.0f;
         }
-        for (int i = t; i < KT * TILE; i += 256) {
-            int k = i / TILE, j = i % TILE, gk = k0 + k, gj = j0 + j;
-            ws.v[k][j] = (gk < k_end && gj < h) ? w1[(long long)gk * h + gj] : 0.0f;
+#pragma unroll
+        for (int u = 0; u < LOADS; ++u) {
+            int i = t + u * 256;
+            xs.v[i % KT][i / KT] = (xv[u] - mean) * inv_std;
+            ws.v[i / TILE][i % TILE] = wv[u];
         }
         __syncthreads();
         const int kn = min(KT, k_end - k0);
@@ -165,17 +175,17 @@ extern "C" __global__ void row_tail(
     float* zr = z + (long long)r * c;
     for (int j = t; j < h; j += TAIL) {
         const float* p = part + (long long)r * h + j;
-        // Eight loads in flight, eight running sums, added in a fixed order.
-        float v8[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        int s = 0;
-        for (; s + 8 <= splits; s += 8) {
+        // Sixteen loads in flight at a time, added in split order.
+        float v = b1[j];
+        for (int s0 = 0; s0 < splits; s0 += 16) {
+            float pv[16];
 #pragma unroll
-            for (int u = 0; u < 8; ++u) v8[u] += p[(s + u) * split_stride];
+            for (int u = 0; u < 16; ++u) {
+                pv[u] = s0 + u < splits ? p[(s0 + u) * split_stride] : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < 16; ++u) v += pv[u];
         }
-        for (; s < splits; ++s) {
-            v8[0] += p[s * split_stride];
-        }
-        float v = b1[j] + (((v8[0] + v8[1]) + (v8[2] + v8[3])) + ((v8[4] + v8[5]) + (v8[6] + v8[7])));
         hr[j] = v > 0.0f ? v : 0.0f;
     }
     for (int c0 = 0; c0 < c; c0 += CC) {
@@ -288,14 +298,20 @@ extern "C" __global__ void update(
 #pragma unroll
             for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
         for (int r0 = r_begin; r0 < r_end; r0 += KT) {
-            for (int i = t; i < KT * TILE; i += 256) {
-                int r = i / TILE, k = i % TILE, gr = r0 + r, gk = k0 + k;
-                xs.v[r][k] = (gr < r_end && gk < d)
-                    ? ((float)x[(long long)gr * d + gk] - mean) * inv_std : 0.0f;
+            // As in forward_partial: every load of the stage in flight at once.
+            float xv[LOADS], gv[LOADS];
+#pragma unroll
+            for (int u = 0; u < LOADS; ++u) {
+                int i = t + u * 256;
+                int r = i / TILE, c2 = i % TILE, gr = r0 + r, gk = k0 + c2, gj = j0 + c2;
+                xv[u] = (gr < r_end && gk < d) ? (float)x[(long long)gr * d + gk] : mean;
+                gv[u] = (gr < r_end && gj < h) ? dh[(long long)gr * h + gj] : 0.0f;
             }
-            for (int i = t; i < KT * TILE; i += 256) {
-                int r = i / TILE, j = i % TILE, gr = r0 + r, gj = j0 + j;
-                gs.v[r][j] = (gr < r_end && gj < h) ? dh[(long long)gr * h + gj] : 0.0f;
+#pragma unroll
+            for (int u = 0; u < LOADS; ++u) {
+                int i = t + u * 256;
+                xs.v[i / TILE][i % TILE] = (xv[u] - mean) * inv_std;
+                gs.v[i / TILE][i % TILE] = gv[u];
             }
             __syncthreads();
             const int rn = min(KT, r_end - r0);
@@ -344,6 +360,7 @@ extern "C" __global__ void update(
             for (int i = 0; i < 4; ++i)
 #pragma unroll
                 for (int j = 0; j < 4; ++j) g[i][j] = 0.0f;
+#pragma unroll 8
             for (int q = 0; q < row_splits; ++q) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
@@ -367,17 +384,17 @@ extern "C" __global__ void update(
     float v = 0.0f;
     if (o < outputs) {
         if (o < h) {
-#pragma unroll 4
+#pragma unroll 8
             for (int r = warp; r < n; r += 8) v += dh[(long long)r * h + o];
         } else if (o < h + (long long)h * c) {
             int j = (int)((o - h) / c), q = (int)((o - h) % c);
-#pragma unroll 4
+#pragma unroll 8
             for (int r = warp; r < n; r += 8) {
                 v += hid[(long long)r * h + j] * dz[(long long)r * c + q];
             }
         } else {
             int q = (int)(o - h - (long long)h * c);
-#pragma unroll 4
+#pragma unroll 8
             for (int r = warp; r < n; r += 8) v += dz[(long long)r * c + q];
         }
     }
