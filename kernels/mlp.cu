@@ -18,7 +18,8 @@
 // order), so a step is deterministic but for the epoch's loss total, which is
 // accumulated with atomics.
 
-// Both products use 64 x 64 output tiles per block of 256 threads, 4 x 4 outputs per
+// Both products use 64 x 64 output tiles per block of 256 threads (two blocks per SM:
+// at most 128 registers a thread, so that one wave of blocks fills an H100), 4 x 4 outputs per
 // thread read from shared memory as 16-byte vectors, up to KT values of the summed
 // dimension per shared-memory stage. The host keeps each block's share of the summed
 // dimension within one stage, so a block loads everything it needs at once (one memory
@@ -92,7 +93,7 @@ __device__ void sgd4(float* row, int col, int h, float lr, const float g[4])
 
 // part[s][r][j] = sum over k in [s * chunk, (s + 1) * chunk) of
 // ((x[r][k] - mean) * inv_std) * w1[k][j]. Grid: (ceil(h / 64), ceil(n / 64), splits).
-extern "C" __global__ void forward_partial(
+extern "C" __global__ void __launch_bounds__(256, 2) forward_partial(
     const unsigned char* __restrict__ x, const float* __restrict__ w1,
     float* __restrict__ part, int n, int d, int h, int chunk, float mean, float inv_std)
 {
@@ -273,7 +274,7 @@ extern "C" __global__ void row_tail(
 //   b1[j]    -= lr * sum_r dh[r][j]
 //   W2[j][q] -= lr * sum_r hid[r][j] * dz[r][q]
 //   b2[q]    -= lr * sum_r dz[r][q]
-extern "C" __global__ void update(
+extern "C" __global__ void __launch_bounds__(256, 2) update(
     const unsigned char* __restrict__ x, const float* __restrict__ hid,
     const float* __restrict__ dz, const float* __restrict__ dh,
     float* __restrict__ w1, float* __restrict__ b1, float* __restrict__ w2,

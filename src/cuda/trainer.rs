@@ -497,7 +497,9 @@ impl RowSplit {
     /// The split for batches of `batch` samples, `inputs` inputs and `hidden` units.
     fn of(batch: usize, inputs: usize, hidden: usize) -> RowSplit {
         let tiles = inputs.div_ceil(TILE).max(1) * hidden.div_ceil(TILE).max(1);
-        let rows = chunk_of(batch, tiles);
+        // Fewer than the forward product's blocks: the same launch runs the small
+        // outputs' blocks too, and all should fit one wave.
+        let rows = chunk_of(batch, tiles * 4 / 3);
         RowSplit {
             tiles,
             splits: batch.div_ceil(rows).max(1),

@@ -48,6 +48,14 @@ std::vector<std::pair<std::string, bool>> scan(const std::string& s) {
     size_t at = 0;
     while ((at = s.find("__global__", at)) != std::string::npos) {
         at += 10;
+        // `__launch_bounds__(...)` may stand between the return type and the name.
+        size_t bounds = s.find("__launch_bounds__", at);
+        size_t first_paren = s.find('(', at);
+        if (bounds != std::string::npos && bounds < first_paren) {
+            size_t close = s.find(')', bounds);
+            if (close == std::string::npos) break;
+            at = close + 1;
+        }
         size_t paren = s.find('(', at);
         if (paren == std::string::npos) break;
         size_t end = paren;
