@@ -35,6 +35,56 @@ struct alignas(16) Stage {
     float v[KT][PAD];
 };
 
+// Sixteen bytes, for 16-byte loads and stores.
+struct alignas(16) u128 {
+    unsigned long long lo, hi;
+};
+
+// Stages rows [row0, row_end) x inputs [col0, col_end) of x (64 x 64 at most), normalised,
+// 16 bytes a thread: d, col0 and col_end must be multiples of 16 and x 16-byte aligned.
+// `transposed` stores st.v[input][row] (the forward product), else st.v[row][input].
+__device__ void stage_x16(Stage& st, const unsigned char* __restrict__ x, int row0,
+                          int row_end, int col0, int col_end, int d, float mean,
+                          float inv_std, bool transposed, int t)
+{
+    const int r = t / 4, seg = t % 4, gr = row0 + r, gc = col0 + 16 * seg;
+    const bool ok = gr < row_end && gc < col_end;
+    u128 v = {0ULL, 0ULL};
+    if (ok) {
+        v = *(const u128*)(x + (long long)gr * d + gc);
+    }
+#pragma unroll
+    for (int b = 0; b < 16; ++b) {
+        unsigned long long word = b < 8 ? v.lo : v.hi;
+        float byte = (float)((word >> (8 * (b % 8))) & 0xff);
+        float f = ok ? (byte - mean) * inv_std : 0.0f;
+        if (transposed) {
+            st.v[16 * seg + b][r] = f;
+        } else {
+            st.v[r][16 * seg + b] = f;
+        }
+    }
+}
+
+// Stages rows [row0, row_end) x columns [col0, col0 + 64) of a row-major float matrix of
+// h columns, 16 bytes a thread (h a multiple of 4, m 16-byte aligned), zeros outside.
+__device__ void stage_f4(Stage& st, const float* __restrict__ m, int row0, int row_end,
+                         int col0, int h, int t)
+{
+    float4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        int i = t + 256 * u, row = i / 16, c4 = (i % 16) * 4, gr = row0 + row, gc = col0 + c4;
+        v[u] = (gr < row_end && gc < h) ? *(const float4*)(m + (long long)gr * h + gc)
+                                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        int i = t + 256 * u;
+        *(float4*)&st.v[i / 16][(i % 16) * 4] = v[u];
+    }
+}
+
 // row[col..col + 4] = v, as one 16-byte store where the row allows (h a multiple of 4:
 // then col, a multiple of 4, is 16-byte aligned and col < h means all four fit), else
 // element by element up to h.
@@ -108,7 +158,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) forward_partial(
     for (int i = 0; i < 4; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+    // 16-byte loads where the shapes allow (the host aligns chunks to 16 inputs).
+    const bool wide = (d & 15) == 0 && (h & 3) == 0;
     for (int k0 = k_begin; k0 < k_end; k0 += KT) {
+        if (wide) {
+            stage_x16(xs, x, r0, n, k0, min(k_end, k0 + KT), d, mean, inv_std, true, t);
+            stage_f4(ws, w1, k0, min(k_end, k0 + KT), j0, h, t);
+            __syncthreads();
+        } else {
         // 64 rows x 64 inputs of x and 64 x 64 of W1, every load issued before the first
         // is used (one memory round trip); consecutive threads read consecutive bytes of
         // a row of x and consecutive floats of a row of W1.
@@ -128,6 +185,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) forward_partial(
             ws.v[i / TILE][i % TILE] = wv[u];
         }
         __syncthreads();
+        }
         const int kn = min(KT, k_end - k0);
 #pragma unroll 8
         for (int k = 0; k < kn; ++k) {
@@ -151,7 +209,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) forward_partial(
 }
 
 // row_tail: one block of TAIL threads per sample; logits reduced CC classes at a time.
-#define TAIL 64
+#define TAIL 256
+#define GROUPS (TAIL / 64)
 #define CC 16
 
 // Sample r = blockIdx.x: hid = relu(b1 + sum_s part[s][r]); z = hid W2 + b2; softmax
@@ -167,27 +226,44 @@ extern "C" __global__ void row_tail(
     int* __restrict__ bad)
 {
     __shared__ float red[CC][TAIL];
+    __shared__ float group[GROUPS][64];
     const int r = blockIdx.x, t = threadIdx.x;
     if (r >= n) {
         return;  // the whole block: r is the block's
     }
+    const long long label = y[r];  // needed last, loaded first
     const long long split_stride = (long long)n * h;
     float* hr = hid + (long long)r * h;
     float* zr = z + (long long)r * c;
-    for (int j = t; j < h; j += TAIL) {
-        const float* p = part + (long long)r * h + j;
-        // Sixteen loads in flight at a time, added in split order.
-        float v = b1[j];
-        for (int s0 = 0; s0 < splits; s0 += 16) {
-            float pv[16];
+    // Hidden units 64 at a time; the GROUPS groups of 64 threads each sum every
+    // GROUPS-th split (all their loads in flight at once), then group 0 adds the groups'
+    // sums in group order.
+    const int lane64 = t % 64, g = t / 64;
+    for (int j0 = 0; j0 < h; j0 += 64) {
+        const int j = j0 + lane64;
+        float v = 0.0f;
+        if (j < h) {
+            const float* p = part + (long long)r * h + j;
+            for (int s0 = g; s0 < splits; s0 += GROUPS * 16) {
+                float pv[16];
 #pragma unroll
-            for (int u = 0; u < 16; ++u) {
-                pv[u] = s0 + u < splits ? p[(s0 + u) * split_stride] : 0.0f;
+                for (int u = 0; u < 16; ++u) {
+                    int sp = s0 + u * GROUPS;
+                    pv[u] = sp < splits ? p[sp * split_stride] : 0.0f;
+                }
+#pragma unroll
+                for (int u = 0; u < 16; ++u) v += pv[u];
             }
-#pragma unroll
-            for (int u = 0; u < 16; ++u) v += pv[u];
         }
-        hr[j] = v > 0.0f ? v : 0.0f;
+        group[g][lane64] = v;
+        __syncthreads();
+        if (g == 0 && j < h) {
+            float sum = b1[j];
+#pragma unroll
+            for (int q = 0; q < GROUPS; ++q) sum += group[q][lane64];
+            hr[j] = sum > 0.0f ? sum : 0.0f;
+        }
+        __syncthreads();
     }
     for (int c0 = 0; c0 < c; c0 += CC) {
         float acc[CC];
@@ -218,7 +294,6 @@ extern "C" __global__ void row_tail(
         __syncthreads();
     }
     if (t == 0) {
-        long long label = y[r];
         if (label < 0 || label >= c) {
             atomicCAS(bad, 0, r + 1);
             for (int q = 0; q < c; ++q) zr[q] = 0.0f;
@@ -298,7 +373,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) update(
         for (int i = 0; i < 4; ++i)
 #pragma unroll
             for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+        const bool wide = (d & 15) == 0 && (h & 3) == 0;
         for (int r0 = r_begin; r0 < r_end; r0 += KT) {
+            if (wide) {
+                stage_x16(xs, x, r0, min(r_end, r0 + KT), k0, d, d, mean, inv_std, false, t);
+                stage_f4(gs, dh, r0, min(r_end, r0 + KT), j0, h, t);
+                __syncthreads();
+            } else {
             // As in forward_partial: every load of the stage in flight at once.
             float xv[LOADS], gv[LOADS];
 #pragma unroll
@@ -315,6 +396,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) update(
                 gs.v[i / TILE][i % TILE] = gv[u];
             }
             __syncthreads();
+            }
             const int rn = min(KT, r_end - r0);
 #pragma unroll 8
             for (int r = 0; r < rn; ++r) {
@@ -417,9 +499,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) update(
 
 // The device cache moves rows in units of 16, 8 or 1 bytes (`unit`, chosen by the host:
 // the largest that divides the row size; every base address is 256-byte aligned).
-struct alignas(16) u128 {
-    unsigned long long lo, hi;
-};
 
 // Device cache: copy row k of a batch column into the dataset-sized cache at idx[k],
 // `unit` bytes per thread (rows * row_bytes / unit threads).

@@ -447,7 +447,7 @@ const TILE: usize = 64;
 /// `update`'s small outputs (b1, W2, b2) per block (`SMALL`).
 const SMALL_PER_BLOCK: usize = 32;
 /// `row_tail`'s threads per sample (`TAIL`).
-const TAIL_THREADS: u32 = 64;
+const TAIL_THREADS: u32 = 256;
 /// Chunks of the summed dimension are multiples of this.
 const CHUNK_STEP: usize = 16;
 /// Blocks each product aims for: two per SM on the largest GPUs (132 SMs on an H100

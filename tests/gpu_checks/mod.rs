@@ -58,7 +58,7 @@ pub fn first_step_matches_the_cpu_backend(c: Cuda) {
 /// Shapes off the kernels' tiles: a hidden width that is not a multiple of 4 (the scalar
 /// paths), one just over a tile, and batches that end mid-tile.
 pub fn odd_shapes_match_the_cpu_backend(c: Cuda) {
-    for (batch, hidden) in [(100, 10), (200, 70), (33, 3)] {
+    for (batch, hidden) in [(100, 10), (200, 70), (33, 3), (100, 12)] {
         println!("batch {batch}, hidden {hidden}");
         first_step_matches_with(c.clone(), batch, hidden);
     }
