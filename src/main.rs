@@ -306,12 +306,17 @@ fn run_bench(data: &Path, json: Option<&Path>, cfg: BenchConfig) -> stoker::Resu
             let h = &g.h2d;
             println!("GPU {}:", g.device);
             println!(
-                "  H2D GB/s: bare pinned {:.1}, write-combined {:.1}, pageable {:.1}; feeder copies {:.1} = {:.0}% of bare pinned (wall {:.1}), from write-combined buffers {:.1}",
+                "  H2D GB/s: bare pinned {:.1}, write-combined {:.1}, pageable {:.1}, freshly written pinned {:.1}",
                 h.bare_pinned_gb_s,
                 h.bare_write_combined_gb_s,
                 h.bare_pageable_gb_s,
+                h.bare_fresh_gb_s
+            );
+            println!(
+                "  feeder copies {:.1} GB/s = {:.0}% of bare pinned, {:.0}% of freshly written (wall {:.1}); from write-combined buffers {:.1}",
                 h.feeder_copy_gb_s,
                 100.0 * h.feeder_vs_bare,
+                100.0 * h.feeder_vs_fresh,
                 h.feeder_wall_gb_s,
                 h.feeder_copy_write_combined_gb_s
             );

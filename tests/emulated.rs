@@ -564,6 +564,7 @@ fn bench_measures_its_gpu_figures_on_the_cuda_backend() {
         &gpu["h2d"]["bare_pageable_gb_s"],
         &gpu["h2d"]["feeder_copy_gb_s"],
         &gpu["h2d"]["feeder_copy_write_combined_gb_s"],
+        &gpu["h2d"]["bare_fresh_gb_s"],
         &gpu["overlap"]["overlapped_s"],
         &gpu["overlap"]["serialised_s"],
         &gpu["cache"][0]["cached_s"],

@@ -24,6 +24,10 @@ pub struct H2d {
     pub bare_write_combined_gb_s: f64,
     /// The same loop from pageable memory.
     pub bare_pageable_gb_s: f64,
+    /// Copies one at a time from a ring of 16 plain pinned buffers, each rewritten by the
+    /// CPU just before its copy, as a loader worker fills a batch just before the feeder
+    /// copies it (each copy timed by its own event pair).
+    pub bare_fresh_gb_s: f64,
     /// The feeder's copies over their device time (copy events).
     pub feeder_copy_gb_s: f64,
     /// The same from a loader whose buffers are write-combined pinned memory.
@@ -32,6 +36,8 @@ pub struct H2d {
     pub feeder_wall_gb_s: f64,
     /// `feeder_copy_gb_s / bare_pinned_gb_s`.
     pub feeder_vs_bare: f64,
+    /// `feeder_copy_gb_s / bare_fresh_gb_s`.
+    pub feeder_vs_fresh: f64,
 }
 
 /// Overlap figures: one epoch of the training step with copies overlapped, and the same
@@ -113,6 +119,45 @@ fn copy_loop(cuda: &Cuda, src: &[u8], reps: usize) -> Result<f64> {
     Ok((src.len() * reps) as f64 / (ms / 1e3) / 1e9)
 }
 
+/// GB/s of copies from `ring` pinned buffers of `n` bytes in turn, each rewritten on the
+/// host just before its copy and each copy waited for, timed by its own event pair.
+fn fresh_loop(cuda: &Cuda, n: usize, ring: usize) -> Result<f64> {
+    let stream = cuda.ctx.new_stream().map_err(cuda_err)?;
+    let dst = stream.alloc_zeros::<u8>(n.max(1)).map_err(cuda_err)?;
+    let ptr = {
+        use cudarc::driver::DevicePtr;
+        dst.device_ptr(&stream).0
+    };
+    let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let (a, b) = (
+        cuda.ctx.new_event(timing).map_err(cuda_err)?,
+        cuda.ctx.new_event(timing).map_err(cuda_err)?,
+    );
+    let bufs = (0..ring)
+        .map(|_| pinned_bytes(cuda, PinnedKind::Plain, n))
+        .collect::<Result<Vec<_>>>()?;
+    let mut ms = 0.0;
+    for pass in 0..2u8 {
+        for (i, m) in bufs.iter().enumerate() {
+            // SAFETY: each `HostMemory` owns `len()` bytes; the previous copy from it was
+            // waited for, so nothing reads it while it is rewritten.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(m.as_ptr(), m.len()) };
+            bytes.fill(pass.wrapping_add(i as u8));
+            a.record(&stream).map_err(cuda_err)?;
+            // SAFETY: `dst` holds `n` bytes; the copy is waited for below, before the
+            // buffer is touched again or freed.
+            unsafe { result::memcpy_htod_async(ptr, &bytes[..], stream.cu_stream()) }
+                .map_err(cuda_err)?;
+            b.record(&stream).map_err(cuda_err)?;
+            b.synchronize().map_err(cuda_err)?;
+            if pass == 1 {
+                ms += a.elapsed_ms(&b).map_err(cuda_err)? as f64;
+            }
+        }
+    }
+    Ok((n * ring) as f64 / (ms / 1e3).max(1e-12) / 1e9)
+}
+
 fn pinned_bytes(
     cuda: &Cuda,
     kind: PinnedKind,
@@ -159,6 +204,7 @@ pub fn run(
     out.h2d.bare_pinned_gb_s = copy_loop(cuda, view(plain.as_ref()), reps)?;
     out.h2d.bare_write_combined_gb_s = copy_loop(cuda, view(wc.as_ref()), reps)?;
     out.h2d.bare_pageable_gb_s = copy_loop(cuda, &pageable, reps)?;
+    out.h2d.bare_fresh_gb_s = fresh_loop(cuda, bytes, 16)?;
 
     // The feeder with no work: its copies against the bare loop.
     let mut feeder = Feeder::new(cuda, l.layout(), 4)?;
@@ -167,6 +213,7 @@ pub fn run(
     out.h2d.feeder_copy_gb_s = fed.bytes as f64 / fed.copy.as_secs_f64().max(1e-9) / 1e9;
     out.h2d.feeder_wall_gb_s = fed.bytes as f64 / fed.wall.as_secs_f64().max(1e-9) / 1e9;
     out.h2d.feeder_vs_bare = out.h2d.feeder_copy_gb_s / out.h2d.bare_pinned_gb_s;
+    out.h2d.feeder_vs_fresh = out.h2d.feeder_copy_gb_s / out.h2d.bare_fresh_gb_s;
     let mut lw = loader(PinnedKind::WriteCombined, workers)?;
     let _ = feeder.run_epoch(lw.epoch(0)?, &mut |_| Ok(()), &mut |_, _| {})?;
     let fed_wc = feeder.run_epoch(lw.epoch(1)?, &mut |_| Ok(()), &mut |_, _| {})?;

@@ -110,6 +110,8 @@ pub struct Warmup {
     pub steady_s: f64,
     /// `first_s - steady_s`.
     pub excess_s: f64,
+    /// `first_s / steady_s`: 1.0 when epoch 0 ran at steady speed.
+    pub ratio: f64,
     /// Extra time the pipeline waited for data in epoch 1 (cold page cache), over the
     /// steady median.
     pub cold_cache_s: f64,
@@ -147,6 +149,7 @@ impl Warmup {
             first_s: first.wall_s,
             steady_s: steady,
             excess_s: excess,
+            ratio: first.wall_s / steady.max(1e-12),
             cold_cache_s: cold,
             compute_s: compute,
             copy_s: copy,
@@ -297,8 +300,8 @@ impl TrainReport {
         };
         let first = &self.epochs[0];
         s += &format!(
-            "epoch 0 took {:.2} s against a steady {:.2} s (median of the later epochs): {:+.2} s\n",
-            w.first_s, w.steady_s, w.excess_s
+            "epoch 0 took {:.3} s against a steady {:.3} s (median of the later epochs): {:+.3} s, {:.2}x\n",
+            w.first_s, w.steady_s, w.excess_s, w.ratio
         );
         s += &format!(
             "  cold page cache (waiting for data): {:+.3} s  (resident {} -> {})\n",
