@@ -599,20 +599,23 @@ impl Step {
             batch.column_ptr(self.columns.1),
         );
         let mut graphs = self.graphs.borrow_mut();
-        if !graphs.contains_key(&key) {
-            let s = self.stream();
-            let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-            s.begin_capture(mode).map_err(cuda_err)?;
-            let enqueued = self.enqueue(batch);
-            // End the capture whatever happened, so the stream is usable again.
-            let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
-            enqueued?;
-            let graph = graph
-                .map_err(cuda_err)?
-                .ok_or_else(|| Error::Cuda("the captured step is empty".into()))?;
-            graphs.insert(key, graph);
-        }
-        graphs[&key].launch().map_err(cuda_err)
+        let graph = match graphs.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let s = self.stream();
+                let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+                s.begin_capture(mode).map_err(cuda_err)?;
+                let enqueued = self.enqueue(batch);
+                // End the capture whatever happened, so the stream is usable again.
+                let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
+                enqueued?;
+                let graph = graph
+                    .map_err(cuda_err)?
+                    .ok_or_else(|| Error::Cuda("the captured step is empty".into()))?;
+                e.insert(graph)
+            }
+        };
+        graph.launch().map_err(cuda_err)
     }
 
     fn enqueue(&self, batch: &DeviceBatch) -> Result<()> {
