@@ -43,8 +43,9 @@ enum Command {
         /// Hidden units (sets the compute per batch).
         #[arg(long, default_value_t = 64)]
         hidden: usize,
-        /// Learning rate.
-        #[arg(long, default_value_t = 0.05)]
+        /// Learning rate (0.1: datasets/digits reaches 90% within 10 epochs, and the
+        /// default CIFAR-shaped set 99.9% in one).
+        #[arg(long, default_value_t = 0.1)]
         lr: f32,
         /// Evict the dataset from the page cache before epoch 0.
         #[arg(long)]
@@ -325,6 +326,19 @@ fn run_bench(data: &Path, json: Option<&Path>, cfg: BenchConfig) -> stoker::Resu
                 "  overlap ({} workers, hidden {}): {:.3} s overlapped vs {:.3} s serialised; copy {:.3} s, compute {:.3} s, gather {:.3} s: {:.2}x the slowest stage",
                 o.workers, o.hidden, o.overlapped_s, o.serialised_s, o.copy_s, o.compute_s, o.gather_s, o.overlapped_vs_slowest
             );
+            for w in &g.warmup {
+                println!(
+                    "  warm-up paid first, {}: epoch 0 {:.3} s against a steady {:.3} s ({:.2}x)",
+                    if w.device_cache {
+                        "device cache"
+                    } else {
+                        "host path"
+                    },
+                    w.first_s,
+                    w.steady_s,
+                    w.ratio
+                );
+            }
             for c in &g.cache {
                 println!(
                     "  device cache, {} worker(s): epoch {:.3} s from the host path, {:.3} s from the cache ({:.1}x)",

@@ -143,3 +143,27 @@ fn a_missing_data_directory_is_an_error_not_a_new_dataset() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("typo"));
     assert!(!missing.exists(), "nothing was generated");
 }
+
+#[test]
+fn digits_reach_90_percent_within_10_epochs_with_default_flags() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("train.json");
+    let digits = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
+    let j = json.to_str().unwrap();
+    let out = stoker(&[
+        "train", "--data", digits, "--epochs", "10", "--device", "cpu", "--json", j,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let best = report["epochs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["accuracy"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    assert!(best >= 0.90, "best training accuracy {best} in 10 epochs");
+}

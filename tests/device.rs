@@ -46,3 +46,29 @@ fn nvrtc_search_names_every_major_version() {
         assert!(c.iter().any(|p| p == name), "{name} not searched: {c:?}");
     }
 }
+
+#[test]
+fn a_required_gpu_cannot_be_skipped() {
+    // This file's first test, rerun with STOKEHOLD_REQUIRE_GPU=1: where it would skip (no
+    // usable GPU), it fails instead, naming the variable; with a GPU it passes.
+    if std::env::var_os("STOKEHOLD_REQUIRE_GPU").is_some() {
+        return; // the child itself, or a GPU run: nothing more to check here
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["auto_picks_cuda_or_says_why_not", "--exact", "--nocapture"])
+        .env("STOKEHOLD_REQUIRE_GPU", "1")
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    match Device::auto() {
+        Device::Cuda(_) => assert!(out.status.success(), "{text}"),
+        Device::Cpu { .. } => {
+            assert!(
+                !out.status.success(),
+                "a skip passed with the GPU required:\n{text}"
+            );
+            assert!(text.contains("STOKEHOLD_REQUIRE_GPU=1"), "{text}");
+        }
+    }
+}

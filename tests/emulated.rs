@@ -574,6 +574,11 @@ fn bench_measures_its_gpu_figures_on_the_cuda_backend() {
     ] {
         assert!(figure.as_f64().is_some_and(|v| v > 0.0), "{gpu}");
     }
+    for (k, cache) in [(0, true), (1, false)] {
+        let w = &gpu["warmup"][k];
+        assert_eq!(w["device_cache"], cache, "{gpu}");
+        assert!(w["ratio"].as_f64().is_some_and(|r| r > 0.0), "{gpu}");
+    }
     // The device cache is measured with 1 worker and with the default 2.
     assert_eq!(gpu["cache"][0]["workers"], 1, "{gpu}");
     assert_eq!(gpu["cache"][1]["workers"], 2, "{gpu}");
@@ -647,5 +652,39 @@ fn a_driver_without_nvrtc_falls_back_to_the_cpu_or_says_why() {
         err.contains("NVRTC not found") && err.contains("STOKER_NVRTC"),
         "{text}"
     );
+    assert!(!err.contains("panicked"), "{text}");
+}
+
+#[test]
+fn ptx_from_an_nvrtc_newer_than_the_driver_falls_back_to_the_cpu_or_says_why() {
+    // No cubin can be built (STOKER_EMU_NO_CUBIN), and the PTX that could would come
+    // from NVRTC 99.0 for a CUDA 12.8 driver, which cannot load it: --device auto trains
+    // on the CPU saying so, --device cuda exits 1 with the reason.
+    let Some(dir) = emulator() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |device: &str| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_stoker"));
+        cmd.args([
+            "train", "--data", DIGITS, "--epochs", "1", "--device", device,
+        ]);
+        with_emulator(&mut cmd, dir, 0)
+            .env("STOKER_CACHE", tmp.path().join("kernel-cache"))
+            .env("STOKER_EMU_NO_CUBIN", "1");
+        output_within(&mut cmd)
+    };
+    let auto = run("auto");
+    let text = shown(&auto);
+    assert!(auto.status.success(), "{text}");
+    let out = String::from_utf8_lossy(&auto.stdout);
+    assert!(out.contains("device: cpu"), "{text}");
+    assert!(
+        out.contains("newer than the driver's CUDA 12.8"),
+        "the reason is shown: {text}"
+    );
+    let cuda = run("cuda");
+    let text = shown(&cuda);
+    assert_eq!(cuda.status.code(), Some(1), "{text}");
+    let err = String::from_utf8_lossy(&cuda.stderr);
+    assert!(err.contains("newer than the driver's CUDA 12.8"), "{text}");
     assert!(!err.contains("panicked"), "{text}");
 }

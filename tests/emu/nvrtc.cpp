@@ -138,6 +138,12 @@ nvrtcResult nvrtcCompileProgram(Program* p, int n, const char* const* options) {
         std::string o = options[i];
         if (o.rfind("--gpu-architecture=", 0) == 0 || o.rfind("-arch=", 0) == 0) {
             std::string a = o.substr(o.find('=') + 1);
+            // STOKER_EMU_NO_CUBIN: no cubin for this device, as from an NVRTC that does
+            // not know it (only PTX would do).
+            if (a == "sm_90" && getenv("STOKER_EMU_NO_CUBIN")) {
+                p->log = "nvrtc: error: invalid value for --gpu-architecture (-arch)\n";
+                return NVRTC_ERROR_INVALID_OPTION;
+            }
             if (a != "sm_90" && a != "compute_90") {
                 p->log = "nvrtc: error: invalid value for --gpu-architecture (-arch)\n";
                 return NVRTC_ERROR_INVALID_OPTION;
