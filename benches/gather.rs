@@ -1,6 +1,6 @@
 //! Criterion: one loader epoch against the bare-gather roofline on the same rows, plus
 //! the index permutation alone. A page-cached CIFAR-shaped set of 20,000 samples is
-//! generated in a temporary directory (`stoker bench` runs the full-size comparison).
+//! generated in a temporary directory (`stokehold bench` runs the full-size comparison).
 //!
 //! `cargo bench --bench gather`
 
@@ -8,9 +8,9 @@ use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use indicatif::ProgressBar;
-use stoker::bench::{loader_epoch, roofline_pass};
-use stoker::gen::{self, ClassificationSpec};
-use stoker::{pagecache, Dataset, Loader, NpyDataset, Order, Permutation, Shard, Shuffle};
+use stokehold::bench::{loader_epoch, roofline_pass};
+use stokehold::gen::{self, ClassificationSpec};
+use stokehold::{pagecache, Dataset, Loader, NpyDataset, Order, Permutation, Shard, Shuffle};
 
 const SAMPLES: u64 = 20_000;
 const BATCH: usize = 256;

@@ -1,14 +1,14 @@
-"""stoker's loader against PyTorch's DataLoader, on the same files, in one run.
+"""stokehold's loader against PyTorch's DataLoader, on the same files, in one run.
 
     python3 benches/peer_pytorch.py [DATA_DIR] [--epochs N] [--json FILE]
 
-DATA_DIR holds x.npy and y.npy (default data/cifar, made by `stoker train` or
-`stoker gen`). Needs torch and numpy, and a release build of stoker
+DATA_DIR holds x.npy and y.npy (default data/cifar, made by `stokehold train` or
+`stokehold gen`). Needs torch and numpy, and a release build of stokehold
 (`cargo build --release`). Nothing here runs in CI.
 
-Both sides: batch 256, a full shuffle, 2 workers, a warm page cache (stoker bench's
-warm-up pass reads the files first), and a consumer that only takes each batch. stoker's
-figure is the loader's median from `stoker bench` (run first, in this same command).
+Both sides: batch 256, a full shuffle, 2 workers, a warm page cache (stokehold bench's
+warm-up pass reads the files first), and a consumer that only takes each batch. stokehold's
+figure is the loader's median from `stokehold bench` (run first, in this same command).
 PyTorch is measured two ways, each with persistent workers and one epoch of warm-up:
 
 - per-sample: a map-style Dataset whose __getitem__ returns one sample, collated by the
@@ -78,17 +78,17 @@ def main():
     ap.add_argument("data", nargs="?", default="data/cifar")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--json")
-    ap.add_argument("--stoker", default="target/release/stoker")
+    ap.add_argument("--stokehold", default="target/release/stokehold")
     args = ap.parse_args()
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run(
-            [args.stoker, "bench", "--data", args.data, "--json", f.name],
+            [args.stokehold, "bench", "--data", args.data, "--json", f.name],
             check=True,
             stdout=sys.stderr,
         )
         bench = json.load(open(f.name))
-    stoker = bench["loader"]["samples_per_s"]
+    stokehold = bench["loader"]["samples_per_s"]
     roofline = bench["roofline"]["samples_per_s"]
 
     torch.set_num_threads(1)
@@ -108,13 +108,13 @@ def main():
         "batch": BATCH,
         "workers": WORKERS,
         "torch": torch.__version__,
-        "stoker_samples_per_s": stoker,
+        "stokehold_samples_per_s": stokehold,
         "roofline_samples_per_s": roofline,
         "pytorch_per_sample_samples_per_s": epochs_per_second(per_sample, args.epochs),
         "pytorch_batched_samples_per_s": epochs_per_second(batched, args.epochs),
     }
-    result["stoker_vs_per_sample"] = stoker / result["pytorch_per_sample_samples_per_s"]
-    result["stoker_vs_batched"] = stoker / result["pytorch_batched_samples_per_s"]
+    result["stokehold_vs_per_sample"] = stokehold / result["pytorch_per_sample_samples_per_s"]
+    result["stokehold_vs_batched"] = stokehold / result["pytorch_batched_samples_per_s"]
     for k, v in result.items():
         print(f"{k:36} {v:,.3f}" if isinstance(v, float) else f"{k:36} {v}")
     if args.json:

@@ -10,9 +10,9 @@
 
 use std::time::Duration;
 
-use stoker::{Loader, NpyDataset, Shuffle};
+use stokehold::{Loader, NpyDataset, Shuffle};
 
-fn main() -> stoker::Result<()> {
+fn main() -> stokehold::Result<()> {
     // A directory opens as columns: `x.npy` is column 0, `y.npy` column 1.
     let ds = NpyDataset::open(concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits"))?;
 

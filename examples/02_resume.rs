@@ -9,14 +9,14 @@
 //! a checkpoint only needs the loader's position: a [`LoaderState`], two integers that
 //! serialise to JSON next to the model weights.
 
-use stoker::{HostBatch, Loader, LoaderBuilder, LoaderState, NpyDataset, Shuffle};
+use stokehold::{HostBatch, Loader, LoaderBuilder, LoaderState, NpyDataset, Shuffle};
 
 const EPOCHS: u64 = 3;
 
 /// Every loader in this example is built the same way: a resumed loader must use the
 /// same dataset, batch size, shuffle and shard as the one that saved the state (the
 /// worker count and prefetch depth may differ; they never change the order).
-fn builder(workers: usize) -> stoker::Result<LoaderBuilder> {
+fn builder(workers: usize) -> stokehold::Result<LoaderBuilder> {
     let ds = NpyDataset::open(concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits"))?;
     Ok(Loader::builder(ds)
         .batch_size(100)
@@ -34,7 +34,7 @@ struct Seen {
     labels: Vec<i64>,
 }
 
-fn seen(batch: &HostBatch) -> stoker::Result<Seen> {
+fn seen(batch: &HostBatch) -> stokehold::Result<Seen> {
     Ok(Seen {
         epoch: batch.epoch(),
         number: batch.number(),
@@ -44,7 +44,7 @@ fn seen(batch: &HostBatch) -> stoker::Result<Seen> {
     })
 }
 
-fn main() -> stoker::Result<()> {
+fn main() -> stokehold::Result<()> {
     // 1. The reference: an uninterrupted run of three epochs.
     let mut reference = Vec::new();
     let mut loader = builder(2)?.build()?;

@@ -17,12 +17,12 @@
 
 use std::collections::HashSet;
 
-use stoker::{Dataset, Loader, NpyDataset, Shard, ShardTail, Shuffle};
+use stokehold::{Dataset, Loader, NpyDataset, Shard, ShardTail, Shuffle};
 
 const DIGITS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
 
 /// The dataset indices rank `shard` sees in `epoch`, in order, through a real loader.
-fn rank_samples(shard: Shard, epoch: u64) -> stoker::Result<Vec<u64>> {
+fn rank_samples(shard: Shard, epoch: u64) -> stokehold::Result<Vec<u64>> {
     let mut loader = Loader::builder(NpyDataset::open(DIGITS)?)
         .batch_size(64)
         .shuffle(Shuffle::Full { seed: 11 }) // the same seed on every rank
@@ -36,7 +36,7 @@ fn rank_samples(shard: Shard, epoch: u64) -> stoker::Result<Vec<u64>> {
     Ok(samples)
 }
 
-fn main() -> stoker::Result<()> {
+fn main() -> stokehold::Result<()> {
     let n = NpyDataset::open(DIGITS)?.len();
 
     // torchrun (RANK/WORLD_SIZE), Slurm (SLURM_PROCID/SLURM_NTASKS) or Open MPI
@@ -55,7 +55,7 @@ fn main() -> stoker::Result<()> {
         println!("no launcher variables: simulating 4 ranks in this process");
         (0..4)
             .map(|r| Shard::new(r, 4))
-            .collect::<stoker::Result<_>>()?
+            .collect::<stokehold::Result<_>>()?
     };
     let world = shards[0].world_size();
     println!("dataset: {n} samples, world size {world}\n");

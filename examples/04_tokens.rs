@@ -10,9 +10,9 @@
 
 use std::sync::Arc;
 
-use stoker::{DType, Dataset, Loader, Shuffle, TokenDataset, Windows};
+use stokehold::{DType, Dataset, Loader, Shuffle, TokenDataset, Windows};
 
-fn main() -> stoker::Result<()> {
+fn main() -> stokehold::Result<()> {
     // A toy corpus in a temporary directory (deleted when `dir` is dropped, at the end).
     // Token `i` has id `i`, so each window's first id is also its offset in the stream.
     let dir = tempfile::tempdir().expect("a temporary directory");

@@ -1,4 +1,4 @@
-//! Your own CUDA kernel on the batches stoker feeds.
+//! Your own CUDA kernel on the batches stokehold feeds.
 //!
 //! The `Feeder` copies each pinned batch into a device slot on its copy stream and hands
 //! you a `DeviceBatch`: device pointers per column, ready on `batch.stream()`. Enqueue
@@ -13,9 +13,9 @@ use std::sync::Arc;
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
-use stoker::cuda::{Feeder, PinnedAlloc, PinnedKind};
-use stoker::device::Device;
-use stoker::{Dataset, Loader, NpyDataset, Shuffle};
+use stokehold::cuda::{Feeder, PinnedAlloc, PinnedKind};
+use stokehold::device::Device;
+use stokehold::{Dataset, Loader, NpyDataset, Shuffle};
 
 const KERNEL: &str = r#"
 extern "C" __global__ void count_labels(const long long* y, int n, unsigned int* counts) {
@@ -26,7 +26,7 @@ extern "C" __global__ void count_labels(const long long* y, int n, unsigned int*
 }
 "#;
 
-fn main() -> stoker::Result<()> {
+fn main() -> stokehold::Result<()> {
     let cuda = match Device::auto() {
         Device::Cuda(c) => c,
         Device::Cpu { reason } => {
@@ -49,19 +49,19 @@ fn main() -> stoker::Result<()> {
         )))
         .build()?;
 
-    // Compile the kernel with the NVRTC stoker found, to a cubin for this GPU (a cubin
+    // Compile the kernel with the NVRTC stokehold found, to a cubin for this GPU (a cubin
     // needs no JIT, so it loads even where NVRTC is newer than the driver), and load it.
-    let arch = stoker::cuda::build_arch(cuda.arch, &cuda.nvrtc.supported_archs());
-    let cuda_err = |e: cudarc::driver::DriverError| stoker::Error::Cuda(e.to_string());
+    let arch = stokehold::cuda::build_arch(cuda.arch, &cuda.nvrtc.supported_archs());
+    let cuda_err = |e: cudarc::driver::DriverError| stokehold::Error::Cuda(e.to_string());
     let image = if arch == cuda.arch {
         let sm = format!("--gpu-architecture=sm_{}{}", arch.0, arch.1);
         let cubin = cuda.nvrtc.compile_cubin(KERNEL, "count.cu", &[sm]);
-        Ptx::from_binary(cubin.map_err(stoker::Error::Cuda)?)
+        Ptx::from_binary(cubin.map_err(stokehold::Error::Cuda)?)
     } else {
         // A GPU newer than this NVRTC knows: PTX for the newest architecture it knows.
         let compute = format!("--gpu-architecture=compute_{}{}", arch.0, arch.1);
         let ptx = cuda.nvrtc.compile(KERNEL, "count.cu", &[compute]);
-        Ptx::from_src(ptx.map_err(stoker::Error::Cuda)?)
+        Ptx::from_src(ptx.map_err(stokehold::Error::Cuda)?)
     };
     let module = cuda.ctx.load_module(image).map_err(cuda_err)?;
     let count = module.load_function("count_labels").map_err(cuda_err)?;

@@ -1,17 +1,17 @@
-//! stoker's epoch timers and report around a training step of your own.
+//! stokehold's epoch timers and report around a training step of your own.
 //!
-//! The step here is a softmax regression written out by hand (no stoker model): the
+//! The step here is a softmax regression written out by hand (no stokehold model): the
 //! `EpochTimer` times the waits for batches and the step, reads the page-cache residency
 //! at each epoch's start and end, and the `TrainReport` prints the same table and
-//! warm-up split as `stoker train`. The dataset is evicted from the page cache first,
+//! warm-up split as `stokehold train`. The dataset is evicted from the page cache first,
 //! so the first epoch's cold reads show.
 //!
 //! `cargo run --release --example 06_own_loop`
 
 use std::sync::Arc;
 
-use stoker::report::{EpochTimer, Setup, TrainReport};
-use stoker::{pagecache, Dataset, Loader, NpyDataset, Shuffle};
+use stokehold::report::{EpochTimer, Setup, TrainReport};
+use stokehold::{pagecache, Dataset, Loader, NpyDataset, Shuffle};
 
 const CLASSES: usize = 10;
 
@@ -53,7 +53,7 @@ fn step(w: &mut [f32], x: &[u8], y: &[i64], inputs: usize, lr: f32) -> (f64, u64
     (loss, correct)
 }
 
-fn main() -> stoker::Result<()> {
+fn main() -> stokehold::Result<()> {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
     let ds = Arc::new(NpyDataset::open(path)?);
     let inputs = ds.columns()[0].row_bytes;

@@ -1,6 +1,6 @@
-// stoker's training step on the GPU: a one-hidden-layer MLP classifier.
+// stokehold's training step on the GPU: a one-hidden-layer MLP classifier.
 //
-// Compiled at run time by NVRTC (no headers needed), cached on disk by stoker keyed by
+// Compiled at run time by NVRTC (no headers needed), cached on disk by stokehold keyed by
 // this source, the options, the architecture and the NVRTC version.
 //
 // Layout: row-major float matrices, x (n x d, u8), W1 (d x h), W2 (h x c); the same math

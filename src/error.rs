@@ -6,7 +6,7 @@ use std::path::PathBuf;
 /// `Result` with the crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Everything that can go wrong in stoker.
+/// Everything that can go wrong in stokehold.
 ///
 /// Errors about a file always name the file. Variants keep their underlying cause
 /// reachable through [`std::error::Error::source`].
@@ -22,7 +22,7 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
-    /// A `.npy` file that stoker cannot read; the problem says why.
+    /// A `.npy` file that stokehold cannot read; the problem says why.
     #[error("{path}: {problem}")]
     Npy {
         /// The file.
@@ -134,7 +134,7 @@ pub enum NpyProblem {
     /// A big-endian dtype such as `>f4`.
     #[error("big-endian dtype {0:?} is not supported (convert with arr.astype(arr.dtype.newbyteorder('<')))")]
     BigEndian(String),
-    /// A dtype stoker does not read: object, structured, string, complex...
+    /// A dtype stokehold does not read: object, structured, string, complex...
     #[error("unsupported dtype {0}")]
     DType(String),
     /// A 0-d array (shape `()`): there is no sample axis.

@@ -1,12 +1,12 @@
-//! # stoker
+//! # stokehold
 //!
 //! Keeps a GPU fed: a prefetching, shuffling, multi-threaded loader over memory-mapped
 //! datasets (NumPy `.npy` files, flat token streams) that streams epochs of batches into
 //! a fixed pool of host buffers.
 //!
 //! ```
-//! use stoker::{Loader, NpyDataset, Shard, Shuffle};
-//! # fn main() -> stoker::Result<()> {
+//! use stokehold::{Loader, NpyDataset, Shard, Shuffle};
+//! # fn main() -> stokehold::Result<()> {
 //! let ds = NpyDataset::open(concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits"))?;
 //! let mut loader = Loader::builder(ds)
 //!     .batch_size(256)

@@ -1,4 +1,4 @@
-//! The `stoker` command: `gen`, `inspect`, `bench`.
+//! The `stokehold` command: `gen`, `inspect`, `bench`.
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -7,16 +7,16 @@ use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use stoker::bench::{self, BenchConfig};
-use stoker::cuda::PinnedKind;
-use stoker::device::DeviceChoice;
-use stoker::gen::{self, ClassificationSpec};
-use stoker::train::TrainConfig;
-use stoker::{pagecache, Dataset, MappedFile, NpyArray, NpyDataset, Shuffle};
+use stokehold::bench::{self, BenchConfig};
+use stokehold::cuda::PinnedKind;
+use stokehold::device::DeviceChoice;
+use stokehold::gen::{self, ClassificationSpec};
+use stokehold::train::TrainConfig;
+use stokehold::{pagecache, Dataset, MappedFile, NpyArray, NpyDataset, Shuffle};
 
 /// Keeps a GPU fed: a prefetching, shuffling loader over memory-mapped datasets.
 #[derive(Parser)]
-#[command(name = "stoker", version, about)]
+#[command(name = "stokehold", version, about)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -119,7 +119,7 @@ enum Command {
 /// The dataset and loader flags `train` and `bench` share.
 #[derive(Debug, Clone, clap::Args)]
 struct LoaderArgs {
-    /// Directory holding x.npy (u8) and y.npy (i64); made with `stoker gen` if missing.
+    /// Directory holding x.npy (u8) and y.npy (i64); made with `stokehold gen` if missing.
     #[arg(long, default_value = DEFAULT_DATA)]
     data: PathBuf,
     /// Samples per batch.
@@ -176,7 +176,7 @@ const DEFAULT_DATA: &str = "data/cifar";
 /// Makes the default classification set unless it is already there. Any other missing
 /// directory is left alone: opening it then fails with an error naming it, rather than
 /// generating 600 MB into a mistyped path.
-fn ensure_dataset(dir: &Path) -> stoker::Result<()> {
+fn ensure_dataset(dir: &Path) -> stokehold::Result<()> {
     if dir != Path::new(DEFAULT_DATA) || dir.join("x.npy").is_file() && dir.join("y.npy").is_file()
     {
         return Ok(());
@@ -226,7 +226,7 @@ fn inspect(paths: &[PathBuf]) -> ExitCode {
                 println!(
                     "{:<40} {:>18} {:>8} {:>10} {:>12} {:>9}",
                     f.display(),
-                    stoker::dataset::shape_string(a.shape()),
+                    stokehold::dataset::shape_string(a.shape()),
                     a.dtype().name(),
                     a.rows(),
                     a.mapping().len(),
@@ -246,10 +246,10 @@ fn inspect(paths: &[PathBuf]) -> ExitCode {
     }
 }
 
-fn run_bench(data: &Path, json: Option<&Path>, cfg: BenchConfig) -> stoker::Result<()> {
+fn run_bench(data: &Path, json: Option<&Path>, cfg: BenchConfig) -> stokehold::Result<()> {
     ensure_dataset(data)?;
     let ds = NpyDataset::open(data)?;
-    let fitted = stoker::train::fit_classifier(&ds)?;
+    let fitted = stokehold::train::fit_classifier(&ds)?;
     let ds: Arc<dyn Dataset> = Arc::new(ds);
     eprintln!(
         "bench: {} samples, batch {}, {} workers, prefetch {}, {} reps{}",
@@ -267,12 +267,12 @@ fn run_bench(data: &Path, json: Option<&Path>, cfg: BenchConfig) -> stoker::Resu
         o.hidden, o.overlapped_s, o.serialised_s, o.speedup, o.gather_per_worker_s, o.copy_s, o.compute_s, o.overlapped_vs_slowest
     );
     report.cpu_overlap = Some(o);
-    match stoker::device::Device::auto() {
-        stoker::device::Device::Cuda(c) => {
+    match stokehold::device::Device::auto() {
+        stokehold::device::Device::Cuda(c) => {
             eprintln!("bench: GPU figures on {}", c.name);
             report.gpu = Some(bench::gpu::run(&c, ds, cfg.batch, cfg.workers)?);
         }
-        stoker::device::Device::Cpu { reason } => report.gpu_skipped = reason,
+        stokehold::device::Device::Cpu { reason } => report.gpu_skipped = reason,
     }
     println!(
         "warm page cache, full shuffle, batch {}, {} threads:",
@@ -355,17 +355,17 @@ fn run_bench(data: &Path, json: Option<&Path>, cfg: BenchConfig) -> stoker::Resu
     Ok(())
 }
 
-fn write_json(path: &Path, value: &impl serde::Serialize) -> stoker::Result<()> {
+fn write_json(path: &Path, value: &impl serde::Serialize) -> stokehold::Result<()> {
     let text = serde_json::to_string_pretty(value).expect("reports serialise");
-    std::fs::write(path, text + "\n").map_err(|e| stoker::Error::Io {
+    std::fs::write(path, text + "\n").map_err(|e| stokehold::Error::Io {
         path: path.to_path_buf(),
         source: e,
     })
 }
 
-fn run_train(config: TrainConfig, json: Option<&Path>) -> stoker::Result<()> {
+fn run_train(config: TrainConfig, json: Option<&Path>) -> stokehold::Result<()> {
     ensure_dataset(&config.data)?;
-    let report = stoker::train::run(&config)?;
+    let report = stokehold::train::run(&config)?;
     println!("device: {}", report.device);
     if let Some(reason) = &report.fallback_reason {
         println!("  (CPU backend: {reason})");
@@ -373,7 +373,7 @@ fn run_train(config: TrainConfig, json: Option<&Path>) -> stoker::Result<()> {
     if let Some(bytes) = report.device_cache_bytes {
         println!(
             "  device cache: {}, epochs after the first read from the GPU",
-            stoker::report::megabytes(bytes)
+            stokehold::report::megabytes(bytes)
         );
     }
     println!(
@@ -511,11 +511,12 @@ mod tests {
     #[test]
     fn the_command_line_is_well_formed() {
         Cli::command().debug_assert();
-        let cli = Cli::try_parse_from(["stoker", "gen", "--out", "d", "--shape", "1x8x8"]).unwrap();
+        let cli =
+            Cli::try_parse_from(["stokehold", "gen", "--out", "d", "--shape", "1x8x8"]).unwrap();
         match cli.command {
             Command::Gen { shape, .. } => assert_eq!(shape.0, vec![1, 8, 8]),
             _ => panic!("parsed the wrong subcommand"),
         }
-        assert!(Cli::try_parse_from(["stoker", "gen", "--out", "d", "--shape", "3xq"]).is_err());
+        assert!(Cli::try_parse_from(["stokehold", "gen", "--out", "d", "--shape", "3xq"]).is_err());
     }
 }

@@ -1,15 +1,15 @@
-//! The `stoker` command end to end: inspect, gen, bench.
+//! The `stokehold` command end to end: inspect, gen, bench.
 
 use std::path::Path;
 use std::process::Command;
 
-use stoker::{Dataset, NpyDataset};
+use stokehold::{Dataset, NpyDataset};
 
-fn stoker(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_stoker"))
+fn stokehold(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_stokehold"))
         .args(args)
         .output()
-        .expect("the stoker binary runs")
+        .expect("the stokehold binary runs")
 }
 
 fn fixture(name: &str) -> String {
@@ -19,7 +19,7 @@ fn fixture(name: &str) -> String {
 #[test]
 fn inspect_prints_good_files_and_fails_on_bad_ones() {
     let digits = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
-    let out = stoker(&["inspect", digits]);
+    let out = stokehold(&["inspect", digits]);
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -29,7 +29,7 @@ fn inspect_prints_good_files_and_fails_on_bad_ones() {
     assert!(text.contains("(1797,)") && text.contains("int64"), "{text}");
 
     let bad = fixture("bad_magic.npy");
-    let out = stoker(&["inspect", &fixture("good_v1_float32.npy"), &bad]);
+    let out = stokehold(&["inspect", &fixture("good_v1_float32.npy"), &bad]);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -39,7 +39,7 @@ fn inspect_prints_good_files_and_fails_on_bad_ones() {
     // The good file is still listed.
     assert!(String::from_utf8_lossy(&out.stdout).contains("float32"));
 
-    let out = stoker(&["inspect", "/no/such/file.npy"]);
+    let out = stokehold(&["inspect", "/no/such/file.npy"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("/no/such/file.npy"));
 }
@@ -49,7 +49,7 @@ fn gen_then_bench_writes_the_figures() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("set");
     let data_s = data.to_str().unwrap();
-    let out = stoker(&[
+    let out = stokehold(&[
         "gen",
         "--out",
         data_s,
@@ -71,7 +71,7 @@ fn gen_then_bench_writes_the_figures() {
     assert!(!Path::new(&format!("{data_s}/x.npy.partial")).exists());
 
     let json = dir.path().join("bench.json");
-    let out = stoker(&[
+    let out = stokehold(&[
         "bench",
         "--data",
         data_s,
@@ -96,7 +96,7 @@ fn gen_then_bench_writes_the_figures() {
     assert_eq!(report["cold"].as_array().map(Vec::len), Some(2));
 
     let tokens = dir.path().join("t.bin");
-    let out = stoker(&[
+    let out = stokehold(&[
         "gen",
         "--out",
         tokens.to_str().unwrap(),
@@ -111,9 +111,9 @@ fn gen_then_bench_writes_the_figures() {
 
 #[test]
 fn bad_arguments_are_errors_not_panics() {
-    let out = stoker(&["gen", "--out", "x", "--shape", "3xq"]);
+    let out = stokehold(&["gen", "--out", "x", "--shape", "3xq"]);
     assert_eq!(out.status.code(), Some(2));
-    let out = stoker(&[
+    let out = stokehold(&[
         "bench",
         "--data",
         &fixture("dir"),
@@ -130,7 +130,7 @@ fn bad_arguments_are_errors_not_panics() {
 fn a_missing_data_directory_is_an_error_not_a_new_dataset() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("typo");
-    let out = stoker(&[
+    let out = stokehold(&[
         "train",
         "--data",
         missing.to_str().unwrap(),
@@ -150,7 +150,7 @@ fn digits_reach_90_percent_within_10_epochs_with_default_flags() {
     let json = tmp.path().join("train.json");
     let digits = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
     let j = json.to_str().unwrap();
-    let out = stoker(&[
+    let out = stokehold(&[
         "train", "--data", digits, "--epochs", "10", "--device", "cpu", "--json", j,
     ]);
     assert!(

@@ -1,5 +1,5 @@
-//! The CUDA path without a GPU: the checks of `tests/gpu.rs`, `stoker train` and
-//! `stoker bench` on the CUDA backend, and the CUDA example, run against stoker's CPU
+//! The CUDA path without a GPU: the checks of `tests/gpu.rs`, `stokehold train` and
+//! `stokehold bench` on the CUDA backend, and the CUDA example, run against stokehold's CPU
 //! emulator of the CUDA driver and NVRTC (`tests/emu`).
 //!
 //! The emulator runs the real kernels (`kernels/mlp.cu`, built as host C++), with one
@@ -19,14 +19,14 @@ use std::process::{Command, Output};
 use std::sync::OnceLock;
 
 use common::DIGITS;
-use stoker::cuda::Cuda;
-use stoker::device::Device;
+use stokehold::cuda::Cuda;
+use stokehold::device::Device;
 
 const EMU: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/emu");
-const CHILD: &str = "STOKER_EMU_CHILD";
+const CHILD: &str = "STOKEHOLD_EMU_CHILD";
 
 fn cxx() -> String {
-    std::env::var("STOKER_EMU_CXX").unwrap_or_else(|_| "c++".into())
+    std::env::var("STOKEHOLD_EMU_CXX").unwrap_or_else(|_| "c++".into())
 }
 
 /// Builds the emulator's two libraries once per run of this binary.
@@ -86,10 +86,10 @@ fn emulator() -> Option<&'static Path> {
 /// `jitter_us` of random delay before each device operation.
 fn with_emulator<'a>(cmd: &'a mut Command, dir: &Path, jitter_us: u32) -> &'a mut Command {
     cmd.env("LD_LIBRARY_PATH", dir)
-        .env("STOKER_NVRTC", dir.join("libnvrtc.so"))
-        .env("STOKER_CACHE", dir.join("kernel-cache"))
+        .env("STOKEHOLD_NVRTC", dir.join("libnvrtc.so"))
+        .env("STOKEHOLD_CACHE", dir.join("kernel-cache"))
         .env("TMPDIR", dir.join("tmp"))
-        .env("STOKER_EMU_JITTER_US", jitter_us.to_string())
+        .env("STOKEHOLD_EMU_JITTER_US", jitter_us.to_string())
 }
 
 /// Runs `cmd` to its end and collects its output, or kills it after five minutes and
@@ -214,7 +214,7 @@ fn in_child(name: &str, mode: Mode, check: impl FnOnce(Cuda)) -> Option<Output> 
             Device::Cpu { reason } => panic!("the emulator did not load: {reason:?}"),
         };
         assert!(
-            c.name.contains("stoker CUDA emulator"),
+            c.name.contains("stokehold CUDA emulator"),
             "not the emulator: {}",
             c.name
         );
@@ -231,9 +231,9 @@ fn in_child(name: &str, mode: Mode, check: impl FnOnce(Cuda)) -> Option<Output> 
         let runtime = asan_runtime()?;
         cmd.env("LD_PRELOAD", runtime)
             .env("ASAN_OPTIONS", "detect_leaks=0")
-            .env("STOKER_EMU_CXXFLAGS", "-fsanitize=address -g")
+            .env("STOKEHOLD_EMU_CXXFLAGS", "-fsanitize=address -g")
             // Kernels built with the sanitizer get their own cache.
-            .env("STOKER_CACHE", dir.join("kernel-cache-asan"));
+            .env("STOKEHOLD_CACHE", dir.join("kernel-cache-asan"));
     }
     let out = output_within(&mut cmd);
     println!("{}", shown(&out));
@@ -389,20 +389,20 @@ fn a_bad_label_is_an_error() {
     });
 }
 
-fn stoker(dir: &Path, args: &[&str]) -> Output {
-    stoker_with(dir, None, args)
+fn stokehold(dir: &Path, args: &[&str]) -> Output {
+    stokehold_with(dir, None, args)
 }
 
-/// `stoker args` on the emulator, with its own kernel cache when `cache` is given.
-fn stoker_with(dir: &Path, cache: Option<&Path>, args: &[&str]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_stoker"));
+/// `stokehold args` on the emulator, with its own kernel cache when `cache` is given.
+fn stokehold_with(dir: &Path, cache: Option<&Path>, args: &[&str]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_stokehold"));
     cmd.args(args);
     with_emulator(&mut cmd, dir, 20);
     if let Some(cache) = cache {
-        cmd.env("STOKER_CACHE", cache);
+        cmd.env("STOKEHOLD_CACHE", cache);
     }
     let out = output_within(&mut cmd);
-    assert!(out.status.success(), "stoker {args:?}:\n{}", shown(&out));
+    assert!(out.status.success(), "stokehold {args:?}:\n{}", shown(&out));
     out
 }
 
@@ -422,7 +422,7 @@ fn train_on_the_cuda_backend_matches_the_cpu_backend() {
     );
     let common = ["train", "--data", DIGITS, "--epochs", "3", "--batch", "128"];
     let cache = tmp.path().join("kernel-cache");
-    let g = stoker_with(
+    let g = stokehold_with(
         dir,
         Some(&cache),
         &[
@@ -434,7 +434,7 @@ fn train_on_the_cuda_backend_matches_the_cpu_backend() {
     );
     let shown_out = String::from_utf8_lossy(&g.stdout).into_owned();
     println!("{shown_out}");
-    assert!(shown_out.contains("stoker CUDA emulator"), "{shown_out}");
+    assert!(shown_out.contains("stokehold CUDA emulator"), "{shown_out}");
     for a in [
         &[
             "--device",
@@ -446,7 +446,7 @@ fn train_on_the_cuda_backend_matches_the_cpu_backend() {
         ][..],
         &["--device", "cpu", "--json", cpu.to_str().unwrap()][..],
     ] {
-        stoker_with(dir, Some(&cache), &[&common[..], a].concat());
+        stokehold_with(dir, Some(&cache), &[&common[..], a].concat());
     }
     let (g, c, w) = (json(&gpu), json(&cpu), json(&warm));
     // --warmup filled the device cache from the files before epoch 0, so every epoch of
@@ -477,7 +477,7 @@ fn train_on_the_cuda_backend_matches_the_cpu_backend() {
     }
     // Without the device cache every epoch goes through the feeder, and the trace holds
     // copy and compute spans on the streams' tracks for each of them.
-    stoker(
+    stokehold(
         dir,
         &[
             &common[..],
@@ -512,7 +512,7 @@ fn train_on_the_cuda_backend_matches_the_cpu_backend() {
     );
     // With the device cache, epoch 0 is fed from the host, and the later epochs gather on
     // the device: their spans are the device gather and the step, per batch.
-    stoker(
+    stokehold(
         dir,
         &[
             &common[..],
@@ -547,11 +547,11 @@ fn bench_measures_its_gpu_figures_on_the_cuda_backend() {
     let data = tmp.path().join("data");
     let report = tmp.path().join("bench.json");
     let d = data.to_str().unwrap();
-    stoker(
+    stokehold(
         dir,
         &["gen", "--out", d, "--samples", "2000", "--shape", "1x16x16"],
     );
-    stoker(
+    stokehold(
         dir,
         &["bench", "--data", d, "--json", report.to_str().unwrap()],
     );
@@ -609,7 +609,7 @@ fn the_cuda_example_runs_a_users_kernel() {
     println!("{text}");
     assert!(out.status.success(), "{text}");
     assert!(
-        String::from_utf8_lossy(&out.stdout).contains("stoker CUDA emulator"),
+        String::from_utf8_lossy(&out.stdout).contains("stokehold CUDA emulator"),
         "{text}"
     );
 }
@@ -624,13 +624,13 @@ fn a_driver_without_nvrtc_falls_back_to_the_cpu_or_says_why() {
         std::os::unix::fs::symlink(dir.join("libcuda.so.1"), tmp.path().join(lib)).unwrap();
     }
     let run = |device: &str| {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_stoker"));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_stokehold"));
         cmd.args([
             "train", "--data", DIGITS, "--epochs", "1", "--device", device,
         ]);
         with_emulator(&mut cmd, dir, 0)
             .env("LD_LIBRARY_PATH", tmp.path())
-            .env("STOKER_NVRTC", tmp.path().join("no-such-libnvrtc.so"));
+            .env("STOKEHOLD_NVRTC", tmp.path().join("no-such-libnvrtc.so"));
         output_within(&mut cmd)
     };
     let auto = run("auto");
@@ -649,7 +649,7 @@ fn a_driver_without_nvrtc_falls_back_to_the_cpu_or_says_why() {
     assert_eq!(cuda.status.code(), Some(1), "{text}");
     let err = String::from_utf8_lossy(&cuda.stderr);
     assert!(
-        err.contains("NVRTC not found") && err.contains("STOKER_NVRTC"),
+        err.contains("NVRTC not found") && err.contains("STOKEHOLD_NVRTC"),
         "{text}"
     );
     assert!(!err.contains("panicked"), "{text}");
@@ -657,19 +657,19 @@ fn a_driver_without_nvrtc_falls_back_to_the_cpu_or_says_why() {
 
 #[test]
 fn ptx_from_an_nvrtc_newer_than_the_driver_falls_back_to_the_cpu_or_says_why() {
-    // No cubin can be built (STOKER_EMU_NO_CUBIN), and the PTX that could would come
+    // No cubin can be built (STOKEHOLD_EMU_NO_CUBIN), and the PTX that could would come
     // from NVRTC 99.0 for a CUDA 12.8 driver, which cannot load it: --device auto trains
     // on the CPU saying so, --device cuda exits 1 with the reason.
     let Some(dir) = emulator() else { return };
     let tmp = tempfile::tempdir().unwrap();
     let run = |device: &str| {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_stoker"));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_stokehold"));
         cmd.args([
             "train", "--data", DIGITS, "--epochs", "1", "--device", device,
         ]);
         with_emulator(&mut cmd, dir, 0)
-            .env("STOKER_CACHE", tmp.path().join("kernel-cache"))
-            .env("STOKER_EMU_NO_CUBIN", "1");
+            .env("STOKEHOLD_CACHE", tmp.path().join("kernel-cache"))
+            .env("STOKEHOLD_EMU_NO_CUBIN", "1");
         output_within(&mut cmd)
     };
     let auto = run("auto");

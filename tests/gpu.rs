@@ -1,12 +1,12 @@
 //! GPU checks on a real device. Each prints why it skips where no usable CUDA device is
-//! found, and fails instead with `STOKEHOLD_REQUIRE_GPU=1` (the GPU run scripts set it); `tests/emulated.rs` runs the same checks on stoker's CPU emulator of the
+//! found, and fails instead with `STOKEHOLD_REQUIRE_GPU=1` (the GPU run scripts set it); `tests/emulated.rs` runs the same checks on stokehold's CPU emulator of the
 //! driver, everywhere.
 
 mod common;
 mod gpu_checks;
 
-use stoker::cuda::Cuda;
-use stoker::device::Device;
+use stokehold::cuda::Cuda;
+use stokehold::device::Device;
 
 /// Runs `check` on the GPU, or prints why there is none.
 fn on_gpu(check: impl FnOnce(Cuda)) {
@@ -17,7 +17,7 @@ fn on_gpu(check: impl FnOnce(Cuda)) {
 
 fn cuda() -> Option<Cuda> {
     match Device::auto() {
-        Device::Cuda(c) if c.name.contains("stoker CUDA emulator") => {
+        Device::Cuda(c) if c.name.contains("stokehold CUDA emulator") => {
             common::skip_gpu("the emulator is loaded, not a GPU");
             None
         }

@@ -1,10 +1,10 @@
-//! `kernels/mlp.cu` through the real NVRTC, for the architectures stoker supports. NVRTC
+//! `kernels/mlp.cu` through the real NVRTC, for the architectures stokehold supports. NVRTC
 //! needs no GPU, so this runs wherever the library is found (`.ci/run` fetches it from
 //! PyPI when it can); elsewhere it prints why it skips.
 
 mod common;
 
-use stoker::cuda::{compile_options, elf_complete, Nvrtc, SOURCE};
+use stokehold::cuda::{compile_options, elf_complete, Nvrtc, SOURCE};
 
 /// The kernels every build must export (what `Kernels::load` looks up).
 const ENTRIES: [&str; 5] = [
@@ -24,7 +24,7 @@ fn nvrtc() -> Option<Nvrtc> {
                 n.path(),
                 n.builtins()
             );
-            // NVRTC 13.0 finds its builtins only on the loader's path: stoker loads them
+            // NVRTC 13.0 finds its builtins only on the loader's path: stokehold loads them
             // from NVRTC's own directory (CI runs this with a pip NVRTC 13.0, no
             // LD_LIBRARY_PATH).
             let (major, minor) = n.version();
@@ -49,7 +49,7 @@ fn nvrtc() -> Option<Nvrtc> {
 #[test]
 fn the_kernels_compile_to_cubin_for_every_supported_architecture() {
     let Some(nv) = nvrtc() else { return };
-    // Every architecture this NVRTC builds for, from Pascal (the oldest stoker accepts).
+    // Every architecture this NVRTC builds for, from Pascal (the oldest stokehold accepts).
     let archs: Vec<(i32, i32)> = nv
         .supported_archs()
         .into_iter()

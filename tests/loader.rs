@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use common::{CountingAlloc, Synth};
 use proptest::prelude::*;
-use stoker::{
+use stokehold::{
     Dataset, Error, Loader, LoaderState, NpyArray, NpyDataset, Shard, ShardTail, Shuffle,
 };
 
@@ -85,7 +85,7 @@ fn setup_strategy() -> impl Strategy<Value = Setup> {
         )
 }
 
-fn build(s: &Setup, rank: u64, workers: usize) -> stoker::Result<Loader> {
+fn build(s: &Setup, rank: u64, workers: usize) -> stokehold::Result<Loader> {
     Loader::builder(Synth::new(s.n))
         .batch_size(s.batch)
         .workers(workers)
@@ -515,7 +515,7 @@ fn batches_held_by_another_thread_are_not_a_deadlock() {
         .held(0)
         .build()
         .unwrap();
-    let (tx, rx) = crossbeam_channel::unbounded::<stoker::HostBatch>();
+    let (tx, rx) = crossbeam_channel::unbounded::<stokehold::HostBatch>();
     let holder = std::thread::spawn(move || {
         for b in rx {
             std::thread::sleep(std::time::Duration::from_millis(100));

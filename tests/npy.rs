@@ -4,7 +4,7 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 
-use stoker::{DType, Dataset, Error, NpyArray, NpyDataset, NpyProblem, TokenDataset, Windows};
+use stokehold::{DType, Dataset, Error, NpyArray, NpyDataset, NpyProblem, TokenDataset, Windows};
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/npy/");
 
@@ -88,7 +88,7 @@ fn npy_problem(name: &str) -> NpyProblem {
 }
 
 /// Gathers `indices` of `epoch` into one freshly allocated buffer per column.
-fn gather(ds: &dyn Dataset, epoch: u64, indices: &[u64]) -> stoker::Result<Vec<Vec<u8>>> {
+fn gather(ds: &dyn Dataset, epoch: u64, indices: &[u64]) -> stokehold::Result<Vec<Vec<u8>>> {
     let mut bufs: Vec<Vec<u8>> = ds
         .columns()
         .iter()
@@ -821,4 +821,62 @@ fn token_stream_errors() {
         TokenDataset::open_bin(fx("missing.bin"), DType::U16, 8, Windows::Consecutive).unwrap_err();
     assert!(matches!(err, Error::Io { .. }), "{err:?}");
     assert!(err.to_string().contains("missing.bin"), "{err}");
+}
+
+#[test]
+fn llmc_token_files_skip_their_header() {
+    // llm.c GPT-2 (u16, tokens 0..100) reads exactly as the headerless stream does.
+    for seq_len in [1usize, 8, 33, 99] {
+        let ds = TokenDataset::open_bin(
+            fx("llmc_gpt2.bin"),
+            DType::U16,
+            seq_len,
+            Windows::Consecutive,
+        )
+        .unwrap();
+        assert_eq!(ds.tokens(), 100);
+        check_consecutive(&ds, seq_len as u64);
+    }
+    // llm.c LLaMA-3 (u32, tokens 0, 1000, ..., 99000).
+    let ds =
+        TokenDataset::open_bin(fx("llmc_llama3.bin"), DType::U32, 4, Windows::Consecutive).unwrap();
+    assert_eq!(ds.tokens(), 100);
+    let out = gather(&ds, 0, &[1]).unwrap();
+    let expected: Vec<u8> = [4000u32, 5000, 6000, 7000, 8000]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    assert_eq!(out[0], expected);
+}
+
+#[test]
+fn bad_llmc_token_files_are_errors_naming_the_file() {
+    let cases = [
+        ("llmc_bad_count.bin", DType::U16, "counts 120 tokens"),
+        ("llmc_bad_version.bin", DType::U16, "version 3"),
+        (
+            "llmc_truncated.bin",
+            DType::U16,
+            "shorter than its 1024-byte header",
+        ),
+        (
+            "llmc_gpt2.bin",
+            DType::U32,
+            "says uint16 tokens, uint32 were asked for",
+        ),
+        (
+            "llmc_llama3.bin",
+            DType::U16,
+            "says uint32 tokens, uint16 were asked for",
+        ),
+    ];
+    for (file, dtype, problem) in cases {
+        let err = TokenDataset::open_bin(fx(file), dtype, 4, Windows::Consecutive).unwrap_err();
+        assert!(matches!(err, Error::Dataset { .. }), "{file}: {err:?}");
+        let text = err.to_string();
+        assert!(
+            text.contains(file) && text.contains(problem),
+            "{file}: {text}"
+        );
+    }
 }

@@ -1,10 +1,10 @@
 //! Property tests of the parsers and permutations on arbitrary input.
 
 use proptest::prelude::*;
-use stoker::{NpyHeader, Order, Permutation, Shard, Shuffle};
+use stokehold::{NpyHeader, Order, Permutation, Shard, Shuffle};
 
 fn valid_header() -> Vec<u8> {
-    stoker::gen::npy_header(stoker::DType::F32, &[5, 3])
+    stokehold::gen::npy_header(stokehold::DType::F32, &[5, 3])
 }
 
 proptest! {

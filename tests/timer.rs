@@ -5,8 +5,8 @@ mod common;
 use std::sync::Arc;
 
 use common::DIGITS;
-use stoker::report::{EpochTimer, Setup, TrainReport};
-use stoker::{pagecache, Loader, NpyDataset, Shuffle};
+use stokehold::report::{EpochTimer, Setup, TrainReport};
+use stokehold::{pagecache, Loader, NpyDataset, Shuffle};
 
 #[test]
 fn a_users_loop_gets_the_rows_and_the_warmup_split() {
@@ -46,7 +46,7 @@ fn a_users_loop_gets_the_rows_and_the_warmup_split() {
         assert_eq!(batches, 18);
         report.push(timer.finish().unwrap());
     }
-    let labels = stoker::NpyArray::open(format!("{DIGITS}/y.npy")).unwrap();
+    let labels = stokehold::NpyArray::open(format!("{DIGITS}/y.npy")).unwrap();
     let even = (0..labels.rows())
         .filter(|&i| i64::from_le_bytes(labels.row(i).unwrap().try_into().unwrap()) % 2 == 0)
         .count() as f64;

@@ -6,10 +6,10 @@ use std::sync::Arc;
 
 use common::write_bad_label_set;
 use indicatif::ProgressBar;
-use stoker::cpu::CpuTrainer;
-use stoker::gen::{self, ClassificationSpec, NpyWriter};
-use stoker::train::{Mlp, MlpConfig, Normalize};
-use stoker::{DType, Dataset, Error, Loader, NpyArray, NpyDataset, Shuffle};
+use stokehold::cpu::CpuTrainer;
+use stokehold::gen::{self, ClassificationSpec, NpyWriter};
+use stokehold::train::{Mlp, MlpConfig, Normalize};
+use stokehold::{DType, Dataset, Error, Loader, NpyArray, NpyDataset, Shuffle};
 
 fn trainer_for(ds: &Arc<dyn Dataset>, loader: &Loader, hidden: usize, lr: f32) -> CpuTrainer {
     let inputs = ds.columns()[0].row_bytes;
@@ -145,14 +145,14 @@ fn a_bad_label_is_an_error_naming_the_sample_and_nothing_hangs() {
 fn the_main_job_reports_every_epoch_and_the_warmup_split() {
     let dir = tempfile::tempdir().unwrap();
     let trace_path = dir.path().join("trace.json");
-    let config = stoker::train::TrainConfig {
+    let config = stokehold::train::TrainConfig {
         data: concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits").into(),
         epochs: 3,
         batch: 64,
         workers: 2,
         prefetch: None,
         shuffle: Shuffle::Full { seed: 1 },
-        device: stoker::device::DeviceChoice::Cpu,
+        device: stokehold::device::DeviceChoice::Cpu,
         hidden: 32,
         lr: 0.1,
         cold: true,
@@ -161,9 +161,9 @@ fn the_main_job_reports_every_epoch_and_the_warmup_split() {
         quiet: true,
         trace: Some(trace_path.clone()),
         device_cache: true,
-        pinned: stoker::cuda::PinnedKind::Plain,
+        pinned: stokehold::cuda::PinnedKind::Plain,
     };
-    let report = stoker::train::run(&config).unwrap();
+    let report = stokehold::train::run(&config).unwrap();
     assert_eq!(report.epochs.len(), 3);
     assert_eq!(report.samples, 1797);
     for row in &report.epochs {

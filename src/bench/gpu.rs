@@ -1,4 +1,4 @@
-//! GPU figures for `stoker bench`, each a ratio of two measurements made in one run.
+//! GPU figures for `stokehold bench`, each a ratio of two measurements made in one run.
 
 use std::sync::Arc;
 

@@ -113,7 +113,7 @@ pub struct DatasetInfo {
     pub file_bytes: u64,
 }
 
-/// Everything `stoker bench` measures.
+/// Everything `stokehold bench` measures.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct BenchReport {
     /// The dataset.

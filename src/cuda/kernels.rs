@@ -67,19 +67,19 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
     h
 }
 
-/// The cache directory: `$STOKER_CACHE`, else `$XDG_CACHE_HOME/stoker`, else
-/// `~/.cache/stoker`, else the system temporary directory.
+/// The cache directory: `$STOKEHOLD_CACHE`, else `$XDG_CACHE_HOME/stokehold`, else
+/// `~/.cache/stokehold`, else the system temporary directory.
 pub fn cache_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("STOKER_CACHE") {
+    if let Some(d) = std::env::var_os("STOKEHOLD_CACHE") {
         return d.into();
     }
     if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
-        return PathBuf::from(d).join("stoker");
+        return PathBuf::from(d).join("stokehold");
     }
     if let Some(h) = std::env::var_os("HOME") {
-        return PathBuf::from(h).join(".cache/stoker");
+        return PathBuf::from(h).join(".cache/stokehold");
     }
-    std::env::temp_dir().join("stoker")
+    std::env::temp_dir().join("stokehold")
 }
 
 /// Whether `bytes` is a whole 64-bit ELF file: the magic, and at least as long as its
@@ -193,7 +193,7 @@ impl Kernels {
             // (CUDA_ERROR_UNSUPPORTED_PTX_VERSION): say so instead of trying.
             return Err(Error::Cuda(format!(
                 "NVRTC {}.{} is newer than the driver's CUDA {}.{}: its PTX would not load, \
-                 and no cubin could be used (point STOKER_NVRTC at an NVRTC no newer than \
+                 and no cubin could be used (point STOKEHOLD_NVRTC at an NVRTC no newer than \
                  the driver, or update the driver)",
                 cuda.nvrtc.version().0,
                 cuda.nvrtc.version().1,

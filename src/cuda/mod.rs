@@ -38,14 +38,25 @@ pub struct Cuda {
     pub context_time: std::time::Duration,
 }
 
+/// Whether the dynamic loader finds libcuda. cudarc panics on its first driver call
+/// without it, and its own probe exists only in its `dynamic-loading` mode, so stokehold
+/// asks the loader itself: this works whichever way cudarc was built (loading at run
+/// time, or linked, as candle's `cuda` feature has it).
+fn libcuda_present() -> bool {
+    ["libcuda.so", "libcuda.so.1"].into_iter().any(|name| {
+        // SAFETY: opening libcuda runs its initialisers, which have no preconditions;
+        // cudarc opens the same library for its first call.
+        unsafe { libloading::Library::new(name) }.is_ok()
+    })
+}
+
 /// Looks for libcuda, a device and NVRTC, in that order.
 ///
 /// # Errors
 /// A one-line reason: "no libcuda found", "no CUDA device: ...", "NVRTC not found:
 /// looked for ...".
 pub fn probe() -> Result<Cuda, String> {
-    // SAFETY: only tries to open the library; returns false instead of panicking.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+    if !libcuda_present() {
         return Err("no libcuda found (looked for libcuda.so and libcuda.so.1)".into());
     }
     let start = std::time::Instant::now();
@@ -70,7 +81,7 @@ pub fn probe() -> Result<Cuda, String> {
         .map_err(|e| format!("CUDA device without a compute capability: {e}"))?;
     if arch.0 < 6 {
         return Err(format!(
-            "{name} has compute capability {}.{}: stoker's kernels need 6.0 or newer",
+            "{name} has compute capability {}.{}: stokehold's kernels need 6.0 or newer",
             arch.0, arch.1
         ));
     }
@@ -79,7 +90,7 @@ pub fn probe() -> Result<Cuda, String> {
         if arch < oldest {
             return Err(format!(
                 "{name} is sm_{}{}, but NVRTC {}.{} ({}) builds for sm_{}{} and newer: point \
-                 STOKER_NVRTC at an older NVRTC",
+                 STOKEHOLD_NVRTC at an older NVRTC",
                 arch.0,
                 arch.1,
                 nvrtc.version().0,

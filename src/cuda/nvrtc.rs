@@ -1,8 +1,8 @@
-//! NVRTC, loaded by stoker itself.
+//! NVRTC, loaded by stokehold itself.
 //!
 //! cudarc looks for `libnvrtc.so` and `libnvrtc.so.{12,11,...}` only, so a machine with
-//! just a CUDA 13 toolkit (`libnvrtc.so.13`) would look NVRTC-less. stoker searches the
-//! usual places itself (`$STOKER_NVRTC`, `$CUDA_HOME`/`$CUDA_PATH`, `/usr/local/cuda*`,
+//! just a CUDA 13 toolkit (`libnvrtc.so.13`) would look NVRTC-less. stokehold searches the
+//! usual places itself (`$STOKEHOLD_NVRTC`, `$CUDA_HOME`/`$CUDA_PATH`, `/usr/local/cuda*`,
 //! pip's `nvidia-cuda-nvrtc`, then the loader's own path for every major version) and
 //! calls the handful of NVRTC functions it needs directly.
 
@@ -33,7 +33,7 @@ impl std::fmt::Debug for Nvrtc {
     }
 }
 
-/// Where stoker looks for NVRTC, in order.
+/// Where stokehold looks for NVRTC, in order.
 pub fn candidates() -> Vec<String> {
     let names: Vec<String> = ["", ".13", ".12", ".11"]
         .iter()
@@ -75,7 +75,7 @@ pub fn candidates() -> Vec<String> {
         }
     }
     let mut out: Vec<String> = Vec::new();
-    if let Some(p) = std::env::var_os("STOKER_NVRTC") {
+    if let Some(p) = std::env::var_os("STOKEHOLD_NVRTC") {
         out.push(p.to_string_lossy().into_owned());
     }
     for d in dirs {
@@ -169,7 +169,7 @@ impl Nvrtc {
         }
         let shown: Vec<&str> = tried.iter().map(String::as_str).take(8).collect();
         Err(format!(
-            "NVRTC not found: looked for {}{} (set STOKER_NVRTC to its path)",
+            "NVRTC not found: looked for {}{} (set STOKEHOLD_NVRTC to its path)",
             shown.join(", "),
             if tried.len() > 8 { ", ..." } else { "" }
         ))

@@ -4,7 +4,7 @@ use std::fmt;
 
 /// The element type of a column, as NumPy names it.
 ///
-/// `F16` is carried as raw 2-byte values: stoker copies it and never does arithmetic on it.
+/// `F16` is carried as raw 2-byte values: stokehold copies it and never does arithmetic on it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DType {

@@ -350,7 +350,7 @@ impl NpyArray {
     ///
     /// # Errors
     /// [`Error::Io`] if the file cannot be opened or mapped, [`Error::Npy`] naming the
-    /// file and the problem if it is not a `.npy` file stoker reads.
+    /// file and the problem if it is not a `.npy` file stokehold reads.
     pub fn open(path: impl AsRef<Path>) -> Result<NpyArray> {
         let path = path.as_ref();
         let file = File::open(path).map_err(|e| Error::io(path, e))?;
@@ -358,7 +358,7 @@ impl NpyArray {
         if file_len == 0 {
             return Err(Error::npy(path, NpyProblem::BadMagic));
         }
-        // SAFETY: the mapping is read-only and private to this process's view; stoker
+        // SAFETY: the mapping is read-only and private to this process's view; stokehold
         // never writes through it. Like every mmap-based reader, it relies on the file
         // not being truncated or rewritten by another process while mapped (that would
         // raise SIGBUS or change the bytes read); datasets are treated as immutable.

@@ -23,6 +23,86 @@ pub enum Windows {
     },
 }
 
+/// The llm.c / modded-nanogpt token file header: 256 little-endian int32 before the
+/// tokens (llm.c's `dev/data/data_common.py`, `write_datafile`).
+const LLMC_HEADER_BYTES: usize = 1024;
+/// (magic, version, token type) of the llm.c formats: GPT-2 and LLaMA-3 tokens.
+const LLMC_FORMATS: [(i32, i32, DType); 2] = [(20240520, 1, DType::U16), (20240801, 7, DType::U32)];
+
+/// The first words of an llm.c header, when the file starts with one of its magics.
+struct LlmcHeader {
+    magic: i32,
+    words: Option<[i32; 3]>,
+}
+
+/// Reads the llm.c header at the start of `bytes`, if it starts with an llm.c magic.
+fn llmc_header(bytes: &[u8]) -> Option<LlmcHeader> {
+    let word = |i: usize| {
+        bytes
+            .get(4 * i..4 * i + 4)
+            .map(|b| i32::from_le_bytes(b.try_into().expect("4 bytes")))
+    };
+    let magic = word(0)?;
+    LLMC_FORMATS
+        .iter()
+        .any(|f| f.0 == magic)
+        .then(|| LlmcHeader {
+            magic,
+            words: (bytes.len() >= LLMC_HEADER_BYTES)
+                .then(|| [word(0), word(1), word(2)].map(|w| w.expect("within the header"))),
+        })
+}
+
+impl LlmcHeader {
+    /// Checks the header against the file and the token type asked for; returns where
+    /// the tokens start.
+    fn check(&self, path: &Path, bytes: &[u8], dtype: DType) -> Result<usize> {
+        let Some([_, version, count]) = self.words else {
+            return Err(Error::dataset(
+                path,
+                format!(
+                    "starts with the llm.c magic {} but is {} bytes, shorter than its \
+                     {LLMC_HEADER_BYTES}-byte header",
+                    self.magic,
+                    bytes.len()
+                ),
+            ));
+        };
+        let Some(&(_, _, width)) = LLMC_FORMATS
+            .iter()
+            .find(|f| f.0 == self.magic && f.1 == version)
+        else {
+            return Err(Error::dataset(
+                path,
+                format!(
+                    "llm.c token file (magic {}) of version {version}: stokehold reads \
+                     version 1 (magic 20240520, uint16) and version 7 (magic 20240801, uint32)",
+                    self.magic
+                ),
+            ));
+        };
+        if width != dtype {
+            return Err(Error::dataset(
+                path,
+                format!("its llm.c header says {width} tokens, {dtype} were asked for"),
+            ));
+        }
+        let held = (bytes.len() - LLMC_HEADER_BYTES) as u64 / width.size() as u64;
+        let whole = (bytes.len() - LLMC_HEADER_BYTES) % width.size() == 0;
+        if count < 0 || count as u64 != held || !whole {
+            return Err(Error::dataset(
+                path,
+                format!(
+                    "its llm.c header counts {count} tokens, but the file holds {} bytes of \
+                     tokens after the header ({held} {width} tokens)",
+                    bytes.len() - LLMC_HEADER_BYTES
+                ),
+            ));
+        }
+        Ok(LLMC_HEADER_BYTES)
+    }
+}
+
 /// A flat token stream (a raw `.bin` of `u16`/`u32`, or a 1-d integer `.npy`) served
 /// as windows of `seq_len + 1` tokens: `w[..seq_len]` is the input, `w[1..]` the
 /// next-token target.
@@ -39,12 +119,18 @@ pub struct TokenDataset {
 }
 
 impl TokenDataset {
-    /// Opens a raw token file of `dtype` (`U16` or `U32`).
+    /// Opens a token file: an llm.c / modded-nanogpt `.bin` (a 1024-byte header of 256
+    /// little-endian int32, magic 20240520 with version 1 for `u16` GPT-2 tokens or magic
+    /// 20240801 with version 7 for `u32` LLaMA-3 tokens, then the token count, then the
+    /// tokens), or a headerless nanoGPT-style stream of `dtype` (`U16` or `U32`) tokens.
+    /// A file that starts with an llm.c magic is read as one, and must be whole.
     ///
     /// # Errors
     /// [`Error::Io`] if it cannot be read; [`Error::Dataset`] if its length is not a
-    /// whole number of tokens or it is too short for one window; [`Error::Config`] for
-    /// another dtype or `seq_len == 0`.
+    /// whole number of tokens, it is too short for one window, or its llm.c header is
+    /// cut short, of an unknown version, of another token width than `dtype`, or counts
+    /// other than the tokens the file holds; [`Error::Config`] for another dtype or
+    /// `seq_len == 0`.
     pub fn open_bin(
         path: impl AsRef<Path>,
         dtype: DType,
@@ -59,26 +145,31 @@ impl TokenDataset {
         }
         let file = File::open(path).map_err(|e| Error::io(path, e))?;
         let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
-        if len % dtype.size() as u64 != 0 {
-            return Err(Error::dataset(
-                path,
-                format!(
-                    "{len} bytes is not a whole number of {}-byte {dtype} tokens",
-                    dtype.size()
-                ),
-            ));
-        }
         if len == 0 {
             return Err(Error::dataset(path, "the token file is empty"));
         }
         // SAFETY: read-only mapping of a dataset file treated as immutable while mapped
         // (see `NpyArray::open`).
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        let offset = match llmc_header(&map) {
+            Some(header) => header.check(path, &map, dtype)?,
+            None => 0,
+        };
+        let body = len - offset as u64;
+        if body % dtype.size() as u64 != 0 {
+            return Err(Error::dataset(
+                path,
+                format!(
+                    "{body} bytes is not a whole number of {}-byte {dtype} tokens",
+                    dtype.size()
+                ),
+            ));
+        }
         Self::build(
             path,
             map,
-            0,
-            len / dtype.size() as u64,
+            offset,
+            body / dtype.size() as u64,
             dtype,
             seq_len,
             windows,

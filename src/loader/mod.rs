@@ -258,8 +258,8 @@ struct Worker {
 /// A prefetching, shuffling, multi-threaded loader over a [`Dataset`].
 ///
 /// ```
-/// use stoker::{Loader, NpyDataset, Shuffle};
-/// # fn main() -> stoker::Result<()> {
+/// use stokehold::{Loader, NpyDataset, Shuffle};
+/// # fn main() -> stokehold::Result<()> {
 /// let ds = NpyDataset::open(concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits"))?;
 /// let mut loader = Loader::builder(ds)
 ///     .batch_size(128)

@@ -118,7 +118,7 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// Starts worker `id`: it serves jobs until its channel closes.
 pub(crate) fn spawn(id: usize, jobs: Receiver<Assignment>) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
-        .name(format!("stoker-worker-{id}"))
+        .name(format!("stokehold-worker-{id}"))
         .spawn(move || {
             for (job, done) in jobs {
                 job.run(id);

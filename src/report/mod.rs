@@ -158,7 +158,7 @@ impl Warmup {
     }
 }
 
-/// Everything `stoker train` measured.
+/// Everything `stokehold train` measured.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct TrainReport {
     /// The device the step ran on.

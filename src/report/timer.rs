@@ -1,5 +1,5 @@
 //! Epoch timers for your own training loop: the figures and the warm-up split that
-//! `stoker train` reports, around a step stoker does not know.
+//! `stokehold train` reports, around a step stokehold does not know.
 
 use std::time::{Duration, Instant};
 
@@ -15,13 +15,13 @@ use super::EpochRow;
 /// Times one epoch of a loop of yours: the wait for each batch, your copies and your
 /// step, the page-cache residency of the dataset at the start and the end, and the loss
 /// and accuracy you record. [`finish`](EpochTimer::finish) gives the same
-/// [`EpochRow`] as `stoker train`'s, for a [`TrainReport`](super::TrainReport).
+/// [`EpochRow`] as `stokehold train`'s, for a [`TrainReport`](super::TrainReport).
 ///
 /// ```no_run
-/// use stoker::report::{EpochTimer, Setup, TrainReport};
-/// use stoker::{Dataset, Loader, NpyDataset};
+/// use stokehold::report::{EpochTimer, Setup, TrainReport};
+/// use stokehold::{Dataset, Loader, NpyDataset};
 /// # fn my_step(x: &[u8], y: &[i64]) -> (f64, u64) { (0.0, 0) }
-/// # fn main() -> stoker::Result<()> {
+/// # fn main() -> stokehold::Result<()> {
 /// let ds = std::sync::Arc::new(NpyDataset::open("datasets/digits")?);
 /// let mut loader = Loader::builder_shared(ds.clone()).batch_size(128).build()?;
 /// let mut report = TrainReport::new("my model (cpu)", "datasets/digits", ds.as_ref());

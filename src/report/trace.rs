@@ -99,7 +99,7 @@ impl Trace {
             .collect();
         events.extend(spans.iter().map(|s| {
             serde_json::json!({
-                "name": s.name, "cat": "stoker", "ph": "X", "pid": 1, "tid": tid(&s.thread),
+                "name": s.name, "cat": "stokehold", "ph": "X", "pid": 1, "tid": tid(&s.thread),
                 "ts": us(s.start), "dur": (us(s.end) - us(s.start)).max(0.0),
                 "args": {"epoch": s.epoch, "batch": s.batch},
             })

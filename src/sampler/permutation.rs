@@ -10,7 +10,7 @@ use super::mix;
 
 const ROUNDS: usize = 6;
 
-/// A bijection of `0..n`, keyed by a 64-bit key (stoker derives it from seed and epoch).
+/// A bijection of `0..n`, keyed by a 64-bit key (stokehold derives it from seed and epoch).
 #[derive(Debug, Clone)]
 pub struct Permutation {
     n: u64,

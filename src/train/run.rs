@@ -21,7 +21,7 @@ enum Backend {
     Cuda(Box<CudaTrainer>),
 }
 
-/// What `stoker train` runs.
+/// What `stokehold train` runs.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct TrainConfig {
     /// Directory with `x.npy` (u8 inputs) and `y.npy` (i64 labels).

@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use stoker::{Column, DType, Dataset, HostAlloc, HostMemory, PlainAlloc};
+use stokehold::{Column, DType, Dataset, HostAlloc, HostMemory, PlainAlloc};
 
 /// `n` samples; column 0 holds the index as `u64`, column 1 holds `3 * index` as `u32`.
 /// `fail_at` makes gather fail on that index, `panic_at` panics on it.
@@ -46,11 +46,11 @@ impl Dataset for Synth {
     fn columns(&self) -> &[Column] {
         &self.columns
     }
-    fn gather(&self, _epoch: u64, indices: &[u64], out: &mut [&mut [u8]]) -> stoker::Result<()> {
+    fn gather(&self, _epoch: u64, indices: &[u64], out: &mut [&mut [u8]]) -> stokehold::Result<()> {
         let (a, b) = out.split_at_mut(1);
         for (k, &i) in indices.iter().enumerate() {
             if Some(i) == self.fail_at {
-                return Err(stoker::Error::OutOfRange { index: i, len: 0 });
+                return Err(stokehold::Error::OutOfRange { index: i, len: 0 });
             }
             if Some(i) == self.panic_at {
                 panic!("synthetic panic at sample {i}");
@@ -78,7 +78,7 @@ impl HostAlloc for CountingAlloc {
     fn name(&self) -> &'static str {
         "counting"
     }
-    fn alloc(&self, bytes: usize) -> stoker::Result<Box<dyn HostMemory>> {
+    fn alloc(&self, bytes: usize) -> stokehold::Result<Box<dyn HostMemory>> {
         self.counts.calls.fetch_add(1, Ordering::SeqCst);
         self.counts.bytes.fetch_add(bytes, Ordering::SeqCst);
         PlainAlloc.alloc(bytes)
@@ -91,7 +91,7 @@ pub const DIGITS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits")
 /// Writes a 300-sample set to `dir` (`x.npy`: 300 x 4 u8, `y.npy`: i64 labels `i % 10`)
 /// whose sample 123 has the label 42, outside 10 classes.
 pub fn write_bad_label_set(dir: &std::path::Path) {
-    use stoker::gen::NpyWriter;
+    use stokehold::gen::NpyWriter;
     let mut x = NpyWriter::create(dir.join("x.npy"), DType::U8, &[300, 4]).unwrap();
     x.data_mut()
         .iter_mut()

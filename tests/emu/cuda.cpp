@@ -1,17 +1,17 @@
-// stoker's CUDA emulator, driver side: a libcuda that runs on the CPU.
+// stokehold's CUDA emulator, driver side: a libcuda that runs on the CPU.
 //
-// It exists so that the CUDA path (cudarc's calls, stoker's streams, events, pinned
+// It exists so that the CUDA path (cudarc's calls, stokehold's streams, events, pinned
 // buffers, feeder, device cache and kernels) runs in CI, where there is no GPU. It is no
 // GPU model: it checks ordering, arguments and results, not speed.
 //
-// - One device, "stoker CUDA emulator (CPU)", compute capability 9.0. Device memory is
+// - One device, "stokehold CUDA emulator (CPU)", compute capability 9.0. Device memory is
 //   host memory; device addresses are host addresses. Every copy and memset is checked
 //   to lie inside one live allocation (CUDA_ERROR_INVALID_VALUE otherwise).
 // - Each stream is a thread running its queue in order. Events carry a sequence number
 //   per record, so cuStreamWaitEvent waits for the record that preceded it, as on the
 //   GPU. Asynchronous copies read their host source when they run, not when they are
 //   enqueued: a buffer reused before its copy completes is caught by the results.
-//   STOKER_EMU_JITTER_US=N sleeps up to N us before each operation to shake out races.
+//   STOKEHOLD_EMU_JITTER_US=N sleeps up to N us before each operation to shake out races.
 // - Kernels come from the emulated NVRTC (nvrtc.cpp) as shared objects; a launch copies
 //   its parameters (their sizes come from the kernel's C++ signature) and checks its
 //   configuration against the limits of a real device.
@@ -93,19 +93,19 @@ std::map<uintptr_t, size_t>& g_host = *new std::map<uintptr_t, size_t>;  // pinn
 size_t g_used = 0;
 
 size_t total_memory() {
-    const char* mb = getenv("STOKER_EMU_MEM_MB");
+    const char* mb = getenv("STOKEHOLD_EMU_MEM_MB");
     return (mb ? strtoull(mb, nullptr, 10) : 16384ull) << 20;
 }
 
 bool logging() {
-    static bool on = getenv("STOKER_EMU_LOG") != nullptr;
+    static bool on = getenv("STOKEHOLD_EMU_LOG") != nullptr;
     return on;
 }
 
 #define LOG(...)                                    \
     do {                                            \
         if (logging()) {                            \
-            fprintf(stderr, "stoker-emu: " __VA_ARGS__); \
+            fprintf(stderr, "stokehold-emu: " __VA_ARGS__); \
             fputc('\n', stderr);                    \
         }                                           \
     } while (0)
@@ -132,7 +132,7 @@ void check_live(const char* what, CUdeviceptr p, size_t n) {
     std::lock_guard<std::mutex> g(g_mu);
     Alloc* a = find_alloc(p, n);
     if (!a || !a->ready) {
-        fprintf(stderr, "stoker-emu: %s of %zu bytes at 0x%llx runs on memory that is %s\n", what, n,
+        fprintf(stderr, "stokehold-emu: %s of %zu bytes at 0x%llx runs on memory that is %s\n", what, n,
                 (unsigned long long)p, a ? "not yet allocated in stream order (cuMemAllocAsync)" : "freed");
         abort();
     }
@@ -178,7 +178,7 @@ struct Stream {
     std::set<Event*> captured_events;
 
     Stream() {
-        const char* j = getenv("STOKER_EMU_JITTER_US");
+        const char* j = getenv("STOKEHOLD_EMU_JITTER_US");
         jitter_us = j ? (unsigned)strtoul(j, nullptr, 10) : 0;
         worker = std::thread([this] { run(); });
     }
@@ -251,7 +251,7 @@ Stream* g_default = nullptr;
 
 // The stream a handle names: null, CU_STREAM_LEGACY (1) and CU_STREAM_PER_THREAD (2) are
 // the default stream. (The emulator does not model the legacy stream's implicit
-// synchronisation with other streams; stoker never uses the default stream.)
+// synchronisation with other streams; stokehold never uses the default stream.)
 Stream* stream_of(CUstream s) {
     if ((uintptr_t)s <= 2) {
         std::lock_guard<std::mutex> g(g_mu);
@@ -342,7 +342,7 @@ CUresult cuDeviceGet(CUdevice* d, int ordinal) {
 
 CUresult cuDeviceGetName(char* name, int len, CUdevice d) {
     if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
-    snprintf(name, (size_t)len, "%s", "stoker CUDA emulator (CPU)");
+    snprintf(name, (size_t)len, "%s", "stokehold CUDA emulator (CPU)");
     return CUDA_SUCCESS;
 }
 
@@ -723,7 +723,7 @@ static CUresult load_so(CUmodule* m, const std::string& path) {
 CUresult cuModuleLoadData(CUmodule* m, const void* image) {
     if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
     const char* p = (const char*)image;
-    static const char kPtx[] = "// stoker-emu .entry ";
+    static const char kPtx[] = "// stokehold-emu .entry ";
     if (strncmp(p, kPtx, sizeof kPtx - 1) == 0) {
         const char* path = p + sizeof kPtx - 1;
         return load_so(m, std::string(path, strcspn(path, "\n")));
@@ -742,7 +742,7 @@ CUresult cuModuleLoadData(CUmodule* m, const void* image) {
     size_t len = std::max(shoff + (size_t)shentsize * shnum, phoff + (size_t)phentsize * phnum);
     if (len < 64 || len > (1ull << 30)) return CUDA_ERROR_INVALID_IMAGE;
     const char* tmp = getenv("TMPDIR");
-    std::string path = std::string(tmp && *tmp ? tmp : "/tmp") + "/stoker-emu-module-XXXXXX";
+    std::string path = std::string(tmp && *tmp ? tmp : "/tmp") + "/stokehold-emu-module-XXXXXX";
     std::vector<char> name(path.begin(), path.end());
     name.push_back(0);
     int fd = mkstemp(name.data());
@@ -809,7 +809,7 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
                 std::lock_guard<std::mutex> g(g_mu);
                 Alloc* al = find_alloc(v, 1);
                 if (al && !al->ready) {
-                    fprintf(stderr, "stoker-emu: %s reads 0x%llx before its cuMemAllocAsync ran\n",
+                    fprintf(stderr, "stokehold-emu: %s reads 0x%llx before its cuMemAllocAsync ran\n",
                             name.c_str(), (unsigned long long)v);
                     abort();
                 }

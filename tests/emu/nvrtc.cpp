@@ -1,4 +1,4 @@
-// stoker's CUDA emulator, compiler side: a libnvrtc that builds CUDA C into a host
+// stokehold's CUDA emulator, compiler side: a libnvrtc that builds CUDA C into a host
 // shared object with the system C++ compiler.
 //
 // The "cubin" it returns is that shared object (an ELF file, as a real cubin is); the
@@ -138,9 +138,9 @@ nvrtcResult nvrtcCompileProgram(Program* p, int n, const char* const* options) {
         std::string o = options[i];
         if (o.rfind("--gpu-architecture=", 0) == 0 || o.rfind("-arch=", 0) == 0) {
             std::string a = o.substr(o.find('=') + 1);
-            // STOKER_EMU_NO_CUBIN: no cubin for this device, as from an NVRTC that does
+            // STOKEHOLD_EMU_NO_CUBIN: no cubin for this device, as from an NVRTC that does
             // not know it (only PTX would do).
-            if (a == "sm_90" && getenv("STOKER_EMU_NO_CUBIN")) {
+            if (a == "sm_90" && getenv("STOKEHOLD_EMU_NO_CUBIN")) {
                 p->log = "nvrtc: error: invalid value for --gpu-architecture (-arch)\n";
                 return NVRTC_ERROR_INVALID_OPTION;
             }
@@ -156,11 +156,11 @@ nvrtcResult nvrtcCompileProgram(Program* p, int n, const char* const* options) {
     }
     (void)arch;
     const char* tmp = getenv("TMPDIR");
-    std::string dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/stoker-emu-XXXXXX";
+    std::string dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/stokehold-emu-XXXXXX";
     std::vector<char> d(dir.begin(), dir.end());
     d.push_back(0);
     if (!mkdtemp(d.data())) {
-        p->log = "stoker-emu: cannot make a temporary directory\n";
+        p->log = "stokehold-emu: cannot make a temporary directory\n";
         return NVRTC_ERROR_COMPILATION;
     }
     dir = d.data();
@@ -176,15 +176,15 @@ nvrtcResult nvrtcCompileProgram(Program* p, int n, const char* const* options) {
         f << "    emu::Entry{nullptr, nullptr, false, 0, nullptr}};\n";
         f << "const int emu_entry_count = " << kernels.size() << ";\n";
     }
-    const char* cxx = getenv("STOKER_EMU_CXX");
-    const char* flags = getenv("STOKER_EMU_CXXFLAGS");
+    const char* cxx = getenv("STOKEHOLD_EMU_CXX");
+    const char* flags = getenv("STOKEHOLD_EMU_CXXFLAGS");
     std::string cmd = std::string(cxx && *cxx ? cxx : "c++") +
                       " -std=c++17 -O2 -fPIC -shared -w " + (flags ? flags : "") + " -o " + so +
                       " " + src + " >" + log + " 2>&1";
     int rc = system(cmd.c_str());
     p->log = read_all(log);
     if (rc != 0) {
-        if (p->log.empty()) p->log = "stoker-emu: `" + cmd + "` failed\n";
+        if (p->log.empty()) p->log = "stokehold-emu: `" + cmd + "` failed\n";
         return NVRTC_ERROR_COMPILATION;
     }
     std::string bytes = read_all(so);
@@ -221,7 +221,7 @@ nvrtcResult nvrtcGetCUBIN(Program* p, char* out) {
 }
 
 // "PTX": a line naming the shared object, which stays on disk for the process's life.
-static std::string ptx_of(Program* p) { return "// stoker-emu .entry " + p->so_path + "\n"; }
+static std::string ptx_of(Program* p) { return "// stokehold-emu .entry " + p->so_path + "\n"; }
 
 nvrtcResult nvrtcGetPTXSize(Program* p, size_t* n) {
     if (!p || !p->compiled) return NVRTC_ERROR_INVALID_PROGRAM;

@@ -1,4 +1,4 @@
-// stoker's CUDA emulator, kernel side: CUDA C kernels compiled as host C++.
+// stokehold's CUDA emulator, kernel side: CUDA C kernels compiled as host C++.
 //
 // The emulated NVRTC (nvrtc.cpp) puts this header in front of the kernel source and a
 // table of the kernels after it, and builds a shared object; the emulated driver
@@ -152,7 +152,7 @@ static void fiber_main() {
 
 static inline void __syncthreads() {
     if (!emu::in_fibers) {
-        std::fprintf(stderr, "stoker-emu: __syncthreads in a kernel run without fibers\n");
+        std::fprintf(stderr, "stokehold-emu: __syncthreads in a kernel run without fibers\n");
         std::abort();
     }
     emu::to_scheduler();
@@ -162,11 +162,11 @@ namespace emu {
 
 constexpr size_t kStack = 64 * 1024;
 
-// Under STOKER_EMU_JITTER_US, blocks run in reverse order, and so do the threads of a
+// Under STOKEHOLD_EMU_JITTER_US, blocks run in reverse order, and so do the threads of a
 // block (each round of fibers too): a kernel that only works in index order shows it.
 static bool reversed() {
     static const bool on = [] {
-        const char* j = getenv("STOKER_EMU_JITTER_US");
+        const char* j = getenv("STOKEHOLD_EMU_JITTER_US");
         return j && atoi(j) > 0;
     }();
     return on;

@@ -1,14 +1,14 @@
 //! The GPU checks, shared by `tests/gpu.rs` (a real GPU, skipped without one) and
-//! `tests/emulated.rs` (stoker's CPU emulator of the driver, everywhere).
+//! `tests/emulated.rs` (stokehold's CPU emulator of the driver, everywhere).
 
 use std::sync::Arc;
 
 use indicatif::ProgressBar;
-use stoker::cpu::CpuTrainer;
-use stoker::cuda::{Cuda, CudaTrainer, Kernels, PinnedAlloc, PinnedKind};
-use stoker::gen::{self, ClassificationSpec};
-use stoker::train::{step, Metrics, Mlp, MlpConfig, Normalize, Workspace};
-use stoker::{Dataset, Loader, NpyDataset, Shuffle};
+use stokehold::cpu::CpuTrainer;
+use stokehold::cuda::{Cuda, CudaTrainer, Kernels, PinnedAlloc, PinnedKind};
+use stokehold::gen::{self, ClassificationSpec};
+use stokehold::train::{step, Metrics, Mlp, MlpConfig, Normalize, Workspace};
+use stokehold::{Dataset, Loader, NpyDataset, Shuffle};
 
 use crate::common::DIGITS;
 
@@ -290,7 +290,7 @@ pub fn a_bad_label_is_an_error(c: Cuda) {
 /// The kernel cache: compiled on the first load, read on the second; a truncated or
 /// foreign cache file is compiled afresh and replaced, never an error.
 pub fn the_kernel_cache_survives_damage(c: Cuda) {
-    use stoker::cuda::KernelOrigin;
+    use stokehold::cuda::KernelOrigin;
     let dir = tempfile::tempdir().unwrap();
     let first = Kernels::load_from(&c, dir.path()).unwrap();
     assert!(
@@ -331,8 +331,8 @@ pub fn the_kernel_cache_survives_damage(c: Cuda) {
 /// from the work on a batch ends the epoch with every pinned buffer back, and the next
 /// epoch runs.
 pub fn partial_and_failing_epochs(c: Cuda) {
-    use stoker::cuda::Feeder;
-    use stoker::{Error, Shard};
+    use stokehold::cuda::Feeder;
+    use stokehold::{Error, Shard};
     let (mut loader, mlp, norm, kernels) = setup(&c, DIGITS.as_ref(), 64, 16, 0.1);
     let layout = loader.layout().clone();
     let mut t = CudaTrainer::new(c.clone(), kernels, &mlp, norm, &layout, (0, 1), 3).unwrap();
