@@ -40,24 +40,41 @@ struct alignas(16) u128 {
     unsigned long long lo, hi;
 };
 
-// Stages rows [row0, row_end) x inputs [col0, col_end) of x (64 x 64 at most), normalised,
-// 16 bytes a thread: d, col0 and col_end must be multiples of 16 and x 16-byte aligned.
-// `transposed` stores st.v[input][row] (the forward product), else st.v[row][input].
-__device__ void stage_x16(Stage& st, const unsigned char* __restrict__ x, int row0,
-                          int row_end, int col0, int col_end, int d, float mean,
-                          float inv_std, bool transposed, int t)
+// Staging a stage: every global load of a thread is issued before the first is used, so
+// a block pays one memory round trip per stage. Each tile comes in two halves, `load_*`
+// into registers and `store_*` into shared memory, and the kernels call both loads
+// before either store. Tiles outside the matrices read as zeros (x as its mean, which
+// normalises to zero).
+
+// x, 16 bytes a thread: rows [row0, row_end) x inputs [col0, col_end), 64 x 64 at most;
+// d, col0 and col_end multiples of 16, x 16-byte aligned.
+struct X16 {
+    u128 v;
+    bool ok;
+};
+
+__device__ X16 load_x16(const unsigned char* __restrict__ x, int row0, int row_end, int col0,
+                        int col_end, int d, int t)
 {
-    const int r = t / 4, seg = t % 4, gr = row0 + r, gc = col0 + 16 * seg;
-    const bool ok = gr < row_end && gc < col_end;
-    u128 v = {0ULL, 0ULL};
-    if (ok) {
-        v = *(const u128*)(x + (long long)gr * d + gc);
+    const int gr = row0 + t / 4, gc = col0 + 16 * (t % 4);
+    X16 out = {{0ULL, 0ULL}, gr < row_end && gc < col_end};
+    if (out.ok) {
+        out.v = *(const u128*)(x + (long long)gr * d + gc);
     }
+    return out;
+}
+
+// Normalised into st.v[input][row] when `transposed` (the forward product), else
+// st.v[row][input].
+__device__ void store_x16(Stage& st, X16 in, float mean, float inv_std, bool transposed,
+                          int t)
+{
+    const int r = t / 4, seg = t % 4;
 #pragma unroll
     for (int b = 0; b < 16; ++b) {
-        unsigned long long word = b < 8 ? v.lo : v.hi;
+        unsigned long long word = b < 8 ? in.v.lo : in.v.hi;
         float byte = (float)((word >> (8 * (b % 8))) & 0xff);
-        float f = ok ? (byte - mean) * inv_std : 0.0f;
+        float f = in.ok ? (byte - mean) * inv_std : 0.0f;
         if (transposed) {
             st.v[16 * seg + b][r] = f;
         } else {
@@ -66,22 +83,111 @@ __device__ void stage_x16(Stage& st, const unsigned char* __restrict__ x, int ro
     }
 }
 
-// Stages rows [row0, row_end) x columns [col0, col0 + 64) of a row-major float matrix of
-// h columns, 16 bytes a thread (h a multiple of 4, m 16-byte aligned), zeros outside.
-__device__ void stage_f4(Stage& st, const float* __restrict__ m, int row0, int row_end,
-                         int col0, int h, int t)
+// x for any shape, one byte a load.
+__device__ void load_x1(float v[LOADS], const unsigned char* __restrict__ x, int row0,
+                        int row_end, int col0, int col_end, int d, float mean, int t)
 {
-    float4 v[4];
+#pragma unroll
+    for (int u = 0; u < LOADS; ++u) {
+        int i = t + u * 256, gr = row0 + i / TILE, gc = col0 + i % TILE;
+        v[u] = (gr < row_end && gc < col_end) ? (float)x[(long long)gr * d + gc] : mean;
+    }
+}
+
+__device__ void store_x1(Stage& st, const float v[LOADS], float mean, float inv_std,
+                         bool transposed, int t)
+{
+#pragma unroll
+    for (int u = 0; u < LOADS; ++u) {
+        int i = t + u * 256, r = i / TILE, c = i % TILE;
+        float f = (v[u] - mean) * inv_std;
+        if (transposed) {
+            st.v[c][r] = f;
+        } else {
+            st.v[r][c] = f;
+        }
+    }
+}
+
+// A row-major float matrix of h columns, 16 bytes a load: rows [row0, row_end) x columns
+// [col0, col0 + 64); h a multiple of 4, m 16-byte aligned.
+__device__ void load_f4(float4 v[4], const float* __restrict__ m, int row0, int row_end,
+                        int col0, int h, int t)
+{
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-        int i = t + 256 * u, row = i / 16, c4 = (i % 16) * 4, gr = row0 + row, gc = col0 + c4;
+        int i = t + 256 * u, gr = row0 + i / 16, gc = col0 + (i % 16) * 4;
         v[u] = (gr < row_end && gc < h) ? *(const float4*)(m + (long long)gr * h + gc)
                                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
+}
+
+__device__ void store_f4(Stage& st, const float4 v[4], int t)
+{
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
         int i = t + 256 * u;
         *(float4*)&st.v[i / 16][(i % 16) * 4] = v[u];
+    }
+}
+
+// The same for any h, one float a load.
+__device__ void load_f1(float v[LOADS], const float* __restrict__ m, int row0, int row_end,
+                        int col0, int h, int t)
+{
+#pragma unroll
+    for (int u = 0; u < LOADS; ++u) {
+        int i = t + u * 256, gr = row0 + i / TILE, gc = col0 + i % TILE;
+        v[u] = (gr < row_end && gc < h) ? m[(long long)gr * h + gc] : 0.0f;
+    }
+}
+
+__device__ void store_f1(Stage& st, const float v[LOADS], int t)
+{
+#pragma unroll
+    for (int u = 0; u < LOADS; ++u) {
+        int i = t + u * 256;
+        st.v[i / TILE][i % TILE] = v[u];
+    }
+}
+
+// One stage of either product: x's rows [row0, row_end) x inputs [col0, col_end) into
+// `xs` (transposed for the forward product), rows [mrow0, mrow_end) x columns
+// [j0, j0 + 64) of the h-column matrix m into `ms`.
+__device__ void stage(Stage& xs, Stage& ms, bool wide, const unsigned char* __restrict__ x,
+                      int row0, int row_end, int col0, int col_end, int d, float mean,
+                      float inv_std, bool transposed, const float* __restrict__ m,
+                      int mrow0, int mrow_end, int j0, int h, int t)
+{
+    if (wide) {
+        X16 xv = load_x16(x, row0, row_end, col0, col_end, d, t);
+        float4 mv[4];
+        load_f4(mv, m, mrow0, mrow_end, j0, h, t);
+        store_x16(xs, xv, mean, inv_std, transposed, t);
+        store_f4(ms, mv, t);
+    } else {
+        float xv[LOADS], mv[LOADS];
+        load_x1(xv, x, row0, row_end, col0, col_end, d, mean, t);
+        load_f1(mv, m, mrow0, mrow_end, j0, h, t);
+        store_x1(xs, xv, mean, inv_std, transposed, t);
+        store_f1(ms, mv, t);
+    }
+}
+
+// acc[i][j] += sum over k < n of a.v[k][4 ty + i] * b.v[k][4 tx + j]: the 4 x 4 outputs of
+// thread (tx, ty), both operands read from shared memory 16 bytes at a time.
+__device__ void accumulate(const Stage& a, const Stage& b, int n, int tx, int ty,
+                           float acc[4][4])
+{
+#pragma unroll 8
+    for (int k = 0; k < n; ++k) {
+        float4 av4 = *(const float4*)&a.v[k][4 * ty];
+        float4 bv4 = *(const float4*)&b.v[k][4 * tx];
+        float av[4] = {av4.x, av4.y, av4.z, av4.w}, bv[4] = {bv4.x, bv4.y, bv4.z, bv4.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][j] += av[i] * bv[j];
     }
 }
 
@@ -161,42 +267,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) forward_partial(
     // 16-byte loads where the shapes allow (the host aligns chunks to 16 inputs).
     const bool wide = (d & 15) == 0 && (h & 3) == 0;
     for (int k0 = k_begin; k0 < k_end; k0 += KT) {
-        if (wide) {
-            stage_x16(xs, x, r0, n, k0, min(k_end, k0 + KT), d, mean, inv_std, true, t);
-            stage_f4(ws, w1, k0, min(k_end, k0 + KT), j0, h, t);
-            __syncthreads();
-        } else {
-        // 64 rows x 64 inputs of x and 64 x 64 of W1, every load issued before the first
-        // is used (one memory round trip); consecutive threads read consecutive bytes of
-        // a row of x and consecutive floats of a row of W1.
-        float xv[LOADS], wv[LOADS];
-#pragma unroll
-        for (int u = 0; u < LOADS; ++u) {
-            int i = t + u * 256;
-            int r = i / KT, k = i % KT, gr = r0 + r, gk = k0 + k;
-            xv[u] = (gr < n && gk < k_end) ? (float)x[(long long)gr * d + gk] : mean;
-            int kw = i / TILE, j = i % TILE, gkw = k0 + kw, gj = j0 + j;
-            wv[u] = (gkw < k_end && gj < h) ? w1[(long long)gkw * h + gj] : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < LOADS; ++u) {
-            int i = t + u * 256;
-            xs.v[i % KT][i / KT] = (xv[u] - mean) * inv_std;
-            ws.v[i / TILE][i % TILE] = wv[u];
-        }
+        const int k_stop = min(k_end, k0 + KT);
+        stage(xs, ws, wide, x, r0, n, k0, k_stop, d, mean, inv_std, true, w1, k0, k_stop, j0,
+              h, t);
         __syncthreads();
-        }
-        const int kn = min(KT, k_end - k0);
-#pragma unroll 8
-        for (int k = 0; k < kn; ++k) {
-            float4 a = *(const float4*)&xs.v[k][4 * ty];
-            float4 b = *(const float4*)&ws.v[k][4 * tx];
-            float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) acc[i][j] += av[i] * bv[j];
-        }
+        accumulate(xs, ws, k_stop - k0, tx, ty, acc);
         __syncthreads();
     }
 #pragma unroll
@@ -375,39 +450,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) update(
             for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
         const bool wide = (d & 15) == 0 && (h & 3) == 0;
         for (int r0 = r_begin; r0 < r_end; r0 += KT) {
-            if (wide) {
-                stage_x16(xs, x, r0, min(r_end, r0 + KT), k0, d, d, mean, inv_std, false, t);
-                stage_f4(gs, dh, r0, min(r_end, r0 + KT), j0, h, t);
-                __syncthreads();
-            } else {
-            // As in forward_partial: every load of the stage in flight at once.
-            float xv[LOADS], gv[LOADS];
-#pragma unroll
-            for (int u = 0; u < LOADS; ++u) {
-                int i = t + u * 256;
-                int r = i / TILE, c2 = i % TILE, gr = r0 + r, gk = k0 + c2, gj = j0 + c2;
-                xv[u] = (gr < r_end && gk < d) ? (float)x[(long long)gr * d + gk] : mean;
-                gv[u] = (gr < r_end && gj < h) ? dh[(long long)gr * h + gj] : 0.0f;
-            }
-#pragma unroll
-            for (int u = 0; u < LOADS; ++u) {
-                int i = t + u * 256;
-                xs.v[i / TILE][i % TILE] = (xv[u] - mean) * inv_std;
-                gs.v[i / TILE][i % TILE] = gv[u];
-            }
+            const int r_stop = min(r_end, r0 + KT);
+            stage(xs, gs, wide, x, r0, r_stop, k0, d, d, mean, inv_std, false, dh, r0, r_stop,
+                  j0, h, t);
             __syncthreads();
-            }
-            const int rn = min(KT, r_end - r0);
-#pragma unroll 8
-            for (int r = 0; r < rn; ++r) {
-                float4 a = *(const float4*)&xs.v[r][4 * ty];
-                float4 b = *(const float4*)&gs.v[r][4 * tx];
-                float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) acc[i][j] += av[i] * bv[j];
-            }
+            accumulate(xs, gs, r_stop - r0, tx, ty, acc);
             __syncthreads();
         }
         if (row_splits == 1) {
