@@ -37,6 +37,7 @@ pub mod dataset;
 pub mod device;
 mod error;
 pub mod gen;
+pub mod interop;
 pub mod loader;
 pub mod pagecache;
 pub mod report;

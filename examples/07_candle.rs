@@ -1,0 +1,65 @@
+//! 07: a candle model trained on stokehold's batches.
+//!
+//! A one-hidden-layer MLP built with candle-nn (the same shape and learning rate as
+//! `stokehold train`'s built-in step) learns `datasets/digits` for 10 epochs; each
+//! batch reaches candle as tensors through `stokehold::interop::candle`.
+//!
+//! ```sh
+//! cargo run --release --features candle --example 07_candle
+//! ```
+//!
+//! It runs on candle's CPU device: stokehold's candle feature builds candle without its
+//! `cuda` feature, which needs the CUDA toolkit (nvcc) at build time.
+
+use candle_core::{DType, Device, Module, D};
+use candle_nn::{linear, loss, Optimizer, VarBuilder, VarMap, SGD};
+use stokehold::interop::candle::tensors;
+use stokehold::train::Normalize;
+use stokehold::{Dataset, Loader, NpyDataset, Shuffle};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let device = Device::Cpu;
+    let ds = NpyDataset::open(concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits"))?;
+    // The built-in step's input normalisation, fitted on the first 512 samples.
+    let probe: Vec<u64> = (0..512).collect();
+    let (mut x, mut y) = (vec![0u8; 512 * 64], vec![0u8; 512 * 8]);
+    ds.gather(0, &probe, &mut [&mut x, &mut y])?;
+    let norm = Normalize::fit(&x);
+    let mut loader = Loader::builder(ds)
+        .batch_size(256)
+        .shuffle(Shuffle::Full { seed: 0 })
+        .workers(2)
+        .build()?;
+
+    let vars = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, &device);
+    let (hidden, out) = (
+        linear(64, 64, vb.pp("hidden"))?,
+        linear(64, 10, vb.pp("out"))?,
+    );
+    let mut sgd = SGD::new(vars.all_vars(), 0.1)?;
+    for epoch in 0..10 {
+        let (mut loss_sum, mut correct, mut seen) = (0.0f64, 0.0f64, 0usize);
+        for batch in loader.epoch(epoch)? {
+            let batch = batch?;
+            let t = tensors(&batch, &device)?; // [n, 8, 8] u8, [n] i64
+            let x = t[0].flatten_from(1)?.to_dtype(DType::F32)?;
+            let x = x.affine(norm.inv_std as f64, -(norm.mean * norm.inv_std) as f64)?;
+            let y = t[1].to_dtype(DType::U32)?;
+            let logits = out.forward(&hidden.forward(&x)?.relu()?)?;
+            let l = loss::cross_entropy(&logits, &y)?;
+            sgd.backward_step(&l)?;
+            let n = batch.len();
+            loss_sum += l.to_scalar::<f32>()? as f64 * n as f64;
+            let hits = logits.argmax(D::Minus1)?.eq(&y)?.to_dtype(DType::F32)?;
+            correct += hits.sum_all()?.to_scalar::<f32>()? as f64;
+            seen += n;
+        }
+        println!(
+            "epoch {epoch}: loss {:.4} accuracy {:.3}",
+            loss_sum / seen as f64,
+            correct / seen as f64
+        );
+    }
+    Ok(())
+}
