@@ -64,7 +64,15 @@ fn example_07_trains_a_candle_model_as_well_as_the_built_in_step() {
         .parent()
         .unwrap()
         .join("examples/07_candle");
-    let out = std::process::Command::new(&example).output().unwrap();
+    // With `--test candle` alone cargo does not build examples: `.ci/run` builds it first.
+    let out = std::process::Command::new(&example)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "{}: {e}; build it with `cargo build --features candle --example 07_candle`",
+                example.display()
+            )
+        });
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
