@@ -410,7 +410,7 @@ extern "C" __global__ void row_tail(
     }
 }
 
-// update, small part: 32 outputs per block of 8 warps.
+// update, small part: SMALL outputs per block of 8 warps, one per lane (so 32).
 #define SMALL 32
 
 // Blocks [0, w1_blocks): the W1 step, W1[k][j] -= lr * sum_r norm(x[r][k]) * dh[r][j],
@@ -509,7 +509,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) update(
     // 32 consecutive outputs per block, one per lane; the 8 warps split the samples and
     // their sums are added in warp order.
     const long long outputs = (long long)h + (long long)h * c + c;
-    const long long o = (long long)(block - w1_blocks) * 32 + t % 32;
+    const long long o = (long long)(block - w1_blocks) * SMALL + t % SMALL;
     const int lane = t % 32, warp = t / 32;
     float v = 0.0f;
     if (o < outputs) {
@@ -547,6 +547,19 @@ extern "C" __global__ void __launch_bounds__(256, 2) update(
 // The device cache moves rows in units of 16, 8 or 1 bytes (`unit`, chosen by the host:
 // the largest that divides the row size; every base address is 256-byte aligned).
 
+// Copies `unit` bytes (16, 8 or 1) from element `from` of `src` to element `to` of `dst`.
+__device__ void copy_unit(const unsigned char* __restrict__ src, long long from,
+                          unsigned char* __restrict__ dst, long long to, int unit)
+{
+    if (unit == 16) {
+        ((u128*)dst)[to] = ((const u128*)src)[from];
+    } else if (unit == 8) {
+        ((unsigned long long*)dst)[to] = ((const unsigned long long*)src)[from];
+    } else {
+        dst[to] = src[from];
+    }
+}
+
 // Device cache: copy row k of a batch column into the dataset-sized cache at idx[k],
 // `unit` bytes per thread (rows * row_bytes / unit threads).
 extern "C" __global__ void scatter_rows(
@@ -555,17 +568,8 @@ extern "C" __global__ void scatter_rows(
 {
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     long long units = row_bytes / unit;
-    if (i >= rows * units) {
-        return;
-    }
-    long long r = i / units, o = i % units;
-    long long at = (long long)idx[r] * units + o;
-    if (unit == 16) {
-        ((u128*)cache)[at] = ((const u128*)batch)[i];
-    } else if (unit == 8) {
-        ((unsigned long long*)cache)[at] = ((const unsigned long long*)batch)[i];
-    } else {
-        cache[at] = batch[i];
+    if (i < rows * units) {
+        copy_unit(batch, i, cache, (long long)idx[i / units] * units + i % units, unit);
     }
 }
 
@@ -576,16 +580,7 @@ extern "C" __global__ void gather_rows(
 {
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     long long units = row_bytes / unit;
-    if (i >= rows * units) {
-        return;
-    }
-    long long r = i / units, o = i % units;
-    long long at = (long long)idx[r] * units + o;
-    if (unit == 16) {
-        ((u128*)batch)[i] = ((const u128*)cache)[at];
-    } else if (unit == 8) {
-        ((unsigned long long*)batch)[i] = ((const unsigned long long*)cache)[at];
-    } else {
-        batch[i] = cache[at];
+    if (i < rows * units) {
+        copy_unit(cache, (long long)idx[i / units] * units + i % units, batch, i, unit);
     }
 }

@@ -2,6 +2,8 @@
 //! trained end to end.
 #![cfg(feature = "candle")]
 
+mod common;
+
 use candle_core::{DType as CDType, Device};
 use stokehold::interop::candle::{column, tensors};
 use stokehold::{DType, Loader, NpyDataset, Shuffle, TokenDataset, Windows};
@@ -57,13 +59,7 @@ fn token_ids_widen_to_u32() {
 #[test]
 fn example_07_trains_a_candle_model_as_well_as_the_built_in_step() {
     // `cargo test --features candle` builds the example next to this binary's directory.
-    let exe = std::env::current_exe().unwrap();
-    let example = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples/07_candle");
+    let example = common::example("07_candle");
     // With `--test candle` alone cargo does not build examples: `.ci/run` builds it first.
     let out = std::process::Command::new(&example)
         .output()

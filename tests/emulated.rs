@@ -592,13 +592,7 @@ fn bench_measures_its_gpu_figures_on_the_cuda_backend() {
 fn the_cuda_example_runs_a_users_kernel() {
     let Some(dir) = emulator() else { return };
     // Examples are built by `cargo test`, next to this binary's directory.
-    let exe = std::env::current_exe().unwrap();
-    let example = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples/05_cuda_kernel");
+    let example = common::example("05_cuda_kernel");
     if !example.exists() {
         println!("skipping: {} is not built", example.display());
         return;

@@ -123,3 +123,13 @@ pub fn skip_gpu(reason: &str) {
     );
     println!("skipping GPU test: {reason}");
 }
+
+/// Where `cargo test` builds example `name`: beside this test binary's directory.
+pub fn example(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let deps = exe.parent().expect("target/<profile>/deps");
+    deps.parent()
+        .expect("target/<profile>")
+        .join("examples")
+        .join(name)
+}
