@@ -151,6 +151,13 @@ __device__ void store_f1(Stage& st, const float v[LOADS], int t)
     }
 }
 
+// Whether a product's tiles can move 16 bytes a thread: rows of x a multiple of 16
+// bytes, rows of the float matrix a multiple of 4 floats (the host aligns chunks to 16).
+__device__ bool wide_tiles(int d, int h)
+{
+    return (d & 15) == 0 && (h & 3) == 0;
+}
+
 // One stage of either product: x's rows [row0, row_end) x inputs [col0, col_end) into
 // `xs` (transposed for the forward product), rows [mrow0, mrow_end) x columns
 // [j0, j0 + 64) of the h-column matrix m into `ms`.
@@ -259,13 +266,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) forward_partial(
     const int r0 = blockIdx.y * TILE, j0 = blockIdx.x * TILE, s = blockIdx.z;
     const int k_begin = s * chunk;
     const int k_end = min(d, k_begin + chunk);
-    float acc[4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
-    // 16-byte loads where the shapes allow (the host aligns chunks to 16 inputs).
-    const bool wide = (d & 15) == 0 && (h & 3) == 0;
+    float acc[4][4] = {};
+    const bool wide = wide_tiles(d, h);
     for (int k0 = k_begin; k0 < k_end; k0 += KT) {
         const int k_stop = min(k_end, k0 + KT);
         stage(xs, ws, wide, x, r0, n, k0, k_stop, d, mean, inv_std, true, w1, k0, k_stop, j0,
@@ -443,12 +445,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) update(
         const int k0 = (tile / tiles_j) * TILE, j0 = (tile % tiles_j) * TILE;
         const int tx = t % 16, ty = t / 16;
         const int r_begin = split * rows_per, r_end = min(n, r_begin + rows_per);
-        float acc[4][4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
-        const bool wide = (d & 15) == 0 && (h & 3) == 0;
+        float acc[4][4] = {};
+        const bool wide = wide_tiles(d, h);
         for (int r0 = r_begin; r0 < r_end; r0 += KT) {
             const int r_stop = min(r_end, r0 + KT);
             stage(xs, gs, wide, x, r0, r_stop, k0, d, d, mean, inv_std, false, dh, r0, r_stop,
@@ -485,11 +483,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) update(
         if (last) {
             __threadfence();
             // The tile's partials, added in split order.
-            float g[4][4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) g[i][j] = 0.0f;
+            float g[4][4] = {};
 #pragma unroll 8
             for (int q = 0; q < row_splits; ++q) {
 #pragma unroll

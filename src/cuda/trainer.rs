@@ -34,6 +34,13 @@ pub struct CudaTrainer {
 /// What a captured cached epoch depends on: its batches and the last one's samples.
 type EpochShape = (u64, usize);
 
+fn shape_of(order: &EpochOrder) -> EpochShape {
+    (
+        order.batches(),
+        order.batch_len(order.batches().saturating_sub(1)),
+    )
+}
+
 /// The model on the device and the kernels that train it, enqueued on `stream`.
 struct Step {
     stream: Arc<CudaStream>,
@@ -224,10 +231,7 @@ impl CudaTrainer {
     /// # Errors
     /// A driver error; the stream is left out of capture mode.
     fn capture_cached_epoch(&mut self, order: &EpochOrder) -> Result<()> {
-        let shape: EpochShape = (
-            order.batches(),
-            order.batch_len(order.batches().saturating_sub(1)),
-        );
+        let shape = shape_of(order);
         if self.graph.as_ref().is_some_and(|(s, _)| *s == shape) {
             return Ok(());
         }
@@ -286,32 +290,16 @@ impl CudaTrainer {
             Some(_) => Some(marks_for(&mut self.marks, self.feeder.cuda(), n)?),
             None => None,
         };
-        let shape: EpochShape = (
-            order.batches(),
-            order.batch_len(order.batches().saturating_sub(1)),
-        );
-        if let (None, Some((s, graph))) = (&trace, &self.graph) {
-            if *s == shape {
-                // The whole epoch in one launch (traced epochs launch one by one, to place
-                // their events).
-                graph.launch().map_err(cuda_err)?;
-                let mut samples = 0;
-                for b in 0..order.batches() {
-                    samples += order.batch_len(b) as u64;
-                    progress(order.batch_len(b) as u64, 0.0);
-                }
-                let mut out = EpochOutcome {
-                    metrics: self.step.read_metrics(samples)?,
-                    wall: start.elapsed(),
-                    batches: order.batches(),
-                    ..EpochOutcome::default()
-                };
-                out.stages.compute = out.wall;
-                return Ok(out);
-            }
-        }
+        // The whole epoch in one launch where a graph of its shape was captured; traced
+        // epochs launch batch by batch, to place their events.
+        let graph = match (&trace, &self.graph) {
+            (None, Some((shape, g))) if *shape == shape_of(order) => Some(g),
+            _ => None,
+        };
         let t0 = std::time::Instant::now();
-        if let Some((origin, _)) = &marks {
+        if let Some(g) = graph {
+            g.launch().map_err(cuda_err)?;
+        } else if let Some((origin, _)) = &marks {
             origin.record(&stream).map_err(cuda_err)?;
         }
         let mark = |b: usize, i: usize| match &marks {
@@ -321,11 +309,13 @@ impl CudaTrainer {
         let (mut batches, mut samples) = (0, 0);
         for b in 0..order.batches() {
             let rows = order.batch_len(b);
-            mark(b as usize, 0)?;
-            let db = cache.gather(&self.step.kernels, &stream, order.epoch(), b, rows)?;
-            mark(b as usize, 1)?;
-            self.step.enqueue(&db)?;
-            mark(b as usize, 2)?;
+            if graph.is_none() {
+                mark(b as usize, 0)?;
+                let db = cache.gather(&self.step.kernels, &stream, order.epoch(), b, rows)?;
+                mark(b as usize, 1)?;
+                self.step.enqueue(&db)?;
+                mark(b as usize, 2)?;
+            }
             batches += 1;
             samples += rows as u64;
             progress(rows as u64, 0.0);
