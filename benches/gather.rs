@@ -7,7 +7,6 @@
 use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use indicatif::ProgressBar;
 use stokehold::bench::{loader_epoch, roofline_pass};
 use stokehold::gen::{self, ClassificationSpec};
 use stokehold::{pagecache, Dataset, Loader, NpyDataset, Order, Permutation, Shard, Shuffle};
@@ -22,7 +21,7 @@ fn gather(c: &mut Criterion) {
         samples: SAMPLES,
         ..ClassificationSpec::default()
     };
-    gen::classification(dir.path(), &spec, &ProgressBar::hidden()).expect("dataset written");
+    gen::classification(dir.path(), &spec, &|_| {}).expect("dataset written");
     let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(dir.path()).expect("dataset opens"));
     pagecache::read_ahead(ds.as_ref()).expect("read-ahead");
 

@@ -63,7 +63,7 @@ fn main() -> stokehold::Result<()> {
         .workers(2)
         .build()?;
     let mut w = vec![0f32; CLASSES * (inputs + 1)];
-    let mut report = TrainReport::new("softmax regression (cpu)", path, ds.as_ref());
+    let mut report = TrainReport::new("softmax regression (cpu)", path, &loader);
     report.setup = Setup::of_loader(&loader);
     pagecache::evict(ds.as_ref())?;
     for epoch in 0..5 {

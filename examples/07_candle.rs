@@ -14,7 +14,7 @@
 use candle_core::{DType, Device, Module, D};
 use candle_nn::{linear, loss, Optimizer, VarBuilder, VarMap, SGD};
 use stokehold::interop::candle::tensors;
-use stokehold::train::Normalize;
+use stokehold::model::Normalize;
 use stokehold::{Dataset, Loader, NpyDataset, Shuffle};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

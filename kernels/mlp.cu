@@ -292,7 +292,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) forward_partial(
 
 // Sample r = blockIdx.x: hid = relu(b1 + sum_s part[s][r]); z = hid W2 + b2; softmax
 // cross-entropy against y[r] (loss and correct predictions accumulated on the device; a
-// label outside 0..c sets *bad to 1 + r and contributes nothing); z becomes dz =
+// label outside 0..c contributes nothing; the first such sample to get there sets bad[0]
+// to 1 + r and bad[1] to its label); z becomes dz =
 // (softmax - onehot) / n; dh = (dz W2^T) where hid > 0, else 0.
 extern "C" __global__ void row_tail(
     const float* __restrict__ part, int splits, const float* __restrict__ b1,
@@ -300,7 +301,7 @@ extern "C" __global__ void row_tail(
     const long long* __restrict__ y, float* __restrict__ hid, float* __restrict__ z,
     float* __restrict__ dh, int n, int h, int c,
     double* __restrict__ loss_sum, unsigned long long* __restrict__ correct,
-    int* __restrict__ bad)
+    unsigned long long* __restrict__ bad)
 {
     __shared__ float red[CC][TAIL];
     __shared__ float group[GROUPS][64];
@@ -372,7 +373,9 @@ extern "C" __global__ void row_tail(
     }
     if (t == 0) {
         if (label < 0 || label >= c) {
-            atomicCAS(bad, 0, r + 1);
+            if (atomicCAS(bad, 0ull, (unsigned long long)(r + 1)) == 0ull) {
+                bad[1] = (unsigned long long)label;
+            }
             for (int q = 0; q < c; ++q) zr[q] = 0.0f;
         } else {
             float mx = zr[0];

@@ -159,6 +159,13 @@ pub enum NpyProblem {
     },
 }
 
+impl From<cudarc::driver::DriverError> for Error {
+    /// A failed CUDA driver call, as [`Error::Cuda`] with the driver's message.
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        Error::Cuda(e.to_string())
+    }
+}
+
 impl Error {
     pub(crate) fn io(path: impl Into<PathBuf>, source: io::Error) -> Self {
         Error::Io {

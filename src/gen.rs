@@ -5,7 +5,6 @@
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
 
-use indicatif::ProgressBar;
 use memmap2::MmapMut;
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{Rng, RngExt, SeedableRng};
@@ -13,7 +12,7 @@ use rayon::prelude::*;
 
 use crate::dataset::{shape_string, DType};
 use crate::error::{Error, Result};
-use crate::sampler::mix;
+use crate::util::mix;
 
 /// The header of a version 1.0 `.npy` file holding a C-order array, padded so the data
 /// starts at a multiple of 64 bytes, as NumPy does.
@@ -103,6 +102,28 @@ impl NpyWriter {
     }
 }
 
+/// Where `stokehold train` and `bench` make their default dataset.
+pub const DEFAULT_DATA: &str = "data/cifar";
+
+/// Whether `dir` is [`DEFAULT_DATA`] and lacks its files: the command then makes it with
+/// [`ClassificationSpec::default`]. Any other missing directory is left alone, so that
+/// opening it fails with an error naming it, rather than 600 MB being generated into a
+/// mistyped path.
+pub fn default_missing(dir: &Path) -> bool {
+    dir == Path::new(DEFAULT_DATA) && !(dir.join("x.npy").is_file() && dir.join("y.npy").is_file())
+}
+
+/// A sample shape such as `3x32x32` (or `3,32,32`).
+///
+/// # Errors
+/// [`Error::Config`] naming the text when a dimension is not a number.
+pub fn parse_shape(s: &str) -> Result<Vec<u64>> {
+    s.split(['x', 'X', ','])
+        .map(|d| d.trim().parse::<u64>())
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|_| Error::Config(format!("bad shape {s:?}: expected numbers such as 3x32x32")))
+}
+
 /// What [`classification`] writes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClassificationSpec {
@@ -134,7 +155,8 @@ impl Default for ClassificationSpec {
 /// Writes a learnable classification set to `dir/x.npy` (u8, `(samples, *shape)`) and
 /// `dir/y.npy` (i64 labels): each class has a random prototype image and each sample is
 /// its class's prototype plus uniform noise. Deterministic in the spec, whatever the
-/// thread count. Returns the two paths.
+/// thread count. `progress(n)` is called, from any thread, as each run of `n` samples is
+/// written. Returns the two paths.
 ///
 /// # Errors
 /// [`Error::Config`] for zero samples or classes, more than 256 classes or an empty
@@ -142,7 +164,7 @@ impl Default for ClassificationSpec {
 pub fn classification(
     dir: impl AsRef<Path>,
     spec: &ClassificationSpec,
-    progress: &ProgressBar,
+    progress: &(dyn Fn(u64) + Sync),
 ) -> Result<(PathBuf, PathBuf)> {
     let dir = dir.as_ref();
     if spec.samples == 0 || spec.classes == 0 || spec.classes > 256 {
@@ -165,7 +187,6 @@ pub fn classification(
     x_shape.extend_from_slice(&spec.shape);
     let mut x = NpyWriter::create(dir.join("x.npy"), DType::U8, &x_shape)?;
     let mut y = NpyWriter::create(dir.join("y.npy"), DType::I64, &[spec.samples])?;
-    progress.set_length(spec.samples);
     const CHUNK: usize = 512;
     let noise = spec.noise as i32;
     x.data_mut()
@@ -189,11 +210,10 @@ pub fn classification(
                     *out = v.clamp(0, 255) as u8;
                 }
             }
-            progress.inc((xs.len() / row) as u64);
+            progress((xs.len() / row) as u64);
         });
     let x = x.finish()?;
     let y = y.finish()?;
-    progress.finish();
     Ok((x, y))
 }
 
@@ -236,4 +256,15 @@ pub fn token_stream(path: impl AsRef<Path>, tokens: u64, vocab: u32, seed: u64) 
     }
     map.flush().map_err(|e| Error::io(path, e))?;
     Ok(path.to_path_buf())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn shapes_parse_and_bad_ones_are_named() {
+        assert_eq!(super::parse_shape("3x32X32").unwrap(), vec![3, 32, 32]);
+        assert_eq!(super::parse_shape("1,8").unwrap(), vec![1, 8]);
+        let err = super::parse_shape("3xq").unwrap_err().to_string();
+        assert!(err.contains("\"3xq\""), "{err}");
+    }
 }

@@ -30,20 +30,34 @@
 
 #![warn(missing_docs)]
 
-pub mod bench;
-pub mod cpu;
-pub mod cuda;
-pub mod dataset;
-pub mod device;
+// The layers, each importing only from those above it in this list (see the README's
+// "Design in brief"):
+// L0: error, util
 mod error;
+mod util;
+// L1: the data, its order, the model's math
+pub mod dataset;
 pub mod gen;
+pub mod model;
+pub mod sampler;
+// L2: reading it
 pub mod interop;
 pub mod loader;
 pub mod pagecache;
+// L3: what pipelines measure
+pub mod telemetry;
+// L4: the backends and their interface
+mod backend;
+pub mod cpu;
+pub mod cuda;
+// L5: choosing a backend; reports
+pub mod device;
 pub mod report;
-pub mod sampler;
+// L6: the training job and the benchmarks
+pub mod bench;
 pub mod train;
 
+pub use backend::{check_columns, Trainer};
 pub use dataset::{
     Column, DType, Dataset, Element, MappedFile, NpyArray, NpyDataset, NpyHeader, TokenDataset,
     Windows,
@@ -54,3 +68,4 @@ pub use loader::{
     LoaderBuilder, LoaderState, PlainAlloc, Startup, DEFAULT_PREFETCH_BYTES,
 };
 pub use sampler::{EpochOrder, Order, Permutation, Shard, ShardTail, Shuffle};
+pub use util::megabytes;

@@ -4,16 +4,13 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys};
 
+use crate::backend::Trainer;
 use crate::cuda::{Cuda, CudaTrainer, Feeder, Kernels, PinnedAlloc, PinnedKind};
 use crate::dataset::Dataset;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::loader::{HostAlloc, Loader};
+use crate::model::{Mlp, MlpConfig, Normalize};
 use crate::sampler::Shuffle;
-use crate::train::{Mlp, MlpConfig, Normalize};
-
-fn cuda_err(e: cudarc::driver::DriverError) -> Error {
-    Error::Cuda(e.to_string())
-}
 
 /// Host-to-device bandwidth figures, GB/s (1e9 bytes).
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -109,47 +106,39 @@ pub struct GpuBench {
 
 /// GB/s of `reps` copies of `src` into a device buffer, timed with events.
 fn copy_loop(cuda: &Cuda, src: &[u8], reps: usize) -> Result<f64> {
-    let stream = cuda.ctx.new_stream().map_err(cuda_err)?;
-    let dst = stream
-        .alloc_zeros::<u8>(src.len().max(1))
-        .map_err(cuda_err)?;
+    let stream = cuda.ctx.new_stream()?;
+    let dst = stream.alloc_zeros::<u8>(src.len().max(1))?;
     let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let (a, b) = (
-        cuda.ctx.new_event(timing).map_err(cuda_err)?,
-        cuda.ctx.new_event(timing).map_err(cuda_err)?,
-    );
+    let (a, b) = (cuda.ctx.new_event(timing)?, cuda.ctx.new_event(timing)?);
     let ptr = {
         use cudarc::driver::DevicePtr;
         dst.device_ptr(&stream).0
     };
     // One untimed copy first.
     // SAFETY: `dst` holds `src.len()` bytes; `src` outlives the synchronisation below.
-    unsafe { result::memcpy_htod_async(ptr, src, stream.cu_stream()) }.map_err(cuda_err)?;
-    a.record(&stream).map_err(cuda_err)?;
+    unsafe { result::memcpy_htod_async(ptr, src, stream.cu_stream()) }?;
+    a.record(&stream)?;
     for _ in 0..reps {
         // SAFETY: as above.
-        unsafe { result::memcpy_htod_async(ptr, src, stream.cu_stream()) }.map_err(cuda_err)?;
+        unsafe { result::memcpy_htod_async(ptr, src, stream.cu_stream()) }?;
     }
-    b.record(&stream).map_err(cuda_err)?;
-    b.synchronize().map_err(cuda_err)?;
-    let ms = a.elapsed_ms(&b).map_err(cuda_err)? as f64;
+    b.record(&stream)?;
+    b.synchronize()?;
+    let ms = a.elapsed_ms(&b)? as f64;
     Ok((src.len() * reps) as f64 / (ms / 1e3) / 1e9)
 }
 
 /// GB/s of copies from `ring` pinned buffers of `n` bytes in turn, each rewritten on the
 /// host just before its copy and each copy waited for, timed by its own event pair.
 fn fresh_loop(cuda: &Cuda, n: usize, ring: usize) -> Result<f64> {
-    let stream = cuda.ctx.new_stream().map_err(cuda_err)?;
-    let dst = stream.alloc_zeros::<u8>(n.max(1)).map_err(cuda_err)?;
+    let stream = cuda.ctx.new_stream()?;
+    let dst = stream.alloc_zeros::<u8>(n.max(1))?;
     let ptr = {
         use cudarc::driver::DevicePtr;
         dst.device_ptr(&stream).0
     };
     let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let (a, b) = (
-        cuda.ctx.new_event(timing).map_err(cuda_err)?,
-        cuda.ctx.new_event(timing).map_err(cuda_err)?,
-    );
+    let (a, b) = (cuda.ctx.new_event(timing)?, cuda.ctx.new_event(timing)?);
     let bufs = (0..ring)
         .map(|_| pinned_bytes(cuda, PinnedKind::Plain, n))
         .collect::<Result<Vec<_>>>()?;
@@ -160,15 +149,14 @@ fn fresh_loop(cuda: &Cuda, n: usize, ring: usize) -> Result<f64> {
             // waited for, so nothing reads it while it is rewritten.
             let bytes = unsafe { std::slice::from_raw_parts_mut(m.as_ptr(), m.len()) };
             bytes.fill(pass.wrapping_add(i as u8));
-            a.record(&stream).map_err(cuda_err)?;
+            a.record(&stream)?;
             // SAFETY: `dst` holds `n` bytes; the copy is waited for below, before the
             // buffer is touched again or freed.
-            unsafe { result::memcpy_htod_async(ptr, &bytes[..], stream.cu_stream()) }
-                .map_err(cuda_err)?;
-            b.record(&stream).map_err(cuda_err)?;
-            b.synchronize().map_err(cuda_err)?;
+            unsafe { result::memcpy_htod_async(ptr, &bytes[..], stream.cu_stream()) }?;
+            b.record(&stream)?;
+            b.synchronize()?;
             if pass == 1 {
-                ms += a.elapsed_ms(&b).map_err(cuda_err)? as f64;
+                ms += a.elapsed_ms(&b)? as f64;
             }
         }
     }
@@ -255,7 +243,7 @@ pub fn run(
             mean: 0.0,
             inv_std: 1.0 / 255.0,
         };
-        let t = CudaTrainer::new(
+        let mut t = CudaTrainer::new(
             cuda.clone(),
             kernels.clone(),
             &mlp,

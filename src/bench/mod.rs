@@ -6,17 +6,19 @@
 //! recycling, in-order delivery, waking the consumer) shows as the gap between the two.
 
 pub mod gpu;
+mod text;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::dataset::Dataset;
+use crate::dataset::{Dataset, NpyDataset};
+use crate::device::Device;
 use crate::error::Result;
 use crate::loader::{BatchLayout, EpochStats, Loader};
+use crate::model::{fit_classifier, Normalize};
 use crate::pagecache::{self, Residency};
 use crate::sampler::{Order, Shard, Shuffle};
-use crate::train::Normalize;
 
 /// What to measure.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -337,7 +339,7 @@ pub struct CpuOverlap {
 
 /// Measures [`CpuOverlap`] on `dataset` (column 0 `u8` inputs, column 1 `i64` labels
 /// below `classes`), normalising inputs with `norm` (see
-/// [`fit_classifier`](crate::train::fit_classifier)).
+/// [`fit_classifier`](crate::model::fit_classifier)).
 ///
 /// # Errors
 /// Loader, dataset and step errors; [`Error::Config`](crate::Error::Config) for columns
@@ -347,8 +349,9 @@ pub fn overlap_cpu(
     cfg: &BenchConfig,
     (norm, classes): (Normalize, usize),
 ) -> Result<CpuOverlap> {
+    use crate::backend::Trainer;
     use crate::cpu::CpuTrainer;
-    use crate::train::{Mlp, MlpConfig};
+    use crate::model::{Mlp, MlpConfig};
 
     let mut loader = build(&dataset, cfg, Shuffle::Full { seed: cfg.seed })?;
     let inputs = dataset.columns()[0].row_bytes;
@@ -368,7 +371,7 @@ pub fn overlap_cpu(
     let mut epoch = 0;
     loop {
         let mut t = trainer(hidden)?;
-        let out = t.train_epoch(loader.epoch(epoch)?)?;
+        let out = t.train(&mut loader, epoch, &mut |_, _| {})?;
         epoch += 1;
         if out.stages.compute.as_secs_f64() >= out.stages.gather.as_secs_f64() / workers
             || hidden >= 1024
@@ -378,12 +381,12 @@ pub fn overlap_cpu(
         hidden *= 2;
     }
     let mut t = trainer(hidden)?;
-    let (mut best_over, mut best_ser) = (None::<crate::cpu::EpochOutcome>, f64::INFINITY);
+    let (mut best_over, mut best_ser) = (None::<crate::telemetry::EpochOutcome>, f64::INFINITY);
     for _ in 0..2 {
-        t.set_serial(false);
-        let o = t.train_epoch(loader.epoch(epoch)?)?;
-        t.set_serial(true);
-        let s = t.train_epoch(loader.epoch(epoch)?)?;
+        t.set_serial(false)?;
+        let o = t.train(&mut loader, epoch, &mut |_, _| {})?;
+        t.set_serial(true)?;
+        let s = t.train(&mut loader, epoch, &mut |_, _| {})?;
         epoch += 1;
         if best_over.as_ref().map_or(true, |b| o.wall < b.wall) {
             best_over = Some(o);
@@ -405,4 +408,40 @@ pub fn overlap_cpu(
         speedup: best_ser / o.wall.as_secs_f64(),
         overlapped_vs_slowest: o.wall.as_secs_f64() / slowest.max(1e-9),
     })
+}
+
+/// Everything `stokehold bench` measures on the classification set in `data` (`x.npy`
+/// `u8` inputs, `y.npy` `i64` labels): the loader against its roofline, cold epochs,
+/// the CPU backend's overlap, and the GPU figures where a GPU is usable (else the
+/// reason). `log` hears what is being measured, a line at a time.
+///
+/// # Errors
+/// Any error of the dataset, the loader, the page-cache calls or the backends.
+pub fn measure(
+    data: &std::path::Path,
+    cfg: &BenchConfig,
+    log: &mut dyn FnMut(&str),
+) -> Result<BenchReport> {
+    let ds = NpyDataset::open(data)?;
+    let fitted = fit_classifier(&ds)?;
+    let ds: Arc<dyn Dataset> = Arc::new(ds);
+    log(&format!(
+        "bench: {} samples, batch {}, {} workers, prefetch {}, {} reps{}",
+        ds.len(),
+        cfg.batch,
+        cfg.workers,
+        cfg.prefetch.map_or("default".into(), |p| p.to_string()),
+        cfg.reps,
+        if cfg.cold { ", then cold epochs" } else { "" }
+    ));
+    let mut report = run(Arc::clone(&ds), cfg)?;
+    report.cpu_overlap = Some(overlap_cpu(Arc::clone(&ds), cfg, fitted)?);
+    match Device::auto() {
+        Device::Cuda(c) => {
+            log(&format!("bench: GPU figures on {}", c.name));
+            report.gpu = Some(gpu::run(&c, ds, cfg.batch, cfg.workers)?);
+        }
+        Device::Cpu { reason } => report.gpu_skipped = reason,
+    }
+    Ok(report)
 }

@@ -7,45 +7,17 @@
 //! ring: the copy of batch `k + 1` overlaps the compute of batch `k`, as the copy and
 //! compute streams do on a GPU.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver, Sender};
 
-use crate::error::{Error, Result};
-use crate::loader::{BatchLayout, Epoch, EpochStats, HostBatch};
-use crate::report::Trace;
-use crate::train::{step, Metrics, Mlp, Normalize, Workspace};
-
-/// Time spent per stage over one epoch.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
-pub struct StageTimes {
-    /// Worker time assembling batches (summed over workers).
-    pub gather: Duration,
-    /// Time the copy stage waited for the loader.
-    pub wait_data: Duration,
-    /// Time spent copying batches into device slots.
-    pub copy: Duration,
-    /// Time spent in the training step.
-    pub compute: Duration,
-    /// Time the compute stage waited for a filled slot.
-    pub wait_copy: Duration,
-}
-
-/// What one epoch of training produced.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
-pub struct EpochOutcome {
-    /// Loss and accuracy.
-    pub metrics: Metrics,
-    /// Per-stage time.
-    pub stages: StageTimes,
-    /// The loader's view of the epoch.
-    pub loader: EpochStats,
-    /// Wall time.
-    pub wall: Duration,
-    /// Batches trained on.
-    pub batches: u64,
-}
+use crate::backend::{check_columns, Trainer};
+use crate::error::Result;
+use crate::loader::{BatchLayout, Epoch, EpochStats, HostBatch, Loader};
+use crate::model::{step, Metrics, Mlp, Normalize, Workspace};
+use crate::telemetry::{stalled, EpochOutcome, Stage, Trace, Track};
 
 /// A device slot: a batch's bytes and indices.
 struct Slot {
@@ -120,13 +92,6 @@ pub struct CpuTrainer {
 }
 
 impl CpuTrainer {
-    /// Serialised mode, the baseline of the overlap benchmark: each batch is copied and
-    /// then trained on by the calling thread, one after the other (the loader's workers
-    /// still prefetch).
-    pub fn set_serial(&mut self, serial: bool) {
-        self.serial = serial;
-    }
-
     fn train_serial(
         &mut self,
         mut epoch: Epoch<'_>,
@@ -150,23 +115,14 @@ impl CpuTrainer {
             inputs.step(model, &slot, &mut out.metrics)?;
             out.stages.compute += t.elapsed();
             out.batches += 1;
-            let elapsed = start.elapsed().as_secs_f64().max(1e-9);
             progress(
                 slot.len as u64,
-                out.stages.wait_data.as_secs_f64() / elapsed,
+                stalled(out.stages.wait_data, start.elapsed()),
             );
         }
         drop(slot);
-        out.loader = epoch.stats();
-        out.stages.gather = out.loader.gather;
-        out.wall = start.elapsed();
+        out.close(epoch.stats(), start.elapsed());
         Ok(out)
-    }
-
-    /// Records a span per batch per stage (gather on its worker, copy, wait, compute)
-    /// into `trace` from now on.
-    pub fn set_trace(&mut self, trace: Arc<Trace>) {
-        self.trace = Some(trace);
     }
 
     /// A trainer for batches of `layout`, reading inputs (`u8`) from column `x_column`
@@ -182,7 +138,7 @@ impl CpuTrainer {
         (x_column, y_column): (usize, usize),
         slots: usize,
     ) -> Result<CpuTrainer> {
-        check_columns(&mlp, layout, x_column, y_column)?;
+        check_columns(&mlp, layout, (x_column, y_column))?;
         let workspace = Workspace::new(&mlp.config, layout.batch_size());
         let slots = (0..slots.max(2))
             .map(|_| {
@@ -223,7 +179,7 @@ impl CpuTrainer {
 
     /// [`train_epoch`](CpuTrainer::train_epoch), calling `progress(samples, stalled)`
     /// after each batch with the batch's sample count and the share of time so far the
-    /// compute stage waited for data.
+    /// pipeline waited for the loader (see [`stalled`]).
     ///
     /// # Errors
     /// As [`train_epoch`](CpuTrainer::train_epoch).
@@ -255,10 +211,14 @@ impl CpuTrainer {
         } = self;
         let trace = trace.as_deref();
         let epoch_no = epoch.epoch();
-        let slots = &*slots;
+        let slots = &slots[..];
+        let waited_ns = &AtomicU64::new(0);
         let (copied, computed) = std::thread::scope(|s| {
-            let copier = s.spawn(move || copy_stage(epoch, slots, free_rx, full_tx, trace));
-            let computed = (|| {
+            let copier = s.spawn(move || {
+                let stages = (slots, free_rx, full_tx);
+                copy_stage(epoch, stages, waited_ns, trace)
+            });
+            let computed = (|| -> Result<()> {
                 let mut inputs = StepInputs::new(layout, (*x_column, *y_column));
                 loop {
                     let waited = Instant::now();
@@ -269,25 +229,21 @@ impl CpuTrainer {
                     let t = Instant::now();
                     let slot = slots[i].lock().unwrap_or_else(|e| e.into_inner());
                     if let Some(tr) = trace {
-                        tr.span(
-                            "wait for copy",
-                            "compute",
-                            (waited, t),
-                            epoch_no,
-                            slot.number,
-                        );
+                        let span = (waited, t);
+                        tr.span(Stage::WaitCopy, Track::Compute, span, epoch_no, slot.number);
                     }
                     let n = slot.len;
                     inputs.step((mlp, workspace, *norm), &slot, &mut out.metrics)?;
                     let number = slot.number;
                     drop(slot);
                     if let Some(tr) = trace {
-                        tr.span("compute", "compute", (t, Instant::now()), epoch_no, number);
+                        let span = (t, Instant::now());
+                        tr.span(Stage::Compute, Track::Compute, span, epoch_no, number);
                     }
                     out.stages.compute += t.elapsed();
                     out.batches += 1;
-                    let elapsed = start.elapsed().as_secs_f64().max(1e-9);
-                    progress(n as u64, out.stages.wait_copy.as_secs_f64() / elapsed);
+                    let wait = Duration::from_nanos(waited_ns.load(Ordering::Relaxed));
+                    progress(n as u64, stalled(wait, start.elapsed()));
                     let _ = free_tx.send(i);
                 }
             })();
@@ -300,23 +256,20 @@ impl CpuTrainer {
         });
         let (copy, wait_data, loader) = copied?;
         computed?;
-        out.stages.gather = loader.gather;
         out.stages.copy = copy;
         out.stages.wait_data = wait_data;
-        out.loader = loader;
-        out.wall = start.elapsed();
+        out.close(loader, start.elapsed());
         Ok(out)
     }
 }
 
 /// Copies each batch into a free slot, releases the loader's buffer, and hands the slot
-/// to the compute stage. Returns copy time, time waiting for the loader, and the
-/// loader's statistics.
+/// to the compute stage, adding its waits for the loader to `waited_ns` as it goes.
+/// Returns copy time, time waiting for the loader, and the loader's statistics.
 fn copy_stage(
     mut epoch: Epoch<'_>,
-    slots: &[Mutex<Slot>],
-    free: Receiver<usize>,
-    full: Sender<usize>,
+    (slots, free, full): (&[Mutex<Slot>], Receiver<usize>, Sender<usize>),
+    waited_ns: &AtomicU64,
     trace: Option<&Trace>,
 ) -> Result<(Duration, Duration, EpochStats)> {
     let epoch_no = epoch.epoch();
@@ -324,12 +277,14 @@ fn copy_stage(
     loop {
         let t = Instant::now();
         let Some(batch) = epoch.next() else { break };
-        wait += t.elapsed();
+        let waited = t.elapsed();
+        wait += waited;
+        waited_ns.fetch_add(waited.as_nanos() as u64, Ordering::Relaxed);
         let batch = batch?;
         if let Some(tr) = trace {
             tr.gather(&batch);
-            let waited = (t, t + batch.timing().waited);
-            tr.span("wait for data", "copy", waited, epoch_no, batch.number());
+            let span = (t, t + waited);
+            tr.span(Stage::WaitData, Track::Feed, span, epoch_no, batch.number());
         }
         let Ok(i) = free.recv() else { break };
         let t = Instant::now();
@@ -340,7 +295,13 @@ fn copy_stage(
         let number = batch.number();
         drop(batch);
         if let Some(tr) = trace {
-            tr.span("copy", "copy", (t, Instant::now()), epoch_no, number);
+            tr.span(
+                Stage::Copy,
+                Track::Copy,
+                (t, Instant::now()),
+                epoch_no,
+                number,
+            );
         }
         copy += t.elapsed();
         if full.send(i).is_err() {
@@ -350,29 +311,35 @@ fn copy_stage(
     Ok((copy, wait, epoch.stats()))
 }
 
-/// Checks that `x_column` holds `u8` rows of `inputs` bytes and `y_column` one `i64`.
-pub(crate) fn check_columns(mlp: &Mlp, layout: &BatchLayout, x: usize, y: usize) -> Result<()> {
-    let cols = layout.columns();
-    let (Some(xc), Some(yc)) = (cols.get(x), cols.get(y)) else {
-        return Err(Error::Config(format!(
-            "the model reads columns {x} and {y}, the dataset has {}",
-            cols.len()
-        )));
-    };
-    if xc.dtype != crate::DType::U8 || xc.row_bytes != mlp.config.inputs {
-        return Err(Error::Config(format!(
-            "column {} must hold {} uint8 values per sample, it holds {} {}",
-            xc.name,
-            mlp.config.inputs,
-            xc.row_bytes / xc.dtype.size(),
-            xc.dtype
-        )));
+impl Trainer for CpuTrainer {
+    fn train(
+        &mut self,
+        loader: &mut Loader,
+        epoch: u64,
+        progress: &mut dyn FnMut(u64, f64),
+    ) -> Result<EpochOutcome> {
+        self.train_epoch_with(loader.epoch(epoch)?, progress)
     }
-    if yc.dtype != crate::DType::I64 || yc.row_bytes != 8 {
-        return Err(Error::Config(format!(
-            "column {} must hold one int64 label per sample",
-            yc.name
-        )));
+
+    /// Spans of gather (on each worker), wait for data, copy (the copy thread), wait
+    /// for copy and compute (the compute thread).
+    fn set_trace(&mut self, trace: Arc<Trace>) {
+        self.trace = Some(trace);
     }
-    Ok(())
+
+    /// Serial: each batch is copied and then trained on by the calling thread (the
+    /// loader's workers still prefetch).
+    fn set_serial(&mut self, serial: bool) -> Result<()> {
+        self.serial = serial;
+        Ok(())
+    }
+
+    fn weights(&self) -> Result<Mlp> {
+        Ok(self.mlp.clone())
+    }
+
+    /// Nothing to pay: the step is plain host code.
+    fn warm_up(&mut self) -> Result<Duration> {
+        Ok(Duration::ZERO)
+    }
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use cudarc::driver::{result, sys, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use rayon::prelude::*;
 
-use super::feeder::{addr, cuda_err, DeviceBatch};
+use super::feeder::{addr, DeviceBatch};
 use super::kernels::Kernels;
 use super::pinned::{PinnedAlloc, PinnedKind};
 use super::Cuda;
@@ -92,7 +92,7 @@ impl DeviceCache {
             .iter()
             .map(|c| c.row_bytes as u64 * rows)
             .sum();
-        let (free, _) = cuda.ctx.mem_get_info().map_err(cuda_err)?;
+        let (free, _) = cuda.ctx.mem_get_info()?;
         if bytes as f64 > share * free as f64 {
             return Ok(None);
         }
@@ -100,16 +100,15 @@ impl DeviceCache {
             .columns()
             .iter()
             .map(|c| stream.alloc_zeros::<u8>((c.row_bytes as u64 * rows).max(1) as usize))
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(cuda_err)?;
+            .collect::<std::result::Result<Vec<_>, _>>()?;
         let n = samples.max(1) as usize;
         let host_idx = PinnedAlloc::new(Arc::clone(&cuda.ctx), PinnedKind::Plain).alloc(n * 8)?;
         Ok(Some(DeviceCache {
             stream: Arc::clone(stream),
             columns,
-            idx: stream.alloc_zeros::<u64>(n).map_err(cuda_err)?,
+            idx: stream.alloc_zeros::<u64>(n)?,
             host_idx,
-            batch: stream.alloc_zeros::<u8>(layout.bytes()).map_err(cuda_err)?,
+            batch: stream.alloc_zeros::<u8>(layout.bytes())?,
             layout: layout.clone(),
             rows,
             filled: false,
@@ -148,17 +147,14 @@ impl DeviceCache {
         let alloc = PinnedAlloc::new(Arc::clone(&cuda.ctx), PinnedKind::Plain);
         let staging = [alloc.alloc(chunk * per_row)?, alloc.alloc(chunk * per_row)?];
         let timing = Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
-        let done = [
-            cuda.ctx.new_event(timing).map_err(cuda_err)?,
-            cuda.ctx.new_event(timing).map_err(cuda_err)?,
-        ];
+        let done = [cuda.ctx.new_event(timing)?, cuda.ctx.new_event(timing)?];
         let stream = Arc::clone(&self.stream);
         let filled = (|| -> Result<()> {
             for (j, start) in (0..rows).step_by(chunk).enumerate() {
                 let m = chunk.min(rows - start);
                 let buf = &staging[j % 2];
                 // The copies that last read this buffer must be done before it is rewritten.
-                done[j % 2].synchronize().map_err(cuda_err)?;
+                done[j % 2].synchronize()?;
                 // SAFETY: the buffer holds `len()` bytes it owns; its last copies have
                 // completed (the event above), and nothing else refers to it.
                 let bytes = unsafe { std::slice::from_raw_parts_mut(buf.as_ptr(), buf.len()) };
@@ -176,15 +172,14 @@ impl DeviceCache {
                     // SAFETY: the cache column holds rows * widths[c] bytes, of which rows
                     // start..start + m are written; the pinned source stays untouched until
                     // `done[j % 2]`, recorded below, has completed.
-                    unsafe { result::memcpy_htod_async(dst, &region[..], stream.cu_stream()) }
-                        .map_err(cuda_err)?;
+                    unsafe { result::memcpy_htod_async(dst, &region[..], stream.cu_stream()) }?;
                 }
-                done[j % 2].record(&stream).map_err(cuda_err)?;
+                done[j % 2].record(&stream)?;
             }
             Ok(())
         })();
         // Whatever happened, no staging buffer is freed while a copy may read it.
-        stream.synchronize().map_err(cuda_err)?;
+        stream.synchronize()?;
         filled?;
         self.filled = true;
         Ok(())
@@ -205,7 +200,7 @@ impl DeviceCache {
     /// Uploads the indices of every batch of `order` (batch `b` at `b * batch_size`).
     pub(crate) fn upload_order(&mut self, order: &EpochOrder, stream: &CudaStream) -> Result<()> {
         // The previous epoch's copy of the host buffer must be done before it is rewritten.
-        stream.synchronize().map_err(cuda_err)?;
+        stream.synchronize()?;
         let b = self.layout.batch_size();
         let cap = self.host_idx.len() / 8;
         // SAFETY: as in `host_indices`; `&mut self` makes this the only access, and the
@@ -225,7 +220,7 @@ impl DeviceCache {
         // SAFETY: `idx` holds `cap` u64; the pinned source stays alive (owned by self)
         // and unchanged until the next `upload_order`, which synchronises first.
         unsafe { result::memcpy_htod_async(dst, &host[..used], stream.cu_stream()) }
-            .map_err(cuda_err)
+            .map_err(Error::from)
     }
 
     fn launch_rows(
@@ -256,7 +251,7 @@ impl DeviceCache {
         // every index is below len (the sampler's indices), and `unit` divides row_bytes
         // while every base address is 256-byte aligned (device allocations, and batch
         // columns at 256-byte offsets), so the kernel's 16- or 8-byte accesses are aligned.
-        unsafe { l.launch(cfg) }.map(|_| ()).map_err(cuda_err)
+        unsafe { l.launch(cfg) }.map(|_| ()).map_err(Error::from)
     }
 
     /// Enqueues the scatter of a fed batch into the cache (epoch being filled).

@@ -23,11 +23,7 @@ use cudarc::driver::{result, sys, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use super::Cuda;
 use crate::error::{Error, Result};
 use crate::loader::{BatchLayout, Epoch, EpochStats, HostBatch};
-use crate::report::Trace;
-
-pub(crate) fn cuda_err(e: cudarc::driver::DriverError) -> Error {
-    Error::Cuda(e.to_string())
-}
+use crate::telemetry::{stalled, Stage, Trace, Track};
 
 /// The device address of a slice's first element.
 pub(crate) fn addr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
@@ -169,22 +165,26 @@ impl Feeder {
         // and streams described in the module docs, so cudarc's per-slice tracking is
         // not needed.
         unsafe { ctx.disable_event_tracking() };
-        let copy = ctx.new_stream().map_err(cuda_err)?;
-        let compute = ctx.new_stream().map_err(cuda_err)?;
+        let copy = ctx.new_stream()?;
+        let compute = ctx.new_stream()?;
         let k = slots.max(2);
         // Timing on, and a host wait sleeps instead of spinning a core the loader needs.
         let timing = Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC);
         let events = |n: usize| -> Result<Vec<CudaEvent>> {
             (0..n)
-                .map(|_| ctx.new_event(timing).map_err(cuda_err))
+                .map(|_| ctx.new_event(timing).map_err(Error::from))
                 .collect()
         };
         let slots = (0..k)
-            .map(|_| compute.alloc_zeros::<u8>(layout.bytes()).map_err(cuda_err))
+            .map(|_| {
+                compute
+                    .alloc_zeros::<u8>(layout.bytes())
+                    .map_err(Error::from)
+            })
             .collect::<Result<Vec<_>>>()?;
-        compute.synchronize().map_err(cuda_err)?;
+        compute.synchronize()?;
         Ok(Feeder {
-            epoch_start: ctx.new_event(timing).map_err(cuda_err)?,
+            epoch_start: ctx.new_event(timing)?,
             slot_batch: vec![0; k],
             trace: None,
             cuda: cuda.clone(),
@@ -213,7 +213,7 @@ impl Feeder {
         self.copy = if serial {
             Arc::clone(&self.compute)
         } else {
-            self.cuda.ctx.new_stream().map_err(cuda_err)?
+            self.cuda.ctx.new_stream()?
         };
         Ok(())
     }
@@ -222,13 +222,13 @@ impl Feeder {
     /// span on the copy stream's track when tracing.
     fn copy_done(&self, k: usize, at: (Instant, u64)) -> Result<f64> {
         let pair = (&self.copy_start[k], &self.copied[k]);
-        self.device_time(pair, ("copy", "copy stream"), k, at)
+        self.device_time(pair, (Stage::Copy, Track::Copy), k, at)
     }
 
     /// Milliseconds of the work on slot `k`'s last batch, traced on the compute stream.
     fn work_done(&self, k: usize, at: (Instant, u64)) -> Result<f64> {
         let pair = (&self.work_start[k], &self.consumed[k]);
-        self.device_time(pair, ("compute", "compute stream"), k, at)
+        self.device_time(pair, (Stage::Compute, Track::Compute), k, at)
     }
 
     /// The time between two completed events; when tracing, also a span placing device
@@ -236,25 +236,25 @@ impl Feeder {
     fn device_time(
         &self,
         (a, b): (&CudaEvent, &CudaEvent),
-        (name, track): (&'static str, &'static str),
+        (stage, track): (Stage, Track),
         k: usize,
         (t0, epoch): (Instant, u64),
     ) -> Result<f64> {
-        let ms = a.elapsed_ms(b).map_err(cuda_err)?;
+        let ms = a.elapsed_ms(b)?;
         if let Some(tr) = self.trace.as_deref() {
             let origin = &self.epoch_start;
             if let (Ok(sa), Ok(sb)) = (origin.elapsed_ms(a), origin.elapsed_ms(b)) {
                 let at = |ms: f32| t0 + Duration::from_secs_f64(ms.max(0.0) as f64 / 1e3);
-                tr.span(name, track, (at(sa), at(sb)), epoch, self.slot_batch[k]);
+                tr.span(stage, track, (at(sa), at(sb)), epoch, self.slot_batch[k]);
             }
         }
         Ok(ms as f64)
     }
 
     /// A span of the feeding thread, from `start` to now, when tracing.
-    fn host_span(&self, name: &'static str, start: Instant, epoch: u64, batch: u64) {
+    fn host_span(&self, stage: Stage, start: Instant, epoch: u64, batch: u64) {
         if let Some(tr) = self.trace.as_deref() {
-            tr.span(name, "feeder thread", (start, Instant::now()), epoch, batch);
+            tr.span(stage, Track::Feed, (start, Instant::now()), epoch, batch);
         }
     }
 
@@ -304,16 +304,15 @@ impl Feeder {
         batch: &HostBatch,
         work: impl FnOnce(&DeviceBatch) -> Result<R>,
     ) -> Result<R> {
-        self.cuda.ctx.bind_to_thread().map_err(cuda_err)?;
+        self.cuda.ctx.bind_to_thread()?;
         let dst = addr(&self.slots[0], &self.copy);
         // SAFETY: slot 0 holds `layout.bytes()` bytes, the batch buffer as many; the copy
         // is waited for before this returns, so the batch outlives it.
-        unsafe { result::memcpy_htod_async(dst, batch.as_bytes(), self.copy.cu_stream()) }
-            .map_err(cuda_err)?;
-        self.copy.synchronize().map_err(cuda_err)?;
+        unsafe { result::memcpy_htod_async(dst, batch.as_bytes(), self.copy.cu_stream()) }?;
+        self.copy.synchronize()?;
         let db = self.in_slot(0, batch);
         let r = work(&db)?;
-        self.compute.synchronize().map_err(cuda_err)?;
+        self.compute.synchronize()?;
         Ok(r)
     }
 
@@ -343,7 +342,7 @@ impl Feeder {
             )));
         }
         let t0 = Instant::now();
-        self.epoch_start.record(&self.copy).map_err(cuda_err)?;
+        self.epoch_start.record(&self.copy)?;
         let epoch_no = epoch.epoch();
         let mut stats = FeedStats::default();
         let mut inflight: VecDeque<(HostBatch, usize)> = VecDeque::with_capacity(k_slots);
@@ -356,44 +355,45 @@ impl Feeder {
                     return Ok(());
                 };
                 stats.wait_data += t.elapsed();
-                self.host_span("wait for data", t, epoch_no, i as u64);
+                self.host_span(Stage::WaitData, t, epoch_no, i as u64);
                 let batch = batch?;
                 let k = i % k_slots;
                 if i >= k_slots {
                     let t = Instant::now();
-                    self.consumed[k].synchronize().map_err(cuda_err)?;
-                    self.host_span("wait for slot", t, epoch_no, i as u64);
+                    self.consumed[k].synchronize()?;
+                    self.host_span(Stage::WaitSlot, t, epoch_no, i as u64);
                     work_ms += self.work_done(k, (t0, epoch_no))?;
                 }
                 if let Some(tr) = self.trace.as_deref() {
                     tr.gather(&batch);
                 }
                 self.slot_batch[k] = batch.number();
-                self.copy.wait(&self.consumed[k]).map_err(cuda_err)?;
-                self.copy_start[k].record(&self.copy).map_err(cuda_err)?;
+                self.copy.wait(&self.consumed[k])?;
+                self.copy_start[k].record(&self.copy)?;
                 let dst = addr(&self.slots[k], &self.copy);
                 let bytes = batch.as_bytes().len() as u64;
                 // SAFETY: slot k holds `layout.bytes()` bytes, as does the pinned batch;
                 // the batch goes into `inflight` right away and stays there until
                 // `copied[k]` has completed (or, on any error, until the copy stream is
                 // synchronised in the clean-up below).
-                unsafe { result::memcpy_htod_async(dst, batch.as_bytes(), self.copy.cu_stream()) }
-                    .map_err(cuda_err)?;
+                unsafe { result::memcpy_htod_async(dst, batch.as_bytes(), self.copy.cu_stream()) }?;
                 inflight.push_back((batch, k));
                 let (batch, _) = inflight.back().expect("just pushed");
-                self.copied[k].record(&self.copy).map_err(cuda_err)?;
-                self.compute.wait(&self.copied[k]).map_err(cuda_err)?;
-                self.work_start[k].record(&self.compute).map_err(cuda_err)?;
+                self.copied[k].record(&self.copy)?;
+                self.compute.wait(&self.copied[k])?;
+                self.work_start[k].record(&self.compute)?;
                 let db = self.in_slot(k, batch);
                 let worked = work(&db);
                 // Record even after an error, so the slot's ordering stays sound.
-                self.consumed[k].record(&self.compute).map_err(cuda_err)?;
+                self.consumed[k].record(&self.compute)?;
                 worked?;
                 stats.batches += 1;
                 stats.samples += batch.len() as u64;
                 stats.bytes += bytes;
-                let elapsed = start.elapsed().as_secs_f64().max(1e-9);
-                progress(batch.len() as u64, stats.wait_data.as_secs_f64() / elapsed);
+                progress(
+                    batch.len() as u64,
+                    stalled(stats.wait_data, start.elapsed()),
+                );
                 // Pinned buffers go back once their copies are done; at most K - 1 stay
                 // in flight, so a slot's previous batch is always released first.
                 while let Some(&(_, k0)) = inflight.front() {
@@ -401,8 +401,8 @@ impl Feeder {
                         break;
                     }
                     let t = Instant::now();
-                    self.copied[k0].synchronize().map_err(cuda_err)?;
-                    self.host_span("wait for copy", t, epoch_no, self.slot_batch[k0]);
+                    self.copied[k0].synchronize()?;
+                    self.host_span(Stage::WaitCopy, t, epoch_no, self.slot_batch[k0]);
                     copy_ms += self.copy_done(k0, (t0, epoch_no))?;
                     inflight.pop_front();
                 }
@@ -412,12 +412,12 @@ impl Feeder {
         // Whatever happened, no pinned buffer goes back, and no slot is freed, before
         // every copy enqueued so far is done.
         let drained = (|| -> Result<()> {
-            self.copy.synchronize().map_err(cuda_err)?;
+            self.copy.synchronize()?;
             for (_, k0) in inflight.drain(..) {
-                self.copied[k0].synchronize().map_err(cuda_err)?;
+                self.copied[k0].synchronize()?;
                 copy_ms += self.copy_done(k0, (t0, epoch_no))?;
             }
-            self.compute.synchronize().map_err(cuda_err)?;
+            self.compute.synchronize()?;
             for j in i.saturating_sub(k_slots)..i {
                 let k = j % k_slots;
                 work_ms += self.work_done(k, (t0, epoch_no))?;

@@ -254,9 +254,8 @@ impl Kernels {
 
     fn from_image(cuda: &Cuda, ptx: Ptx, origin: KernelOrigin) -> Result<Kernels> {
         let t = Instant::now();
-        let cuda_err = |e: cudarc::driver::DriverError| Error::Cuda(e.to_string());
-        let module = cuda.ctx.load_module(ptx).map_err(cuda_err)?;
-        let f = |name: &str| module.load_function(name).map_err(cuda_err);
+        let module = cuda.ctx.load_module(ptx)?;
+        let f = |name: &str| module.load_function(name).map_err(Error::from);
         Ok(Kernels {
             forward: f("forward_partial")?,
             tail: f("row_tail")?,

@@ -7,6 +7,7 @@ mod feeder;
 mod kernels;
 mod nvrtc;
 mod pinned;
+mod step;
 mod trainer;
 
 use std::sync::Arc;

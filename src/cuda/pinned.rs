@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::loader::{HostAlloc, HostMemory};
 
 /// Which kind of page-locked memory to allocate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 pub enum PinnedKind {
     /// Plain pinned memory (`cuMemHostAlloc` with `PORTABLE`): fast to write and read
     /// on the host, full-speed DMA. The default.
@@ -17,6 +17,32 @@ pub enum PinnedKind {
     /// Write-combined: fast for the host to write, very slow for it to read; only for
     /// buffers the host never reads back.
     WriteCombined,
+}
+
+impl PinnedKind {
+    /// Every kind, by name.
+    pub const NAMES: [&'static str; 2] = ["plain", "write-combined"];
+}
+
+impl std::str::FromStr for PinnedKind {
+    type Err = Error;
+
+    /// `plain` or `write-combined`.
+    fn from_str(s: &str) -> Result<PinnedKind> {
+        match s {
+            "plain" => Ok(PinnedKind::Plain),
+            "write-combined" => Ok(PinnedKind::WriteCombined),
+            _ => Err(Error::Config(format!(
+                "pinned memory {s:?}: expected plain or write-combined"
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for PinnedKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(PinnedKind::NAMES[*self as usize])
+    }
 }
 
 /// Allocates the loader's buffers as page-locked memory of a CUDA context.

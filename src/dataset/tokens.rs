@@ -7,7 +7,7 @@ use memmap2::Mmap;
 
 use super::{check_out, Column, DType, Dataset, MappedFile, NpyArray};
 use crate::error::{Error, Result};
-use crate::sampler::mix;
+use crate::util::mix;
 
 /// How a token stream is cut into samples.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

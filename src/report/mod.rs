@@ -1,15 +1,17 @@
 //! Epoch reports: per-epoch figures, the warm-up split, the human table and JSON.
 
+mod inspect;
 mod progress;
 mod timer;
-mod trace;
 
+pub use inspect::inspect;
 pub use progress::EpochProgress;
 pub use timer::EpochTimer;
-pub use trace::Trace;
 
-use crate::cpu::EpochOutcome;
+use crate::loader::Loader;
 use crate::pagecache::Residency;
+use crate::telemetry::EpochOutcome;
+use crate::util::{median, megabytes};
 
 /// Figures of one epoch.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -123,14 +125,6 @@ pub struct Warmup {
     pub unexplained_s: f64,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 impl Warmup {
     /// The split of epoch 1 against the median of the others; `None` with fewer than
     /// two epochs.
@@ -169,7 +163,8 @@ pub struct TrainReport {
     pub device_cache_bytes: Option<u64>,
     /// The dataset directory.
     pub data: String,
-    /// Samples per epoch.
+    /// Samples one epoch delivers (this rank's shard, after `drop_last`): the job's and
+    /// a loop of yours alike.
     pub samples: u64,
     /// Bytes per sample.
     pub bytes_per_sample: u64,
@@ -190,7 +185,7 @@ fn pct(r: Residency) -> String {
 impl Setup {
     /// The loader's own one-off costs (pool allocation, worker start); the rest zero,
     /// for you to fill in.
-    pub fn of_loader(loader: &crate::Loader) -> Setup {
+    pub fn of_loader(loader: &Loader) -> Setup {
         let s = loader.startup();
         Setup {
             pool_alloc_s: s.pool_alloc.as_secs_f64(),
@@ -201,21 +196,17 @@ impl Setup {
 }
 
 impl TrainReport {
-    /// An empty report for a loop of yours over `dataset`, found at `data`, running on
+    /// An empty report for epochs of `loader` over the data found at `data`, running on
     /// `device` (any name: it is printed as given). Add epochs with
     /// [`push`](TrainReport::push); see [`EpochTimer`].
-    pub fn new(
-        device: impl Into<String>,
-        data: impl Into<String>,
-        dataset: &dyn crate::Dataset,
-    ) -> TrainReport {
+    pub fn new(device: impl Into<String>, data: impl Into<String>, loader: &Loader) -> TrainReport {
         TrainReport {
             device: device.into(),
             fallback_reason: None,
             device_cache_bytes: None,
             data: data.into(),
-            samples: dataset.len(),
-            bytes_per_sample: dataset.columns().iter().map(|c| c.row_bytes as u64).sum(),
+            samples: loader.order().samples(),
+            bytes_per_sample: loader.layout().data_bytes(1) as u64,
             config: serde_json::Value::Null,
             setup: Setup::default(),
             epochs: Vec::new(),
@@ -339,12 +330,59 @@ impl TrainReport {
     }
 }
 
-/// Bytes as megabytes, with a decimal where the figure is small (`0.13 MB`, `616 MB`).
-pub fn megabytes(bytes: u64) -> String {
-    let mb = bytes as f64 / 1e6;
-    if mb < 10.0 {
-        format!("{mb:.2} MB")
-    } else {
-        format!("{mb:.0} MB")
+/// Writes `value` as pretty JSON to `path`, whole or not at all (see
+/// [`write_whole`](crate::util::write_whole)).
+///
+/// # Errors
+/// [`Error::Io`](crate::Error::Io) naming the file.
+pub fn write_json(path: &std::path::Path, value: &impl serde::Serialize) -> crate::Result<()> {
+    let text = serde_json::to_string_pretty(value).expect("reports serialise") + "\n";
+    crate::util::write_whole(path, text.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{EpochRow, Warmup};
+    use crate::pagecache::Residency;
+
+    fn row(epoch: u64, wall_s: f64, wait_data_s: f64, compute_s: f64, copy_s: f64) -> EpochRow {
+        EpochRow {
+            epoch,
+            wall_s,
+            samples: 100,
+            samples_per_s: 100.0 / wall_s,
+            gb_per_s: 0.0,
+            first_batch_s: 0.0,
+            gather_s: 0.0,
+            wait_data_s,
+            copy_s,
+            compute_s,
+            stalled_share: 0.0,
+            residency_start: Residency::default(),
+            residency_end: Residency::default(),
+            loss: 0.0,
+            accuracy: 0.0,
+        }
+    }
+
+    #[test]
+    fn the_warmup_split_charges_each_cause_against_the_median_later_epoch() {
+        // Epoch 0 waited 0.3 s more for data, computed 0.1 s more and copied 0.05 s more
+        // than the median later epoch (epoch 2; epoch 3 is an outlier that must not count).
+        let rows = [
+            row(0, 1.5, 0.4, 0.6, 0.15),
+            row(1, 0.9, 0.05, 0.5, 0.1),
+            row(2, 1.0, 0.1, 0.5, 0.1),
+            row(3, 9.0, 5.0, 0.5, 0.1),
+        ];
+        let w = Warmup::of(&rows).unwrap();
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert_eq!((w.first_s, w.steady_s), (1.5, 1.0));
+        assert!(close(w.ratio, 1.5), "{w:?}");
+        assert!(close(w.cold_cache_s, 0.3), "{w:?}");
+        assert!(close(w.compute_s, 0.1), "{w:?}");
+        assert!(close(w.copy_s, 0.05), "{w:?}");
+        assert!(close(w.unexplained_s, 0.05), "{w:?}");
+        assert!(Warmup::of(&rows[..1]).is_none(), "one epoch has nothing to compare with");
     }
 }

@@ -3,12 +3,12 @@
 
 use std::time::{Duration, Instant};
 
-use crate::cpu::EpochOutcome;
 use crate::dataset::Dataset;
 use crate::error::Result;
 use crate::loader::{Epoch, HostBatch};
+use crate::model::Metrics;
 use crate::pagecache::{self, Residency};
-use crate::train::Metrics;
+use crate::telemetry::EpochOutcome;
 
 use super::EpochRow;
 
@@ -24,7 +24,7 @@ use super::EpochRow;
 /// # fn main() -> stokehold::Result<()> {
 /// let ds = std::sync::Arc::new(NpyDataset::open("datasets/digits")?);
 /// let mut loader = Loader::builder_shared(ds.clone()).batch_size(128).build()?;
-/// let mut report = TrainReport::new("my model (cpu)", "datasets/digits", ds.as_ref());
+/// let mut report = TrainReport::new("my model (cpu)", "datasets/digits", &loader);
 /// report.setup = Setup::of_loader(&loader);
 /// for epoch in 0..3 {
 ///     let mut timer = EpochTimer::new(loader.epoch(epoch)?, ds.as_ref())?;
@@ -112,15 +112,13 @@ impl<'a> EpochTimer<'a> {
         let residency_end = pagecache::residency(self.dataset)?;
         let mut out = EpochOutcome {
             metrics: self.metrics,
-            loader,
-            wall,
             batches: self.batches,
             ..EpochOutcome::default()
         };
         if out.metrics.samples == 0 {
             out.metrics.samples = loader.samples;
         }
-        out.stages.gather = loader.gather;
+        out.close(loader, wall);
         out.stages.wait_data = self.wait;
         out.stages.copy = self.copy;
         out.stages.compute = self.compute;

@@ -12,14 +12,7 @@ pub use permutation::Permutation;
 pub use shard::{Shard, ShardTail};
 
 use crate::error::{Error, Result};
-
-/// The splitmix64 finaliser: a fast, well-mixing bijection of `u64`.
-#[inline]
-pub(crate) const fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
+use crate::util::mix;
 
 /// The key of `epoch`'s permutation under `seed`.
 const fn epoch_key(seed: u64, epoch: u64) -> u64 {
@@ -51,6 +44,25 @@ pub enum Shuffle {
 }
 
 impl Shuffle {
+    /// The orders [`named`](Shuffle::named) knows.
+    pub const NAMES: [&'static str; 3] = ["full", "block", "none"];
+
+    /// The order called `name` (`full`, `block` with the default block size, `none`)
+    /// under `seed`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for any other name.
+    pub fn named(name: &str, seed: u64) -> Result<Shuffle> {
+        match name {
+            "full" => Ok(Shuffle::Full { seed }),
+            "block" => Ok(Shuffle::block(seed)),
+            "none" => Ok(Shuffle::None),
+            _ => Err(Error::Config(format!(
+                "shuffle {name:?}: expected full, block or none"
+            ))),
+        }
+    }
+
     /// Block shuffle with the loader's default block size (about 1 MiB of rows) and a
     /// window of 16 blocks.
     pub const fn block(seed: u64) -> Shuffle {

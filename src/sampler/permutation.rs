@@ -6,7 +6,7 @@
 //! on average, memory is O(1) whatever `n` is (a billion rows cost the same 80 bytes),
 //! and any position is computed directly, which makes resumption and sharding free.
 
-use super::mix;
+use crate::util::mix;
 
 const ROUNDS: usize = 6;
 

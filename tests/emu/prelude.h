@@ -58,6 +58,12 @@ static inline int atomicCAS(int* p, int expected, int desired) {
                                 __ATOMIC_SEQ_CST);
     return expected;
 }
+static inline unsigned long long atomicCAS(unsigned long long* p, unsigned long long expected,
+                                           unsigned long long desired) {
+    __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST,
+                                __ATOMIC_SEQ_CST);
+    return expected;
+}
 static inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 static inline unsigned atomicAdd(unsigned* p, unsigned v) {
     return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);

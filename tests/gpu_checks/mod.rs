@@ -3,11 +3,11 @@
 
 use std::sync::Arc;
 
-use indicatif::ProgressBar;
 use stokehold::cpu::CpuTrainer;
 use stokehold::cuda::{Cuda, CudaTrainer, Kernels, PinnedAlloc, PinnedKind};
 use stokehold::gen::{self, ClassificationSpec};
-use stokehold::train::{step, Metrics, Mlp, MlpConfig, Normalize, Workspace};
+use stokehold::model::{step, Metrics, Mlp, MlpConfig, Normalize, Workspace};
+use stokehold::Trainer;
 use stokehold::{Dataset, Loader, NpyDataset, Shuffle};
 
 use crate::common::DIGITS;
@@ -140,7 +140,7 @@ pub fn a_generated_set_reaches_95_percent_on_the_gpu(c: Cuda, samples: u64, shap
         shape: shape.to_vec(),
         ..ClassificationSpec::default()
     };
-    gen::classification(dir.path(), &spec, &ProgressBar::hidden()).unwrap();
+    gen::classification(dir.path(), &spec, &|_| {}).unwrap();
     let (mut loader, mlp, norm, kernels) = setup(&c, dir.path(), 256, 64, 0.05);
     let layout = loader.layout().clone();
     let cpu_check = CpuTrainer::new(mlp.clone(), norm, &layout, (0, 1), 2);
@@ -245,8 +245,9 @@ pub fn epochs_match_the_cpu_backend(c: Cuda, serial: bool) {
     );
 }
 
-/// A label outside the classes is flagged on the device and comes back as an error
-/// naming the row, at the end of the epoch; the loader is left whole.
+/// A label outside the classes is flagged on the device and comes back, at the end of the
+/// epoch, as the same error as the CPU backend's (which also knows the sample); the
+/// loader is left whole.
 pub fn a_bad_label_is_an_error(c: Cuda) {
     let dir = tempfile::tempdir().unwrap();
     crate::common::write_bad_label_set(dir.path());
@@ -275,16 +276,25 @@ pub fn a_bad_label_is_an_error(c: Cuda) {
     };
     let kernels = Kernels::load(&c).unwrap();
     let layout = loader.layout().clone();
+    let mut cpu = CpuTrainer::new(mlp.clone(), norm, &layout, (0, 1), 2).unwrap();
     let mut gpu = CudaTrainer::new(c, kernels, &mlp, norm, &layout, (0, 1), 2).unwrap();
-    let err = gpu
-        .train_epoch_with(loader.epoch(0).unwrap(), &mut |_, _| {})
-        .unwrap_err()
-        .to_string();
-    println!("{err}");
-    assert!(err.contains("label outside 0..10"), "{err}");
-    // Row 123 is row 11 of batch 7 in order.
-    assert!(err.contains("row 11 "), "{err}");
-    assert_eq!(loader.free_buffers(), loader.buffers());
+    for (trainer, sample) in [
+        (&mut cpu as &mut dyn Trainer, Some(123)),
+        (&mut gpu as &mut dyn Trainer, None),
+    ] {
+        let err = trainer.train(&mut loader, 0, &mut |_, _| {}).unwrap_err();
+        println!("{err}");
+        assert!(err.to_string().contains("label 42 is outside 0..10"), "{err}");
+        match err {
+            stokehold::Error::Label {
+                label: 42,
+                classes: 10,
+                sample: s,
+            } => assert_eq!(s, sample),
+            e => panic!("not a label error: {e}"),
+        }
+        assert_eq!(loader.free_buffers(), loader.buffers());
+    }
 }
 
 /// The kernel cache: compiled on the first load, read on the second; a truncated or

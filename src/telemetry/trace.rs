@@ -1,11 +1,73 @@
 //! Chrome Trace Event JSON (opens in Perfetto and chrome://tracing): one span per batch
-//! per stage, on the thread that ran it.
+//! per stage, on the track (a thread, or a CUDA stream) that ran it. Both backends use
+//! the same [`Stage`] and [`Track`] names for the same work.
 
 use std::path::Path;
 use std::sync::Mutex;
 use std::time::Instant;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
+
+/// A stage of the pipeline, as a span's name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// A loader worker assembling a batch.
+    Gather,
+    /// The feeding thread waiting for the loader's next batch.
+    WaitData,
+    /// A batch's copy into device memory (a device slot on the CPU backend).
+    Copy,
+    /// Waiting for a batch's copy: the compute thread (CPU), or the feeding thread before
+    /// a pinned buffer goes back to the loader (CUDA).
+    WaitCopy,
+    /// The feeding thread waiting for a device slot's last work (CUDA back-pressure).
+    WaitSlot,
+    /// The training step on a batch.
+    Compute,
+    /// A batch gathered from the device cache.
+    DeviceGather,
+}
+
+impl Stage {
+    /// The span's name in the trace.
+    pub fn name(self) -> &'static str {
+        match self {
+            Stage::Gather => "gather",
+            Stage::WaitData => "wait for data",
+            Stage::Copy => "copy",
+            Stage::WaitCopy => "wait for copy",
+            Stage::WaitSlot => "wait for slot",
+            Stage::Compute => "compute",
+            Stage::DeviceGather => "device gather",
+        }
+    }
+}
+
+/// Where a span is drawn: one track per thread or stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Track {
+    /// Loader worker `n`.
+    Worker(usize),
+    /// The thread that takes batches from the loader: the copy thread (CPU; its copies
+    /// are drawn on [`Track::Copy`]), the feeder's thread (CUDA).
+    Feed,
+    /// Where copies run: the copy thread (CPU), the copy stream (CUDA).
+    Copy,
+    /// Where the step runs: the compute thread (CPU), the compute stream (CUDA).
+    Compute,
+}
+
+impl Track {
+    /// The track's name in the trace.
+    pub fn name(self) -> String {
+        match self {
+            Track::Worker(n) => format!("gather worker {n}"),
+            Track::Feed => "feed".into(),
+            Track::Copy => "copy".into(),
+            Track::Compute => "compute".into(),
+        }
+    }
+}
 
 /// One complete span (`"ph": "X"`).
 #[derive(Debug, Clone, PartialEq)]
@@ -40,18 +102,18 @@ impl Trace {
         }
     }
 
-    /// Records a span of stage `name` for batch `batch` of `epoch` on `thread`.
+    /// Records a span of `stage` for batch `batch` of `epoch` on `track`.
     pub fn span(
         &self,
-        name: &'static str,
-        thread: impl Into<String>,
+        stage: Stage,
+        track: Track,
         (start, end): (Instant, Instant),
         epoch: u64,
         batch: u64,
     ) {
         let span = Span {
-            name,
-            thread: thread.into(),
+            name: stage.name(),
+            thread: track.name(),
             start,
             end,
             epoch,
@@ -66,9 +128,9 @@ impl Trace {
     /// Records the gather span of `batch` on the worker thread that assembled it.
     pub fn gather(&self, batch: &crate::loader::HostBatch) {
         let tm = batch.timing();
-        let worker = format!("gather worker {}", tm.worker);
         let span = (tm.gather_start, tm.gather_end);
-        self.span("gather", worker, span, batch.epoch(), batch.number());
+        let track = Track::Worker(tm.worker);
+        self.span(Stage::Gather, track, span, batch.epoch(), batch.number());
     }
 
     /// Spans recorded so far.
@@ -107,12 +169,12 @@ impl Trace {
         serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" })
     }
 
-    /// Writes the trace to `path`.
+    /// Writes the trace to `path`, whole or not at all.
     ///
     /// # Errors
     /// [`Error::Io`] naming the file.
     pub fn write(&self, path: &Path) -> Result<()> {
         let text = serde_json::to_string(&self.to_json()).expect("a trace serialises");
-        std::fs::write(path, text).map_err(|e| Error::io(path, e))
+        crate::util::write_whole(path, text.as_bytes())
     }
 }

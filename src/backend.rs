@@ -1,0 +1,114 @@
+//! The interface both backends implement, so that the training job and the benchmarks
+//! drive the CPU and the GPU alike.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::dataset::{DType, Dataset};
+use crate::error::{Error, Result};
+use crate::loader::{BatchLayout, Loader};
+use crate::model::Mlp;
+use crate::sampler::Order;
+use crate::telemetry::{EpochOutcome, Trace};
+
+/// The training step of a backend, fed epoch by epoch.
+///
+/// Both implementations ([`CpuTrainer`](crate::cpu::CpuTrainer),
+/// [`CudaTrainer`](crate::cuda::CudaTrainer)) run the same model from the same weights,
+/// report the same [`EpochOutcome`] fields, the same `stalled` share to `progress`
+/// (see [`stalled`](crate::telemetry::stalled)) and the same [`Error::Label`] for a label
+/// outside the classes.
+pub trait Trainer {
+    /// Trains epoch `epoch`: from the device cache when it holds the data (the loader is
+    /// not touched then), else from `loader`'s batches, copies overlapped with the step.
+    /// `progress(samples, stalled)` follows each batch.
+    ///
+    /// # Errors
+    /// The loader's first error, the step's (a bad label: [`Error::Label`]), or a device
+    /// error; the epoch stops there and the loader's workers are stopped.
+    fn train(
+        &mut self,
+        loader: &mut Loader,
+        epoch: u64,
+        progress: &mut dyn FnMut(u64, f64),
+    ) -> Result<EpochOutcome>;
+
+    /// Records a span per batch per stage into `trace` from now on.
+    fn set_trace(&mut self, trace: Arc<Trace>);
+
+    /// Serialised mode, the baseline of the overlap benchmark: each batch's copy and step
+    /// run one after the other.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] if a stream cannot be made.
+    fn set_serial(&mut self, serial: bool) -> Result<()>;
+
+    /// The model's current weights, on the host.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] if reading them back from the device fails.
+    fn weights(&self) -> Result<Mlp>;
+
+    /// Pays the backend's first-use costs (the first launch of every kernel) now;
+    /// returns how long that took (zero where there is none).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] if a launch fails.
+    fn warm_up(&mut self) -> Result<Duration>;
+
+    /// Keeps the dataset of `order` in device memory if it fits under `share` of the
+    /// free device memory and one epoch covers every row; returns its size in bytes, or
+    /// `None` where that does not apply (always, on the CPU).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] if the allocation fails.
+    fn enable_device_cache(&mut self, order: &Order, share: f64) -> Result<Option<u64>> {
+        let _ = (order, share);
+        Ok(None)
+    }
+
+    /// Fills the device cache from `dataset` before the first epoch, in large copies;
+    /// returns how long it took, or `None` when there is no device cache.
+    ///
+    /// # Errors
+    /// The dataset's error or a device error.
+    fn fill_device_cache(
+        &mut self,
+        dataset: &dyn Dataset,
+        order: &Order,
+    ) -> Result<Option<Duration>> {
+        let _ = (dataset, order);
+        Ok(None)
+    }
+}
+
+/// Checks that `x` holds `u8` rows of the model's `inputs` bytes and `y` one `i64`: the
+/// columns both backends' steps read.
+///
+/// # Errors
+/// [`Error::Config`] naming the column and what it holds.
+pub fn check_columns(mlp: &Mlp, layout: &BatchLayout, (x, y): (usize, usize)) -> Result<()> {
+    let cols = layout.columns();
+    let (Some(xc), Some(yc)) = (cols.get(x), cols.get(y)) else {
+        return Err(Error::Config(format!(
+            "the model reads columns {x} and {y}, the dataset has {}",
+            cols.len()
+        )));
+    };
+    if xc.dtype != DType::U8 || xc.row_bytes != mlp.config.inputs {
+        return Err(Error::Config(format!(
+            "column {} must hold {} uint8 values per sample, it holds {} {}",
+            xc.name,
+            mlp.config.inputs,
+            xc.row_bytes / xc.dtype.size(),
+            xc.dtype
+        )));
+    }
+    if yc.dtype != DType::I64 || yc.row_bytes != 8 {
+        return Err(Error::Config(format!(
+            "column {} must hold one int64 label per sample",
+            yc.name
+        )));
+    }
+    Ok(())
+}

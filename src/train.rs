@@ -1,0 +1,183 @@
+//! The main job: train the MLP on a dataset for some epochs, timing everything.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::cuda::PinnedKind;
+use crate::dataset::{Dataset, NpyDataset};
+use crate::device::{Backend, DeviceChoice};
+use crate::error::Result;
+use crate::loader::Loader;
+use crate::model::{fit_classifier, Mlp, MlpConfig};
+use crate::pagecache;
+use crate::report::{EpochProgress, EpochRow, Setup, TrainReport};
+use crate::sampler::Shuffle;
+use crate::telemetry::Trace;
+
+/// What `stokehold train` runs.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TrainConfig {
+    /// Directory with `x.npy` (u8 inputs) and `y.npy` (i64 labels).
+    pub data: PathBuf,
+    /// Epochs.
+    pub epochs: u64,
+    /// Samples per batch.
+    pub batch: usize,
+    /// Loader workers.
+    pub workers: usize,
+    /// Prefetch depth (`None`: the loader's default).
+    pub prefetch: Option<usize>,
+    /// Sample order.
+    pub shuffle: Shuffle,
+    /// Where the step runs.
+    pub device: DeviceChoice,
+    /// Hidden units.
+    pub hidden: usize,
+    /// Learning rate.
+    pub lr: f32,
+    /// Evict the dataset from the page cache before epoch 0.
+    pub cold: bool,
+    /// Pay the one-off costs (read-ahead of the files) before epoch 0.
+    pub warmup: bool,
+    /// Seed of the weights.
+    pub seed: u64,
+    /// Draw no progress bars.
+    pub quiet: bool,
+    /// Write a Chrome trace (a span per batch per stage per thread) here.
+    pub trace: Option<PathBuf>,
+    /// On CUDA, keep the dataset on the device after epoch 0 when it fits under half of
+    /// the free device memory.
+    pub device_cache: bool,
+    /// On CUDA, the kind of page-locked memory the loader's buffers are.
+    pub pinned: PinnedKind,
+}
+
+/// Trains as `config` says and reports every figure.
+///
+/// # Errors
+/// Anything the dataset, the loader, the backend or the step returns; [`Error::Cuda`]
+/// when CUDA is asked for and not usable.
+///
+/// [`Error::Cuda`]: crate::Error::Cuda
+pub fn run(config: &TrainConfig) -> Result<TrainReport> {
+    let backend = Backend::open(config.device)?;
+    let mut setup = Setup {
+        cuda_context_s: backend.context.as_secs_f64(),
+        kernels_s: backend.kernels_load.as_secs_f64(),
+        kernels_from_cache: backend.kernels_from_cache,
+        ..Setup::default()
+    };
+
+    let t = Instant::now();
+    let ds = NpyDataset::open(&config.data)?;
+    let (norm, classes) = fit_classifier(&ds)?;
+    let inputs = ds.columns()[0].row_bytes;
+    let ds: Arc<dyn Dataset> = Arc::new(ds);
+    setup.dataset_open_s = t.elapsed().as_secs_f64();
+
+    if config.cold {
+        pagecache::evict(ds.as_ref())?;
+    }
+    let mut builder = Loader::builder_shared(Arc::clone(&ds))
+        .batch_size(config.batch)
+        .workers(config.workers)
+        .shuffle(config.shuffle);
+    if let Some(p) = config.prefetch {
+        builder = builder.prefetch(p);
+    }
+    if let Some(alloc) = backend.allocator(config.pinned) {
+        builder = builder.allocator(alloc);
+    }
+    let mut loader = builder.build()?;
+    setup.pool_alloc_s = loader.startup().pool_alloc.as_secs_f64();
+    setup.worker_start_s = loader.startup().threads.as_secs_f64();
+
+    let mlp = Mlp::new(MlpConfig {
+        inputs,
+        hidden: config.hidden,
+        classes,
+        lr: config.lr,
+        seed: config.seed,
+    })?;
+    let mut trainer = backend.trainer(mlp, norm, loader.layout(), (0, 1))?;
+    if config.cold {
+        // The probe above read a few pages back in; start truly cold.
+        pagecache::evict(ds.as_ref())?;
+    }
+    if config.warmup {
+        let t = Instant::now();
+        loader.warmup()?;
+        setup.warmup_s = t.elapsed().as_secs_f64();
+        setup.first_launch_s = trainer.warm_up()?.as_secs_f64();
+    }
+    let mut device_cache = None;
+    if config.device_cache {
+        device_cache = trainer.enable_device_cache(loader.order(), 0.5)?;
+        if config.warmup {
+            // The device cache filled up front, in large sequential copies: epoch 0 then
+            // reads the device like the later ones.
+            if let Some(d) = trainer.fill_device_cache(ds.as_ref(), loader.order())? {
+                setup.device_cache_fill_s = d.as_secs_f64();
+            }
+        }
+    }
+    let trace = config.trace.as_ref().map(|_| Arc::new(Trace::new()));
+    if let Some(tr) = &trace {
+        trainer.set_trace(Arc::clone(tr));
+    }
+
+    let mut report = TrainReport::new(
+        backend.device().name(),
+        config.data.display().to_string(),
+        &loader,
+    );
+    report.fallback_reason = backend.device().fallback_reason().map(str::to_string);
+    report.device_cache_bytes = device_cache;
+    report.config = serde_json::to_value(config).expect("the config serialises");
+    report.setup = setup;
+    for epoch in 0..config.epochs {
+        let before = pagecache::residency(ds.as_ref())?;
+        let (samples, bytes) = (report.samples, report.bytes_per_sample);
+        let mut bar = EpochProgress::new(epoch, samples, bytes, config.quiet);
+        let out = trainer.train(&mut loader, epoch, &mut |n, stalled| {
+            bar.advance(n, stalled)
+        })?;
+        bar.finish();
+        let after = pagecache::residency(ds.as_ref())?;
+        report.push(EpochRow::new(epoch, &out, bytes, (before, after)));
+    }
+    if let (Some(tr), Some(path)) = (&trace, &config.trace) {
+        tr.write(path)?;
+    }
+    Ok(report)
+}
+
+/// What `stokehold train` prints: the device (and why not CUDA), the data, the epoch
+/// table and the warm-up split.
+pub fn summary(report: &TrainReport, config: &TrainConfig) -> String {
+    let mut s = format!("device: {}\n", report.device);
+    if let Some(reason) = &report.fallback_reason {
+        s += &format!("  (CPU backend: {reason})\n");
+    }
+    if let Some(bytes) = report.device_cache_bytes {
+        s += &format!(
+            "  device cache: {}, epochs after the first read from the GPU\n",
+            crate::util::megabytes(bytes)
+        );
+    }
+    s += &format!(
+        "data: {} ({} samples of {} bytes), batch {}, {} workers, {:?} shuffle, hidden {}\n\n",
+        report.data,
+        report.samples,
+        report.bytes_per_sample,
+        config.batch,
+        config.workers,
+        config.shuffle,
+        config.hidden
+    );
+    s += &report.table();
+    s.push('\n');
+    s += &report.warmup_text();
+    s
+}

@@ -1,0 +1,102 @@
+//! Small helpers every layer may use: a hash finaliser, a median, byte counts as text,
+//! whole-file writes.
+
+use std::path::Path;
+
+use crate::error::{Error, Result};
+
+/// The splitmix64 finaliser: a fast, well-mixing bijection of `u64`.
+#[inline]
+pub(crate) const fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The median of `v` (the upper one of an even count); 0 for none.
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Bytes as megabytes, with a decimal where the figure is small (`0.13 MB`, `616 MB`).
+pub fn megabytes(bytes: u64) -> String {
+    let mb = bytes as f64 / 1e6;
+    if mb < 10.0 {
+        format!("{mb:.2} MB")
+    } else {
+        format!("{mb:.0} MB")
+    }
+}
+
+/// Writes `bytes` to `path` whole or not at all: into a temporary file beside it, synced,
+/// then renamed over it. A crash or a full disk leaves the old file (or none), never a
+/// truncated one.
+///
+/// # Errors
+/// [`Error::Io`] naming `path`; the temporary file is removed.
+pub fn write_whole(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+    let written = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    written.map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        Error::io(path, e)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{median, megabytes, mix, write_whole};
+
+    #[test]
+    fn median_takes_the_middle_of_the_sorted_values() {
+        assert_eq!(median(vec![]), 0.0);
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 3.0);
+    }
+
+    #[test]
+    fn megabytes_keep_two_decimals_below_ten() {
+        assert_eq!(megabytes(130_000), "0.13 MB");
+        assert_eq!(megabytes(616_000_000), "616 MB");
+    }
+
+    #[test]
+    fn mix_is_a_bijection_on_a_sample() {
+        let mut seen: Vec<u64> = (0..10_000).map(mix).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen.len(), 10_000);
+        assert_ne!(mix(1), 1);
+    }
+
+    #[test]
+    fn a_whole_write_replaces_the_file_and_a_failed_one_names_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out.json");
+        std::fs::write(&path, "old").unwrap();
+        write_whole(&path, b"new").unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "new");
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            1,
+            "no temporary left"
+        );
+        let missing = dir.path().join("no/such/dir/out.json");
+        let err = write_whole(&missing, b"x").unwrap_err().to_string();
+        assert!(err.contains("no/such/dir/out.json"), "{err}");
+    }
+}
