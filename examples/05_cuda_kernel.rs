@@ -52,7 +52,6 @@ fn main() -> stokehold::Result<()> {
     // Compile the kernel with the NVRTC stokehold found, to a cubin for this GPU (a cubin
     // needs no JIT, so it loads even where NVRTC is newer than the driver), and load it.
     let arch = stokehold::cuda::build_arch(cuda.arch, &cuda.nvrtc.supported_archs());
-    let cuda_err = |e: cudarc::driver::DriverError| stokehold::Error::Cuda(e.to_string());
     let image = if arch == cuda.arch {
         let sm = format!("--gpu-architecture=sm_{}{}", arch.0, arch.1);
         let cubin = cuda.nvrtc.compile_cubin(KERNEL, "count.cu", &[sm]);
@@ -63,12 +62,12 @@ fn main() -> stokehold::Result<()> {
         let ptx = cuda.nvrtc.compile(KERNEL, "count.cu", &[compute]);
         Ptx::from_src(ptx.map_err(stokehold::Error::Cuda)?)
     };
-    let module = cuda.ctx.load_module(image).map_err(cuda_err)?;
-    let count = module.load_function("count_labels").map_err(cuda_err)?;
+    let module = cuda.ctx.load_module(image)?;
+    let count = module.load_function("count_labels")?;
 
     let mut feeder = Feeder::new(&cuda, loader.layout(), 4)?;
     let stream = Arc::clone(feeder.stream());
-    let mut counts = stream.alloc_zeros::<u32>(10).map_err(cuda_err)?;
+    let mut counts = stream.alloc_zeros::<u32>(10)?;
     let counts_ptr = {
         use cudarc::driver::DevicePtr;
         counts.device_ptr(&stream).0
@@ -82,13 +81,13 @@ fn main() -> stokehold::Result<()> {
             launch.arg(&y).arg(&n).arg(&counts_ptr);
             // SAFETY: count_labels(const long long*, int, unsigned*): `y` points to the
             // batch's `n` int64 labels in its device slot, `counts_ptr` to 10 u32.
-            unsafe { launch.launch(cfg) }.map_err(cuda_err)?;
+            unsafe { launch.launch(cfg) }?;
             Ok(())
         },
         &mut |_, _| {},
     )?;
-    let gpu = stream.clone_dtoh(&counts).map_err(cuda_err)?;
-    stream.memset_zeros(&mut counts).map_err(cuda_err)?;
+    let gpu = stream.clone_dtoh(&counts)?;
+    stream.memset_zeros(&mut counts)?;
 
     // The same counts on the host, from the file.
     let ds = NpyDataset::open(concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits"))?;

@@ -87,7 +87,7 @@ pub trait Trainer {
 ///
 /// # Errors
 /// [`Error::Config`] naming the column and what it holds.
-pub fn check_columns(mlp: &Mlp, layout: &BatchLayout, (x, y): (usize, usize)) -> Result<()> {
+pub(crate) fn check_columns(mlp: &Mlp, layout: &BatchLayout, (x, y): (usize, usize)) -> Result<()> {
     let cols = layout.columns();
     let (Some(xc), Some(yc)) = (cols.get(x), cols.get(y)) else {
         return Err(Error::Config(format!(

@@ -56,8 +56,11 @@ pub mod report;
 // L6: the training job and the benchmarks
 pub mod bench;
 pub mod train;
+// Not the API: what the crate's own tests check.
+#[doc(hidden)]
+pub mod testing;
 
-pub use backend::{check_columns, Trainer};
+pub use backend::Trainer;
 pub use dataset::{
     Column, DType, Dataset, Element, MappedFile, NpyArray, NpyDataset, NpyHeader, TokenDataset,
     Windows,

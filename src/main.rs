@@ -189,7 +189,7 @@ fn ensure_dataset(dir: &Path) -> stokehold::Result<()> {
     classification(dir, &spec).map(drop)
 }
 
-fn run(command: Command) -> stokehold::Result<()> {
+fn run(command: Command) -> stokehold::Result<ExitCode> {
     match command {
         Command::Train(a) => {
             ensure_dataset(&a.loader.data)?;
@@ -214,13 +214,14 @@ fn run(command: Command) -> stokehold::Result<()> {
             };
             let report = train::run(&config)?;
             print!("{}", train::summary(&report, &config));
-            a.json.map_or(Ok(()), |path| write_json(&path, &report))
+            a.json.map_or(Ok(()), |path| write_json(&path, &report))?;
+            Ok(ExitCode::SUCCESS)
         }
         Command::Gen(a) => match a.tokens {
             Some(n) => {
                 let p = gen::token_stream(&a.out, n, a.vocab, a.seed)?;
                 println!("wrote {} ({n} u16 tokens, vocab {})", p.display(), a.vocab);
-                Ok(())
+                Ok(ExitCode::SUCCESS)
             }
             None => {
                 let spec = ClassificationSpec {
@@ -232,18 +233,17 @@ fn run(command: Command) -> stokehold::Result<()> {
                 };
                 let (x, y) = classification(&a.out, &spec)?;
                 println!("wrote {} and {}", x.display(), y.display());
-                Ok(())
+                Ok(ExitCode::SUCCESS)
             }
         },
         Command::Inspect { paths } => {
             let (table, errors) = report::inspect(&paths);
             print!("{table}");
-            match errors.into_iter().map(|e| eprintln!("error: {e}")).count() {
-                0 => Ok(()),
-                n => Err(stokehold::Error::Config(format!(
-                    "{n} path(s) could not be read"
-                ))),
-            }
+            errors.iter().for_each(|e| eprintln!("error: {e}"));
+            Ok(match errors.is_empty() {
+                true => ExitCode::SUCCESS,
+                false => ExitCode::FAILURE,
+            })
         }
         Command::Bench(a) => {
             ensure_dataset(&a.loader.data)?;
@@ -257,14 +257,15 @@ fn run(command: Command) -> stokehold::Result<()> {
             };
             let report = bench::measure(&a.loader.data, &cfg, &mut |line| eprintln!("{line}"))?;
             print!("{}", report.text());
-            a.json.map_or(Ok(()), |path| write_json(&path, &report))
+            a.json.map_or(Ok(()), |path| write_json(&path, &report))?;
+            Ok(ExitCode::SUCCESS)
         }
     }
 }
 
 fn main() -> ExitCode {
     match run(Cli::parse().command) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE

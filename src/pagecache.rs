@@ -7,6 +7,8 @@
 use std::fs::File;
 use std::os::fd::AsRawFd;
 
+use memmap2::{Advice, UncheckedAdvice};
+
 use crate::dataset::{Dataset, MappedFile};
 use crate::error::{Error, Result};
 
@@ -99,19 +101,11 @@ pub fn residency(dataset: &dyn Dataset) -> Result<Residency> {
 /// [`Error::Io`] naming the file.
 pub fn evict_file(file: MappedFile<'_>) -> Result<()> {
     if !file.bytes().is_empty() {
-        // SAFETY: `MappedFile` can only wrap a `memmap2::Mmap`: the range is exactly a
-        // live, read-only, shared file mapping. DONTNEED on it only drops page-table
-        // entries; later reads fault the file back in.
-        let rc = unsafe {
-            libc::madvise(
-                file.bytes().as_ptr() as *mut libc::c_void,
-                file.bytes().len(),
-                libc::MADV_DONTNEED,
-            )
-        };
-        if rc != 0 {
-            return Err(Error::io(file.path(), std::io::Error::last_os_error()));
-        }
+        // SAFETY: the mapping is a read-only, shared file mapping: DONTNEED only drops its
+        // page-table entries, and later reads fault the same file bytes back in, so no
+        // reference into it sees its contents change.
+        unsafe { file.mapping().unchecked_advise(UncheckedAdvice::DontNeed) }
+            .map_err(|e| Error::io(file.path(), e))?;
     }
     let f = File::open(file.path()).map_err(|e| Error::io(file.path(), e))?;
     // SAFETY: a valid open descriptor; fadvise reads no memory of ours.
@@ -142,17 +136,9 @@ pub fn read_ahead_file(file: MappedFile<'_>) -> Result<u64> {
     if file.bytes().is_empty() {
         return Ok(0);
     }
-    // SAFETY: the range is a live read-only mapping; WILLNEED only starts reads.
-    let rc = unsafe {
-        libc::madvise(
-            file.bytes().as_ptr() as *mut libc::c_void,
-            file.bytes().len(),
-            libc::MADV_WILLNEED,
-        )
-    };
-    if rc != 0 {
-        return Err(Error::io(file.path(), std::io::Error::last_os_error()));
-    }
+    file.mapping()
+        .advise(Advice::WillNeed)
+        .map_err(|e| Error::io(file.path(), e))?;
     let page = page_size();
     let mut sum = 0u8;
     for i in (0..file.bytes().len()).step_by(page) {

@@ -41,7 +41,7 @@ fn auto_picks_cuda_or_says_why_not() {
 
 #[test]
 fn nvrtc_search_names_every_major_version() {
-    let c = stokehold::cuda::nvrtc_candidates();
+    let c = stokehold::testing::nvrtc_candidates();
     for name in ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"] {
         assert!(c.iter().any(|p| p == name), "{name} not searched: {c:?}");
     }

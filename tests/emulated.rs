@@ -507,7 +507,9 @@ fn train_on_the_cuda_backend_matches_the_cpu_backend() {
         .filter_map(|e| e["args"]["name"].as_str())
         .collect();
     assert!(
-        ["copy", "compute", "feed"].iter().all(|t| tracks.contains(t)),
+        ["copy", "compute", "feed"]
+            .iter()
+            .all(|t| tracks.contains(t)),
         "{tracks:?}"
     );
     // With the device cache, epoch 0 is fed from the host, and the later epochs gather on

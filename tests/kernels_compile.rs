@@ -4,7 +4,8 @@
 
 mod common;
 
-use stokehold::cuda::{compile_options, elf_complete, Nvrtc, SOURCE};
+use stokehold::cuda::Nvrtc;
+use stokehold::testing::{compile_options, elf_complete, SOURCE};
 
 /// The kernels every build must export (what `Kernels::load` looks up).
 const ENTRIES: [&str; 5] = [

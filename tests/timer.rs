@@ -74,7 +74,10 @@ fn a_users_loop_gets_the_rows_and_the_warmup_split() {
     assert_eq!(w.first_s, e0.wall_s);
     assert_eq!(w.steady_s, e1.wall_s.max(e2.wall_s));
     // The cold page cache is epoch 0's extra wait for data, the step's its extra compute.
-    assert_eq!(w.cold_cache_s, e0.wait_data_s - e1.wait_data_s.max(e2.wait_data_s));
+    assert_eq!(
+        w.cold_cache_s,
+        e0.wait_data_s - e1.wait_data_s.max(e2.wait_data_s)
+    );
     assert_eq!(w.compute_s, e0.compute_s - e1.compute_s.max(e2.compute_s));
     let text = report.warmup_text();
     assert!(text.contains("unexplained"), "{text}");

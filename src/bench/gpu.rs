@@ -2,13 +2,13 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{result, sys};
+use cudarc::driver::{result, sys, PinnedHostSlice};
 
 use crate::backend::Trainer;
 use crate::cuda::{Cuda, CudaTrainer, Feeder, Kernels, PinnedAlloc, PinnedKind};
 use crate::dataset::Dataset;
 use crate::error::Result;
-use crate::loader::{HostAlloc, Loader};
+use crate::loader::Loader;
 use crate::model::{Mlp, MlpConfig, Normalize};
 use crate::sampler::Shuffle;
 
@@ -139,20 +139,18 @@ fn fresh_loop(cuda: &Cuda, n: usize, ring: usize) -> Result<f64> {
     };
     let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
     let (a, b) = (cuda.ctx.new_event(timing)?, cuda.ctx.new_event(timing)?);
-    let bufs = (0..ring)
+    let mut bufs = (0..ring)
         .map(|_| pinned_bytes(cuda, PinnedKind::Plain, n))
         .collect::<Result<Vec<_>>>()?;
     let mut ms = 0.0;
     for pass in 0..2u8 {
-        for (i, m) in bufs.iter().enumerate() {
-            // SAFETY: each `HostMemory` owns `len()` bytes; the previous copy from it was
-            // waited for, so nothing reads it while it is rewritten.
-            let bytes = unsafe { std::slice::from_raw_parts_mut(m.as_ptr(), m.len()) };
-            bytes.fill(pass.wrapping_add(i as u8));
+        for (i, m) in bufs.iter_mut().enumerate() {
+            // The previous copy from this buffer was waited for: nothing reads it now.
+            m.as_mut_slice()?.fill(pass.wrapping_add(i as u8));
             a.record(&stream)?;
             // SAFETY: `dst` holds `n` bytes; the copy is waited for below, before the
             // buffer is touched again or freed.
-            unsafe { result::memcpy_htod_async(ptr, &bytes[..], stream.cu_stream()) }?;
+            unsafe { result::memcpy_htod_async(ptr, m.as_slice()?, stream.cu_stream()) }?;
             b.record(&stream)?;
             b.synchronize()?;
             if pass == 1 {
@@ -163,12 +161,15 @@ fn fresh_loop(cuda: &Cuda, n: usize, ring: usize) -> Result<f64> {
     Ok((n * ring) as f64 / (ms / 1e3).max(1e-12) / 1e9)
 }
 
-fn pinned_bytes(
-    cuda: &Cuda,
-    kind: PinnedKind,
-    n: usize,
-) -> Result<Box<dyn crate::loader::HostMemory>> {
-    PinnedAlloc::new(Arc::clone(&cuda.ctx), kind).alloc(n)
+fn pinned_bytes(cuda: &Cuda, kind: PinnedKind, n: usize) -> Result<PinnedHostSlice<u8>> {
+    // SAFETY: the memory is zeroed below, before any read.
+    let mut m = unsafe {
+        cuda.ctx
+            .alloc_pinned_with_flags::<u8>(n.max(1), kind.flags())
+    }?;
+    // SAFETY: `m` owns `len()` writable bytes, none of which is referenced yet.
+    unsafe { std::ptr::write_bytes(m.as_mut_ptr()?, 0, m.len()) };
+    Ok(m)
 }
 
 /// Runs the GPU figures on `dataset` with batches of `batch` and `workers` workers.
@@ -202,12 +203,8 @@ pub fn run(
     let plain = pinned_bytes(cuda, PinnedKind::Plain, bytes)?;
     let wc = pinned_bytes(cuda, PinnedKind::WriteCombined, bytes)?;
     let pageable = vec![1u8; bytes];
-    // SAFETY: each `HostMemory` exposes `len()` initialised bytes it owns.
-    let view = |m: &dyn crate::loader::HostMemory| unsafe {
-        std::slice::from_raw_parts(m.as_ptr(), m.len())
-    };
-    out.h2d.bare_pinned_gb_s = copy_loop(cuda, view(plain.as_ref()), reps)?;
-    out.h2d.bare_write_combined_gb_s = copy_loop(cuda, view(wc.as_ref()), reps)?;
+    out.h2d.bare_pinned_gb_s = copy_loop(cuda, plain.as_slice()?, reps)?;
+    out.h2d.bare_write_combined_gb_s = copy_loop(cuda, wc.as_slice()?, reps)?;
     out.h2d.bare_pageable_gb_s = copy_loop(cuda, &pageable, reps)?;
     out.h2d.bare_fresh_gb_s = fresh_loop(cuda, bytes, 16)?;
 

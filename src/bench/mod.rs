@@ -339,7 +339,7 @@ pub struct CpuOverlap {
 
 /// Measures [`CpuOverlap`] on `dataset` (column 0 `u8` inputs, column 1 `i64` labels
 /// below `classes`), normalising inputs with `norm` (see
-/// [`fit_classifier`](crate::model::fit_classifier)).
+/// [`fit_classifier`]).
 ///
 /// # Errors
 /// Loader, dataset and step errors; [`Error::Config`](crate::Error::Config) for columns

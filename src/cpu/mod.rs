@@ -130,7 +130,7 @@ impl CpuTrainer {
     /// copy and compute overlap).
     ///
     /// # Errors
-    /// [`Error::Config`] if the columns have the wrong dtypes or sizes for the model.
+    /// [`Error::Config`](crate::Error::Config) if the columns have the wrong dtypes or sizes for the model.
     pub fn new(
         mlp: Mlp,
         norm: Normalize,

@@ -4,21 +4,18 @@
 
 mod cache;
 mod feeder;
-mod kernels;
-mod nvrtc;
+pub(crate) mod kernels;
+pub(crate) mod nvrtc;
 mod pinned;
 mod step;
 mod trainer;
 
 use std::sync::Arc;
 
-pub use cache::DeviceCache;
 pub use cudarc::driver::CudaContext;
 pub use feeder::{DeviceBatch, FeedStats, Feeder};
-pub use kernels::{
-    build_arch, cache_dir, compile_options, elf_complete, KernelOrigin, Kernels, SOURCE,
-};
-pub use nvrtc::{candidates as nvrtc_candidates, Nvrtc};
+pub use kernels::{build_arch, KernelOrigin, Kernels};
+pub use nvrtc::Nvrtc;
 pub use pinned::{PinnedAlloc, PinnedKind};
 pub use trainer::CudaTrainer;
 

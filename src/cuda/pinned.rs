@@ -22,6 +22,17 @@ pub enum PinnedKind {
 impl PinnedKind {
     /// Every kind, by name.
     pub const NAMES: [&'static str; 2] = ["plain", "write-combined"];
+
+    /// The `cuMemHostAlloc` flags of this kind (always portable: usable from any
+    /// context's streams).
+    pub(crate) fn flags(self) -> u32 {
+        match self {
+            PinnedKind::Plain => sys::CU_MEMHOSTALLOC_PORTABLE,
+            PinnedKind::WriteCombined => {
+                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_WRITECOMBINED
+            }
+        }
+    }
 }
 
 impl std::str::FromStr for PinnedKind {
@@ -111,12 +122,7 @@ impl HostAlloc for PinnedAlloc {
         // SAFETY: the context is alive (we hold an Arc to it); see `Drop` for why not
         // `bind_to_thread`.
         unsafe { result::ctx::set_current(self.ctx.cu_ctx()) }.map_err(|e| err(e.to_string()))?;
-        let flags = match self.kind {
-            PinnedKind::Plain => sys::CU_MEMHOSTALLOC_PORTABLE,
-            PinnedKind::WriteCombined => {
-                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_WRITECOMBINED
-            }
-        };
+        let flags = self.kind.flags();
         let len = bytes.max(1);
         // SAFETY: a plain allocation call; the result is checked below.
         let ptr = unsafe { result::malloc_host(len, flags) }.map_err(|e| err(e.to_string()))?;

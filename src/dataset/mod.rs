@@ -58,6 +58,11 @@ impl<'a> MappedFile<'a> {
     pub fn bytes(&self) -> &'a [u8] {
         self.map
     }
+
+    /// The mapping itself (for its `advise` calls).
+    pub(crate) fn mapping(&self) -> &'a memmap2::Mmap {
+        self.map
+    }
 }
 
 /// A source of fixed-size samples, each made of one row per column.

@@ -330,8 +330,8 @@ impl TrainReport {
     }
 }
 
-/// Writes `value` as pretty JSON to `path`, whole or not at all (see
-/// [`write_whole`](crate::util::write_whole)).
+/// Writes `value` as pretty JSON to `path`, whole or not at all: into a temporary file
+/// beside it, renamed over it once written and synced.
 ///
 /// # Errors
 /// [`Error::Io`](crate::Error::Io) naming the file.
@@ -383,6 +383,9 @@ mod tests {
         assert!(close(w.compute_s, 0.1), "{w:?}");
         assert!(close(w.copy_s, 0.05), "{w:?}");
         assert!(close(w.unexplained_s, 0.05), "{w:?}");
-        assert!(Warmup::of(&rows[..1]).is_none(), "one epoch has nothing to compare with");
+        assert!(
+            Warmup::of(&rows[..1]).is_none(),
+            "one epoch has nothing to compare with"
+        );
     }
 }

@@ -172,7 +172,7 @@ impl Trace {
     /// Writes the trace to `path`, whole or not at all.
     ///
     /// # Errors
-    /// [`Error::Io`] naming the file.
+    /// [`Error::Io`](crate::Error::Io) naming the file.
     pub fn write(&self, path: &Path) -> Result<()> {
         let text = serde_json::to_string(&self.to_json()).expect("a trace serialises");
         crate::util::write_whole(path, text.as_bytes())

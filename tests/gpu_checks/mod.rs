@@ -284,7 +284,10 @@ pub fn a_bad_label_is_an_error(c: Cuda) {
     ] {
         let err = trainer.train(&mut loader, 0, &mut |_, _| {}).unwrap_err();
         println!("{err}");
-        assert!(err.to_string().contains("label 42 is outside 0..10"), "{err}");
+        assert!(
+            err.to_string().contains("label 42 is outside 0..10"),
+            "{err}"
+        );
         match err {
             stokehold::Error::Label {
                 label: 42,
