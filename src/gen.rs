@@ -4,6 +4,7 @@
 
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use memmap2::MmapMut;
 use rand::rngs::Xoshiro256PlusPlus;
@@ -39,13 +40,97 @@ pub fn npy_header(dtype: DType, shape: &[u64]) -> Vec<u8> {
     out
 }
 
-/// An `.npy` file being written through a mutable memory map. The file is created under
-/// a temporary name and renamed into place by [`finish`](NpyWriter::finish), so a reader
-/// never sees a half-written file.
-pub struct NpyWriter {
+/// A file being written through a mutable memory map, under a temporary name of its own
+/// beside its destination (so that two writers of one path never share it), with its
+/// space reserved up front: a full disk is an error here, never a `SIGBUS` while the
+/// mapping is filled. Renamed into place by [`finish`](Partial::finish); removed if
+/// dropped before that.
+struct Partial {
     path: PathBuf,
     tmp: PathBuf,
-    map: MmapMut,
+    map: Option<MmapMut>,
+    done: bool,
+}
+
+impl Partial {
+    fn create(path: &Path, len: u64) -> Result<Partial> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy())
+            .unwrap_or_default();
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let tmp = path.with_file_name(format!(".{name}.{}.{n}.partial", std::process::id()));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .map_err(|e| Error::io(path, e))?;
+        let mut partial = Partial {
+            path: path.to_path_buf(),
+            tmp,
+            map: None,
+            done: false,
+        };
+        reserve(&file, len).map_err(|e| Error::io(path, e))?;
+        if len > 0 {
+            // SAFETY: the file was just created by this process under a name of its own,
+            // and its blocks are allocated: nothing else maps or resizes it while the
+            // writer lives, and filling the mapping cannot fault on a full disk.
+            let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| Error::io(path, e))?;
+            partial.map = Some(map);
+        }
+        Ok(partial)
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.map.as_deref_mut().unwrap_or_default()
+    }
+
+    fn finish(mut self) -> Result<PathBuf> {
+        if let Some(map) = self.map.take() {
+            map.flush().map_err(|e| Error::io(&self.path, e))?;
+        }
+        std::fs::rename(&self.tmp, &self.path).map_err(|e| Error::io(&self.path, e))?;
+        self.done = true;
+        Ok(self.path.clone())
+    }
+}
+
+impl Drop for Partial {
+    fn drop(&mut self) {
+        if !self.done {
+            drop(self.map.take());
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// Allocates `len` bytes of `file` on disk (`posix_fallocate`); where the file system
+/// cannot, only sets the length.
+fn reserve(file: &std::fs::File, len: u64) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let Ok(n) = libc::off_t::try_from(len) else {
+        return Err(std::io::Error::from_raw_os_error(libc::EFBIG));
+    };
+    if n == 0 {
+        return Ok(());
+    }
+    // SAFETY: a valid open descriptor; the call reads and writes no memory of ours.
+    match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, n) } {
+        0 => Ok(()),
+        libc::EOPNOTSUPP | libc::EINVAL => file.set_len(len),
+        e => Err(std::io::Error::from_raw_os_error(e)),
+    }
+}
+
+/// An `.npy` file being written through a mutable memory map. It is written under a
+/// temporary name and renamed into place by [`finish`](NpyWriter::finish), so a reader
+/// never sees a half-written file; its space is reserved when it is created, and a
+/// writer dropped unfinished removes its temporary file.
+pub struct NpyWriter {
+    file: Partial,
     offset: usize,
 }
 
@@ -53,41 +138,34 @@ impl NpyWriter {
     /// Creates `path` for an array of `dtype` and `shape`.
     ///
     /// # Errors
-    /// [`Error::Io`] naming the file; [`Error::Config`] if the size overflows.
+    /// [`Error::Io`] naming the file (no space left on the device, say);
+    /// [`Error::Config`] if the size overflows.
     pub fn create(path: impl AsRef<Path>, dtype: DType, shape: &[u64]) -> Result<NpyWriter> {
-        let path = path.as_ref().to_path_buf();
+        let path = path.as_ref();
         let header = npy_header(dtype, shape);
-        let data = shape
+        let len = shape
             .iter()
             .try_fold(dtype.size() as u64, |a, &d| a.checked_mul(d))
-            .ok_or_else(|| Error::Config(format!("shape {} overflows", shape_string(shape))))?;
-        let mut tmp = path.clone().into_os_string();
-        tmp.push(".partial");
-        let tmp = PathBuf::from(tmp);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&tmp)
-            .map_err(|e| Error::io(&tmp, e))?;
-        file.set_len(header.len() as u64 + data)
-            .map_err(|e| Error::io(&tmp, e))?;
-        // SAFETY: the file was just created by this process under a private temporary
-        // name; nothing else maps or resizes it while the writer lives.
-        let mut map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| Error::io(&tmp, e))?;
-        map[..header.len()].copy_from_slice(&header);
+            .and_then(|data| data.checked_add(header.len() as u64))
+            .filter(|&len| usize::try_from(len).is_ok_and(|l| l <= isize::MAX as usize))
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "{}: shape {} is too large to write",
+                    path.display(),
+                    shape_string(shape)
+                ))
+            })?;
+        let mut file = Partial::create(path, len)?;
+        file.bytes_mut()[..header.len()].copy_from_slice(&header);
         Ok(NpyWriter {
-            path,
-            tmp,
-            map,
+            file,
             offset: header.len(),
         })
     }
 
     /// The data bytes, to fill.
     pub fn data_mut(&mut self) -> &mut [u8] {
-        &mut self.map[self.offset..]
+        &mut self.file.bytes_mut()[self.offset..]
     }
 
     /// Flushes and renames the file into place.
@@ -95,10 +173,7 @@ impl NpyWriter {
     /// # Errors
     /// [`Error::Io`] naming the file.
     pub fn finish(self) -> Result<PathBuf> {
-        self.map.flush().map_err(|e| Error::io(&self.tmp, e))?;
-        drop(self.map);
-        std::fs::rename(&self.tmp, &self.path).map_err(|e| Error::io(&self.path, e))?;
-        Ok(self.path)
+        self.file.finish()
     }
 }
 
@@ -172,21 +247,25 @@ pub fn classification(
             "need at least one sample and 1 to 256 classes".into(),
         ));
     }
-    let row: u64 = spec.shape.iter().product();
-    if spec.shape.is_empty() || row == 0 {
-        return Err(Error::Config("a sample needs a non-empty shape".into()));
-    }
+    let row = spec.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+    let Some(row) = row.filter(|&r| r > 0 && !spec.shape.is_empty()) else {
+        return Err(Error::Config(format!(
+            "a sample needs a non-empty shape whose size fits 64 bits, got {}",
+            shape_string(&spec.shape)
+        )));
+    };
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let mut x_shape = vec![spec.samples];
+    x_shape.extend_from_slice(&spec.shape);
+    // Both files are sized (and their space reserved) before anything else is allocated.
+    let mut x = NpyWriter::create(dir.join("x.npy"), DType::U8, &x_shape)?;
+    let mut y = NpyWriter::create(dir.join("y.npy"), DType::I64, &[spec.samples])?;
     let row = row as usize;
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(spec.seed);
     let mut prototypes = vec![0u8; row * spec.classes as usize];
     rng.fill_bytes(&mut prototypes);
     let label = |i: u64| (mix(spec.seed ^ mix(i + 1)) % spec.classes as u64) as i64;
 
-    let mut x_shape = vec![spec.samples];
-    x_shape.extend_from_slice(&spec.shape);
-    let mut x = NpyWriter::create(dir.join("x.npy"), DType::U8, &x_shape)?;
-    let mut y = NpyWriter::create(dir.join("y.npy"), DType::I64, &[spec.samples])?;
     const CHUNK: usize = 512;
     let noise = spec.noise as i32;
     x.data_mut()
@@ -222,26 +301,22 @@ pub fn classification(
 /// model has something to learn.
 ///
 /// # Errors
-/// [`Error::Config`] for `vocab` outside `2..=65536`; [`Error::Io`] naming the file.
+/// [`Error::Config`] for `vocab` outside `2..=65536` or a size that overflows;
+/// [`Error::Io`] naming the file. The file is written under a temporary name and renamed
+/// into place: an interrupted run leaves no file that reads as valid.
 pub fn token_stream(path: impl AsRef<Path>, tokens: u64, vocab: u32, seed: u64) -> Result<PathBuf> {
     let path = path.as_ref();
     if !(2..=65_536).contains(&vocab) {
         return Err(Error::Config("vocab must be in 2..=65536".into()));
     }
-    // Read access too: a shared writable mapping needs it.
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(path)
-        .map_err(|e| Error::io(path, e))?;
-    file.set_len(tokens * 2).map_err(|e| Error::io(path, e))?;
-    if tokens == 0 {
-        return Ok(path.to_path_buf());
-    }
-    // SAFETY: the file was just created and sized by this process; nothing else maps it.
-    let mut map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| Error::io(path, e))?;
+    let bytes = tokens.checked_mul(2).ok_or_else(|| {
+        Error::Config(format!(
+            "{}: {tokens} tokens of 2 bytes overflow a file size",
+            path.display()
+        ))
+    })?;
+    let mut file = Partial::create(path, bytes)?;
+    let map = file.bytes_mut();
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
     let mut prev = 0u32;
     for t in map.chunks_exact_mut(2) {
@@ -254,8 +329,7 @@ pub fn token_stream(path: impl AsRef<Path>, tokens: u64, vocab: u32, seed: u64) 
         t.copy_from_slice(&(next as u16).to_le_bytes());
         prev = next;
     }
-    map.flush().map_err(|e| Error::io(path, e))?;
-    Ok(path.to_path_buf())
+    file.finish()
 }
 
 #[cfg(test)]

@@ -24,7 +24,8 @@
 //! # }
 //! ```
 //!
-//! The order of every epoch is a pure function of `(seed, epoch, rank, world_size)`:
+//! The order of every epoch is a pure function of `(seed, epoch, rank, world_size)`
+//! (block shuffle's default block, about 1 MiB of rows, adds the row width in bytes):
 //! never of the worker count or timing. See [`sampler`] for the permutations and
 //! [`Loader`] for buffers, prefetch, resumption and failure handling.
 

@@ -61,6 +61,9 @@ pub struct TrainConfig {
 ///
 /// [`Error::Cuda`]: crate::Error::Cuda
 pub fn run(config: &TrainConfig) -> Result<TrainReport> {
+    if let Some(path) = &config.trace {
+        crate::util::check_writable(path)?;
+    }
     let backend = Backend::open(config.device)?;
     let mut setup = Setup {
         cuda_context_s: backend.context.as_secs_f64(),
@@ -70,7 +73,7 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
     };
 
     let t = Instant::now();
-    let ds = NpyDataset::open(&config.data)?;
+    let ds = NpyDataset::open_xy(&config.data)?;
     let (norm, classes) = fit_classifier(&ds)?;
     let inputs = ds.columns()[0].row_bytes;
     let ds: Arc<dyn Dataset> = Arc::new(ds);

@@ -57,6 +57,26 @@ pub fn write_whole(path: &Path, bytes: &[u8]) -> Result<()> {
     })
 }
 
+/// Checks, before a long run, that a file can be written at `path` later: its directory
+/// exists and takes a new file, and `path` is not a directory.
+///
+/// # Errors
+/// [`Error::Io`] naming `path` with the reason.
+pub fn check_writable(path: &Path) -> Result<()> {
+    if path.is_dir() {
+        let e = std::io::Error::other("is a directory");
+        return Err(Error::io(path, e));
+    }
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy())
+        .unwrap_or_default();
+    let probe = path.with_file_name(format!(".{name}.{}.check", std::process::id()));
+    std::fs::File::create(&probe).map_err(|e| Error::io(path, e))?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::{median, megabytes, mix, write_whole};

@@ -422,7 +422,7 @@ pub fn measure(
     cfg: &BenchConfig,
     log: &mut dyn FnMut(&str),
 ) -> Result<BenchReport> {
-    let ds = NpyDataset::open(data)?;
+    let ds = NpyDataset::open_xy(data)?;
     let fitted = fit_classifier(&ds)?;
     let ds: Arc<dyn Dataset> = Arc::new(ds);
     log(&format!(

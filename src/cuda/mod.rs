@@ -48,6 +48,22 @@ fn libcuda_present() -> bool {
     })
 }
 
+/// Runs `f`, turning a panic into `Err` with its message, and printing nothing: cudarc
+/// panics when a libcuda it finds is broken (a symbol missing, say), and the probe's
+/// answer is then one line of reason, not a backtrace.
+fn quietly<R>(f: impl FnOnce() -> R + std::panic::UnwindSafe) -> Result<R, String> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let r = std::panic::catch_unwind(f);
+    std::panic::set_hook(hook);
+    r.map_err(|p| {
+        p.downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "a panic without a message".into())
+    })
+}
+
 /// Looks for libcuda, a device and NVRTC, in that order.
 ///
 /// # Errors
@@ -58,8 +74,8 @@ pub fn probe() -> Result<Cuda, String> {
         return Err("no libcuda found (looked for libcuda.so and libcuda.so.1)".into());
     }
     let start = std::time::Instant::now();
-    let ctx = std::panic::catch_unwind(|| CudaContext::new(0))
-        .map_err(|_| "no CUDA device: the driver panicked while creating a context".to_string())?
+    let ctx = quietly(|| CudaContext::new(0))
+        .map_err(|m| format!("no CUDA device: loading the driver failed: {m}"))?
         .map_err(|e| format!("no CUDA device: {e}"))?;
     let context_time = start.elapsed();
     let mut version = 0;

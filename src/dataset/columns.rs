@@ -32,6 +32,20 @@ impl NpyDataset {
         }
     }
 
+    /// Opens `x.npy` and `y.npy` of the directory `dir` as two columns, whatever else the
+    /// directory holds: the inputs and labels of a classifier.
+    ///
+    /// # Errors
+    /// As [`open_columns`](NpyDataset::open_columns), naming a missing file.
+    pub fn open_xy(dir: impl AsRef<Path>) -> Result<NpyDataset> {
+        let dir = dir.as_ref();
+        if !dir.is_dir() {
+            let e = std::io::Error::new(std::io::ErrorKind::NotFound, "no such directory");
+            return Err(Error::io(dir, e));
+        }
+        Self::open_columns([dir.join("x.npy"), dir.join("y.npy")])
+    }
+
     /// Opens the `*.npy` files of a directory as columns (`x`, `y`, then by name).
     ///
     /// # Errors
@@ -42,7 +56,7 @@ impl NpyDataset {
         let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
             .map_err(|e| Error::io(dir, e))?
             .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|e| e == "npy") && p.is_file())
+            .filter(|p| p.extension().is_some_and(|e| e == "npy"))
             .collect();
         if files.is_empty() {
             return Err(Error::dataset(dir, "no .npy file in this directory"));

@@ -100,6 +100,46 @@ pub trait Dataset: Send + Sync + 'static {
     }
 }
 
+/// Opens `path` for reading if it is a regular file (or a link to one). A FIFO would
+/// block the open, and a directory or a device would fail later with a misleading
+/// message: they are refused here, naming the path and what it is.
+///
+/// # Errors
+/// [`Error::Io`] if `path` does not exist; [`Error::Dataset`] for a dangling symbolic
+/// link or anything that is not a regular file.
+pub(crate) fn open_regular(path: &Path) -> Result<std::fs::File> {
+    use std::os::unix::fs::FileTypeExt;
+    let meta = match std::fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) if path.is_symlink() => {
+            return Err(crate::Error::dataset(
+                path,
+                format!("a dangling symbolic link ({e})"),
+            ))
+        }
+        Err(e) => return Err(crate::Error::io(path, e)),
+    };
+    let t = meta.file_type();
+    let kind = if t.is_file() {
+        None
+    } else if t.is_dir() {
+        Some("a directory")
+    } else if t.is_fifo() {
+        Some("a FIFO")
+    } else if t.is_socket() {
+        Some("a socket")
+    } else if t.is_char_device() || t.is_block_device() {
+        Some("a device")
+    } else {
+        Some("not a regular file")
+    };
+    if let Some(kind) = kind {
+        let problem = format!("is {kind}, not a regular file");
+        return Err(crate::Error::dataset(path, problem));
+    }
+    std::fs::File::open(path).map_err(|e| crate::Error::io(path, e))
+}
+
 /// Checks that `out` has one slice per column, each large enough for `n` rows.
 pub(crate) fn check_out(columns: &[Column], n: usize, out: &[&mut [u8]]) -> Result<()> {
     if out.len() != columns.len() {

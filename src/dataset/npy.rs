@@ -4,7 +4,6 @@
 //! dtype, order, shape, and that the file holds exactly the bytes the header promises.
 //! After that, reading a row is a bounds-checked `memcpy` from the mapping.
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -353,7 +352,7 @@ impl NpyArray {
     /// file and the problem if it is not a `.npy` file stokehold reads.
     pub fn open(path: impl AsRef<Path>) -> Result<NpyArray> {
         let path = path.as_ref();
-        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let file = super::open_regular(path)?;
         let file_len = file.metadata().map_err(|e| Error::io(path, e))?.len();
         if file_len == 0 {
             return Err(Error::npy(path, NpyProblem::BadMagic));

@@ -1,6 +1,5 @@
 //! A flat stream of tokens cut into training windows.
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -143,7 +142,7 @@ impl TokenDataset {
                 "token files hold uint16 or uint32, not {dtype}"
             )));
         }
-        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let file = super::open_regular(path)?;
         let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
         if len == 0 {
             return Err(Error::dataset(path, "the token file is empty"));
@@ -203,7 +202,7 @@ impl TokenDataset {
             array.rows(),
             array.dtype(),
         );
-        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let file = super::open_regular(path)?;
         // SAFETY: as in `NpyArray::open`; this maps the file that was just validated.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
         if map.len() != array.mapping().len() {

@@ -4,13 +4,16 @@ use super::Normalize;
 use crate::dataset::{DType, NpyDataset};
 use crate::error::{Error, Result};
 
+/// Classes allowed whatever the sample count (more only with as many samples).
+const MAX_CLASSES: u64 = 65_536;
+
 /// What a classifier over `ds` needs from the data: the input normalisation (from the
 /// first 512 samples of column 0) and the number of classes (largest label of column 1,
 /// read straight from its file, plus one).
 ///
 /// # Errors
-/// [`Error::Dataset`] naming the file when there is no `int64` label column or a label
-/// is negative.
+/// [`Error::Dataset`] naming the file when there is no `int64` label column, or naming
+/// the row of a label that is negative or beyond both the sample count and 65,536.
 pub fn fit_classifier(ds: &NpyDataset) -> Result<(Normalize, usize)> {
     let (inputs, labels) = match ds.arrays() {
         [x, y, ..] => (x, y),
@@ -28,12 +31,27 @@ pub fn fit_classifier(ds: &NpyDataset) -> Result<(Normalize, usize)> {
             "labels must be one int64 per sample",
         ));
     }
-    let max = labels
-        .data()
-        .chunks_exact(8)
-        .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
-        .try_fold(0i64, |m, l| if l < 0 { Err(l) } else { Ok(m.max(l)) })
-        .map_err(|l| Error::dataset(labels.path(), format!("negative label {l}")))?;
+    // Classes are the largest label plus one: a label far beyond the samples (a stray
+    // 10^12, or i64::MAX) would make a model of that many classes, so it is refused with
+    // its row.
+    let limit = labels.rows().max(MAX_CLASSES);
+    let values = labels.data().chunks_exact(8);
+    let labels_of = values.map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")));
+    let mut max = 0i64;
+    for (row, l) in labels_of.enumerate() {
+        if l < 0 || l as u64 >= limit {
+            let problem = match l < 0 {
+                true => format!("negative label {l} at row {row}"),
+                false => format!(
+                    "label {l} at row {row} is far beyond the {} samples: classes are the \
+                     largest label plus one, and at most {limit} are allowed",
+                    labels.rows()
+                ),
+            };
+            return Err(Error::dataset(labels.path(), problem));
+        }
+        max = max.max(l);
+    }
     let sample = inputs.rows().min(512) as usize * inputs.row_bytes();
     Ok((
         Normalize::fit(&inputs.data()[..sample]),

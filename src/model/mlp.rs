@@ -101,11 +101,15 @@ impl Metrics {
     }
 }
 
+/// The most weights a model may have: 8 GiB of `f32`.
+const MAX_PARAMS: usize = 1 << 31;
+
 impl Mlp {
     /// He-initialised weights and zero biases, deterministic in `config.seed`.
     ///
     /// # Errors
-    /// [`Error::Config`] if a dimension is zero or `lr` is not finite and positive.
+    /// [`Error::Config`] if a dimension is zero, the weights would exceed 2^31 (8 GiB),
+    /// or `lr` is not finite and positive.
     pub fn new(config: MlpConfig) -> Result<Mlp> {
         if config.inputs == 0 || config.hidden == 0 || config.classes < 2 {
             return Err(Error::Config(format!(
@@ -117,6 +121,23 @@ impl Mlp {
             return Err(Error::Config(format!(
                 "learning rate {} is not positive",
                 config.lr
+            )));
+        }
+        let MlpConfig {
+            inputs: d,
+            hidden: h,
+            classes: c,
+            ..
+        } = config;
+        let params = d
+            .checked_mul(h)
+            .zip(h.checked_mul(c))
+            .and_then(|(a, b)| a.checked_add(b))
+            .filter(|&p| p <= MAX_PARAMS);
+        if params.is_none() {
+            return Err(Error::Config(format!(
+                "an MLP of {d} inputs, {h} hidden units and {c} classes has more than \
+                 {MAX_PARAMS} weights (8 GiB): lower --hidden"
             )));
         }
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(config.seed);

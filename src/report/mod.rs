@@ -176,6 +176,9 @@ pub struct TrainReport {
     pub epochs: Vec<EpochRow>,
     /// The warm-up split, with two or more epochs.
     pub warmup: Option<Warmup>,
+    /// The first epoch whose mean loss was not finite (the run diverged: the learning
+    /// rate is too high), if any.
+    pub diverged_at: Option<u64>,
 }
 
 fn pct(r: Residency) -> String {
@@ -211,11 +214,15 @@ impl TrainReport {
             setup: Setup::default(),
             epochs: Vec::new(),
             warmup: None,
+            diverged_at: None,
         }
     }
 
     /// Adds an epoch's row and updates the warm-up split.
     pub fn push(&mut self, row: EpochRow) {
+        if !row.loss.is_finite() && self.diverged_at.is_none() {
+            self.diverged_at = Some(row.epoch);
+        }
         self.epochs.push(row);
         self.warmup = Warmup::of(&self.epochs);
     }
@@ -285,8 +292,16 @@ impl TrainReport {
             s += &format!(", device cache filled {:.3} s", st.device_cache_fill_s);
         }
         s.push('\n');
+        if let Some(e) = self.diverged_at {
+            s += &format!(
+                "the loss is not finite from epoch {e} on: the run diverged (lower the learning rate)\n"
+            );
+        }
         let Some(w) = &self.warmup else {
-            s += "one epoch only: no steady epochs to compare the first with\n";
+            s += match self.epochs.len() {
+                0 => "no epochs run\n",
+                _ => "one epoch only: no steady epochs to compare the first with\n",
+            };
             return s;
         };
         let first = &self.epochs[0];
@@ -328,6 +343,15 @@ impl TrainReport {
         }
         s
     }
+}
+
+/// Checks, before a long run, that its output file can be written at `path` (see
+/// [`write_json`]): the directory exists and takes a new file.
+///
+/// # Errors
+/// [`Error::Io`](crate::Error::Io) naming `path`.
+pub fn check_output(path: &std::path::Path) -> crate::Result<()> {
+    crate::util::check_writable(path)
 }
 
 /// Writes `value` as pretty JSON to `path`, whole or not at all: into a temporary file

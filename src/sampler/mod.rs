@@ -1,5 +1,8 @@
 //! The order of samples in each epoch: a pure function of
-//! `(seed, epoch, rank, world_size)`, never of worker count, timing or machine.
+//! `(seed, epoch, rank, world_size)`, never of worker count, timing or machine. One
+//! input more for block shuffle when its block size is left to the loader: the default
+//! block is about 1 MiB of rows, so it depends on the row width in bytes (give
+//! `block_rows` to make the order independent of it).
 //!
 //! [`Order`] turns a dataset length, a [`Shuffle`], a [`Shard`] and a batch size into
 //! [`EpochOrder`]s, which compute the sample at any position directly (no table): a

@@ -1,0 +1,362 @@
+//! Faults and plain mistakes end in a clear error naming the file (exit 1) or a correct
+//! run: never a signal, a panic, a hang, or a truncated output file (issue 10).
+
+mod common;
+
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+use common::DIGITS;
+
+fn stokehold(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_stokehold"))
+        .args(args)
+        .output()
+        .expect("the stokehold binary runs")
+}
+
+/// Exit 1 with `needle` in the message: no signal, no panic.
+fn fails_with(out: &Output, needle: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.signal(), None, "killed by a signal: {err}");
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(err.contains(needle), "{needle:?} not in: {err}");
+}
+
+fn files_in(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_file_size_limit_while_generating_is_an_error_and_leaves_no_partial_file() {
+    // `ulimit -f` stands in for a full disk: the space is reserved before the mapping is
+    // filled, so the write fails up front (EFBIG here, ENOSPC on a full disk).
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("set");
+    let script = format!(
+        "ulimit -f 64; exec {} gen --out {} --samples 100000 --shape 3x8x8",
+        env!("CARGO_BIN_EXE_stokehold"),
+        out_dir.display()
+    );
+    let out = Command::new("sh").args(["-c", &script]).output().unwrap();
+    fails_with(&out, "x.npy");
+    assert_eq!(
+        files_in(&out_dir),
+        Vec::<String>::new(),
+        "nothing left behind"
+    );
+}
+
+#[test]
+fn sizes_that_overflow_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().join("d");
+    let out = stokehold(&[
+        "gen",
+        "--out",
+        d.to_str().unwrap(),
+        "--samples",
+        "18446744073709551615",
+        "--shape",
+        "1",
+    ]);
+    fails_with(&out, "too large");
+    let t = dir.path().join("t.bin");
+    let out = stokehold(&[
+        "gen",
+        "--out",
+        t.to_str().unwrap(),
+        "--tokens",
+        "9223372036854775808",
+    ]);
+    fails_with(&out, "overflow");
+    assert!(!t.exists());
+}
+
+#[test]
+fn two_writers_of_one_dataset_both_end_well() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().join("d");
+    let args = [
+        "gen",
+        "--out",
+        d.to_str().unwrap(),
+        "--samples",
+        "20000",
+        "--shape",
+        "3x16x16",
+    ];
+    let spawn = || {
+        Command::new(env!("CARGO_BIN_EXE_stokehold"))
+            .args(args)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let (a, b) = (spawn(), spawn());
+    for mut c in [a, b] {
+        assert!(c.wait().unwrap().success());
+    }
+    assert_eq!(files_in(&d), ["x.npy", "y.npy"]);
+    let ds = stokehold::NpyDataset::open(&d).unwrap();
+    assert_eq!(stokehold::Dataset::len(&ds), 20000);
+}
+
+#[test]
+fn an_unwritable_json_path_is_refused_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("no/such/dir/r.json");
+    let out = stokehold(&[
+        "train",
+        "--data",
+        DIGITS,
+        "--epochs",
+        "1",
+        "--device",
+        "cpu",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    fails_with(&out, "no/such/dir/r.json");
+    assert!(out.stdout.is_empty(), "refused before the run");
+    let trace = dir.path().join("no/trace.json");
+    let out = stokehold(&[
+        "train",
+        "--data",
+        DIGITS,
+        "--epochs",
+        "1",
+        "--device",
+        "cpu",
+        "--trace",
+        trace.to_str().unwrap(),
+    ]);
+    fails_with(&out, "no/trace.json");
+}
+
+#[test]
+fn a_closed_stdout_still_writes_the_json_and_does_not_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("r.json");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_stokehold"))
+        .args([
+            "train",
+            "--data",
+            DIGITS,
+            "--epochs",
+            "2",
+            "--device",
+            "cpu",
+            "--json",
+            json.to_str().unwrap(),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take()); // the reader went away, as `| head -0` does
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(report["epochs"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn gen_tokens_goes_through_a_temporary_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = dir.path().join("t.bin");
+    let out = stokehold(&[
+        "gen",
+        "--out",
+        t.to_str().unwrap(),
+        "--tokens",
+        "1000",
+        "--vocab",
+        "100",
+    ]);
+    assert!(out.status.success());
+    assert_eq!(std::fs::metadata(&t).unwrap().len(), 2000);
+    assert_eq!(files_in(dir.path()), ["t.bin"]);
+    // A size limit leaves the old file alone and no temporary.
+    let script = format!(
+        "ulimit -f 4; exec {} gen --out {} --tokens 1000000",
+        env!("CARGO_BIN_EXE_stokehold"),
+        t.display()
+    );
+    let out = Command::new("sh").args(["-c", &script]).output().unwrap();
+    fails_with(&out, "t.bin");
+    assert_eq!(
+        std::fs::metadata(&t).unwrap().len(),
+        2000,
+        "the old file is whole"
+    );
+    assert_eq!(files_in(dir.path()), ["t.bin"]);
+}
+
+#[test]
+fn the_command_line_names_bad_choices() {
+    let out = stokehold(&["train", "--device", "gpu"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("auto"));
+    let out = stokehold(&["train", "--shuffle", "random"]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+/// A copy of datasets/digits in `dir`.
+fn digits_in(dir: &Path) {
+    for f in ["x.npy", "y.npy"] {
+        std::fs::copy(format!("{DIGITS}/{f}"), dir.join(f)).unwrap();
+    }
+}
+
+fn train_cpu(data: &Path, extra: &[&str]) -> Output {
+    let args = [
+        &["train", "--data", data.to_str().unwrap(), "--device", "cpu"][..],
+        extra,
+    ]
+    .concat();
+    stokehold(&args)
+}
+
+#[test]
+fn a_dataset_file_that_is_not_a_regular_file_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    digits_in(dir.path());
+    let x = dir.path().join("x.npy");
+    std::fs::remove_file(&x).unwrap();
+    // A FIFO would block the open forever.
+    assert!(Command::new("mkfifo").arg(&x).status().unwrap().success());
+    let out = train_cpu(dir.path(), &["--epochs", "1"]);
+    fails_with(&out, "x.npy: is a FIFO, not a regular file");
+    std::fs::remove_file(&x).unwrap();
+    std::fs::create_dir(&x).unwrap();
+    fails_with(
+        &train_cpu(dir.path(), &["--epochs", "1"]),
+        "x.npy: is a directory",
+    );
+    std::fs::remove_dir(&x).unwrap();
+    std::os::unix::fs::symlink(dir.path().join("gone.npy"), &x).unwrap();
+    fails_with(
+        &train_cpu(dir.path(), &["--epochs", "1"]),
+        "x.npy: a dangling symbolic link",
+    );
+    let out = stokehold(&["inspect", x.to_str().unwrap()]);
+    fails_with(&out, "dangling");
+}
+
+#[test]
+fn train_reads_x_and_y_whatever_else_the_directory_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    digits_in(dir.path());
+    // An unrelated array of another length.
+    let fixture = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/npy/good_1d.npy"
+    );
+    std::fs::copy(fixture, dir.path().join("other.npy")).unwrap();
+    let out = train_cpu(dir.path(), &["--epochs", "1"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("1797 samples of 72 bytes"));
+}
+
+#[test]
+fn a_label_far_beyond_the_samples_is_named_with_its_row() {
+    let dir = tempfile::tempdir().unwrap();
+    digits_in(dir.path());
+    let y = dir.path().join("y.npy");
+    let mut bytes = std::fs::read(&y).unwrap();
+    let at = bytes.len() - 8 * (1797 - 5); // row 5
+    bytes[at..at + 8].copy_from_slice(&1_000_000_000_000i64.to_le_bytes());
+    std::fs::write(&y, &bytes).unwrap();
+    let out = train_cpu(dir.path(), &["--epochs", "1"]);
+    fails_with(&out, "label 1000000000000 at row 5");
+    bytes[at..at + 8].copy_from_slice(&i64::MAX.to_le_bytes());
+    std::fs::write(&y, &bytes).unwrap();
+    fails_with(&train_cpu(dir.path(), &["--epochs", "1"]), "at row 5");
+}
+
+#[test]
+fn a_huge_model_is_refused_not_aborted() {
+    let data = Path::new(DIGITS);
+    let out = train_cpu(data, &["--epochs", "1", "--hidden", "100000000"]);
+    fails_with(&out, "lower --hidden");
+}
+
+#[test]
+fn a_diverged_run_says_so_and_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("r.json");
+    let out = train_cpu(
+        Path::new(DIGITS),
+        &[
+            "--epochs",
+            "2",
+            "--lr",
+            "1e30",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("diverged"));
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(report["diverged_at"], 0);
+}
+
+#[test]
+fn zero_epochs_say_so() {
+    let out = train_cpu(Path::new(DIGITS), &["--epochs", "0"]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("no epochs run"));
+}
+
+#[test]
+fn a_broken_libcuda_falls_back_in_one_line_without_a_backtrace() {
+    // A libcuda.so.1 that loads but exports nothing: cudarc panics on its first call.
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("empty.c");
+    std::fs::write(&src, "int stokehold_not_cuda(void) { return 0; }\n").unwrap();
+    let lib = dir.path().join("libcuda.so.1");
+    let built = Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .status();
+    if !built.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: no C compiler to build a fake libcuda");
+        return;
+    }
+    std::fs::copy(&lib, dir.path().join("libcuda.so")).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_stokehold"))
+        .args(["train", "--data", DIGITS, "--epochs", "1"])
+        .env("LD_LIBRARY_PATH", dir.path())
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("backtrace"),
+        "{stderr}"
+    );
+    let reason = stdout.lines().find(|l| l.contains("CPU backend:")).unwrap();
+    assert!(reason.contains("no CUDA device"), "{stdout}");
+}
