@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::loader::{BatchLayout, Loader};
 use crate::model::Mlp;
 use crate::sampler::Order;
-use crate::telemetry::{EpochOutcome, Trace};
+use crate::telemetry::{EpochOutcome, Progress, Trace};
 
 /// The training step of a backend, fed epoch by epoch.
 ///
@@ -20,18 +20,13 @@ use crate::telemetry::{EpochOutcome, Trace};
 /// outside the classes.
 pub trait Trainer {
     /// Trains epoch `epoch`: from the device cache when it holds the data (the loader is
-    /// not touched then), else from `loader`'s batches, copies overlapped with the step.
-    /// `progress(samples, stalled)` follows each batch.
+    /// not touched then), else from the batches of the loader `from`, copies overlapped
+    /// with the step. `progress(samples, stalled)` follows each batch.
     ///
     /// # Errors
     /// The loader's first error, the step's (a bad label: [`Error::Label`]), or a device
     /// error; the epoch stops there and the loader's workers are stopped.
-    fn train(
-        &mut self,
-        loader: &mut Loader,
-        epoch: u64,
-        progress: &mut dyn FnMut(u64, f64),
-    ) -> Result<EpochOutcome>;
+    fn train(&mut self, from: &mut Loader, epoch: u64, progress: Progress) -> Result<EpochOutcome>;
 
     /// Records a span per batch per stage into `trace` from now on.
     fn set_trace(&mut self, trace: Arc<Trace>);

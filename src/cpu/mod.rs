@@ -17,7 +17,7 @@ use crate::backend::{check_columns, Trainer};
 use crate::error::Result;
 use crate::loader::{BatchLayout, Epoch, EpochStats, HostBatch, Loader};
 use crate::model::{step, Metrics, Mlp, Normalize, Workspace};
-use crate::telemetry::{stalled, EpochOutcome, Stage, Trace, Track};
+use crate::telemetry::{stalled, EpochOutcome, Progress, Stage, Trace, Track};
 
 /// A device slot: a batch's bytes and indices.
 struct Slot {
@@ -312,13 +312,8 @@ fn copy_stage(
 }
 
 impl Trainer for CpuTrainer {
-    fn train(
-        &mut self,
-        loader: &mut Loader,
-        epoch: u64,
-        progress: &mut dyn FnMut(u64, f64),
-    ) -> Result<EpochOutcome> {
-        self.train_epoch_with(loader.epoch(epoch)?, progress)
+    fn train(&mut self, from: &mut Loader, epoch: u64, progress: Progress) -> Result<EpochOutcome> {
+        self.train_epoch_with(from.epoch(epoch)?, progress)
     }
 
     /// Spans of gather (on each worker), wait for data, copy (the copy thread), wait

@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::loader::{BatchLayout, Epoch, HostBatch, Loader};
 use crate::model::{Metrics, Mlp, Normalize};
 use crate::sampler::{EpochOrder, Order};
-use crate::telemetry::{EpochOutcome, Stage, Trace, Track};
+use crate::telemetry::{EpochOutcome, Progress, Stage, Trace, Track};
 
 /// Training state on the GPU: a feeder and the step it drives.
 pub struct CudaTrainer {
@@ -285,16 +285,11 @@ fn marks_for<'a>(
 }
 
 impl Trainer for CudaTrainer {
-    fn train(
-        &mut self,
-        loader: &mut Loader,
-        epoch: u64,
-        progress: &mut dyn FnMut(u64, f64),
-    ) -> Result<EpochOutcome> {
+    fn train(&mut self, from: &mut Loader, epoch: u64, progress: Progress) -> Result<EpochOutcome> {
         if self.cache_filled() {
-            self.train_epoch_cached(&loader.order().epoch(epoch), progress)
+            self.train_epoch_cached(&from.order().epoch(epoch), progress)
         } else {
-            self.train_epoch_with(loader.epoch(epoch)?, progress)
+            self.train_epoch_with(from.epoch(epoch)?, progress)
         }
     }
 

@@ -4,5 +4,5 @@
 mod outcome;
 mod trace;
 
-pub use outcome::{stalled, EpochOutcome, StageTimes};
+pub use outcome::{stalled, EpochOutcome, Progress, StageTimes};
 pub use trace::{Stage, Trace, Track};

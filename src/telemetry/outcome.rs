@@ -45,6 +45,9 @@ impl EpochOutcome {
     }
 }
 
+/// Called after each batch with its sample count and the [`stalled`] share so far.
+pub type Progress<'a> = &'a mut dyn FnMut(u64, f64);
+
 /// The share of `elapsed` the pipeline spent waiting for the loader: what every backend
 /// reports as `stalled` to a progress callback, and what the `wait` column sums.
 pub fn stalled(wait_data: Duration, elapsed: Duration) -> f64 {
