@@ -113,31 +113,17 @@ fn two_writers_of_one_dataset_both_end_well() {
 fn an_unwritable_json_path_is_refused_before_training() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("no/such/dir/r.json");
-    let out = stokehold(&[
-        "train",
-        "--data",
-        DIGITS,
-        "--epochs",
-        "1",
-        "--device",
-        "cpu",
-        "--json",
-        json.to_str().unwrap(),
-    ]);
+    let out = train_cpu(
+        Path::new(DIGITS),
+        &["--epochs", "1", "--json", json.to_str().unwrap()],
+    );
     fails_with(&out, "no/such/dir/r.json");
     assert!(out.stdout.is_empty(), "refused before the run");
     let trace = dir.path().join("no/trace.json");
-    let out = stokehold(&[
-        "train",
-        "--data",
-        DIGITS,
-        "--epochs",
-        "1",
-        "--device",
-        "cpu",
-        "--trace",
-        trace.to_str().unwrap(),
-    ]);
+    let out = train_cpu(
+        Path::new(DIGITS),
+        &["--epochs", "1", "--trace", trace.to_str().unwrap()],
+    );
     fails_with(&out, "no/trace.json");
 }
 
