@@ -74,8 +74,8 @@ pub enum Error {
         /// The panic payload, when it was a string.
         message: String,
     },
-    /// The consumer holds every host buffer and asked for another batch: waiting would
-    /// never end.
+    /// The thread asking for the next batch holds every host buffer (none has been
+    /// read on another thread) and released none for a second: waiting would never end.
     #[error(
         "all {buffers} host buffers are held by the consumer; drop a batch before asking \
          for the next one, or raise `held` on the loader builder"
@@ -83,6 +83,17 @@ pub enum Error {
     PoolExhausted {
         /// The pool's size.
         buffers: usize,
+    },
+    /// An [`Epoch`](crate::Epoch) iterator was leaked (`mem::forget`) instead of
+    /// dropped: the buffers it held never come back, so the loader refuses new epochs
+    /// rather than wait for them forever.
+    #[error(
+        "the iterator of epoch {epoch} was leaked (mem::forget) with the buffers it held; \
+         this loader cannot start another epoch: build a new one"
+    )]
+    EpochLeaked {
+        /// The leaked epoch.
+        epoch: u64,
     },
     /// A label outside the classifier's classes.
     #[error("label {label} is outside 0..{classes}{}", match sample { Some(s) => format!(" (sample {s})"), None => String::new() })]

@@ -275,6 +275,48 @@ fn a_label_far_beyond_the_samples_is_named_with_its_row() {
     fails_with(&train_cpu(dir.path(), &["--epochs", "1"]), "at row 5");
 }
 
+/// A zero-filled `.npy` file of `descr` and `shape`.
+fn write_npy(path: &Path, descr: &str, shape: &[usize], item: usize) {
+    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+    let dims = match dims.len() {
+        1 => format!("{},", dims[0]),
+        _ => dims.join(", "),
+    };
+    let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': ({dims}), }}");
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+    bytes.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.resize(bytes.len() + shape.iter().product::<usize>() * item, 0);
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn column_type_errors_name_the_file_and_count_elements() {
+    let dir = tempfile::tempdir().unwrap();
+    let (x, y) = (dir.path().join("x.npy"), dir.path().join("y.npy"));
+    write_npy(&x, "<f4", &[10, 64], 4);
+    write_npy(&y, "<i8", &[10], 8);
+    fails_with(
+        &train_cpu(dir.path(), &["--epochs", "1"]),
+        "x.npy: inputs must be uint8 values; this file holds 64 float32 per sample",
+    );
+    write_npy(&x, "|u1", &[10, 64], 1);
+    write_npy(&y, "<i4", &[10], 4);
+    fails_with(
+        &train_cpu(dir.path(), &["--epochs", "1"]),
+        "y.npy: labels must be one int64 per sample; this file holds 1 int32 per sample",
+    );
+    write_npy(&y, "<i8", &[10, 2], 8);
+    fails_with(
+        &train_cpu(dir.path(), &["--epochs", "1"]),
+        "y.npy: labels must be one int64 per sample; this file holds 2 int64 per sample",
+    );
+}
+
 #[test]
 fn a_huge_model_is_refused_not_aborted() {
     let data = Path::new(DIGITS);

@@ -295,15 +295,20 @@ fn a_worker_panic_is_an_error_not_a_hang() {
     assert!(again.last().unwrap().is_err());
 }
 
-#[test]
-fn holding_every_buffer_is_an_error_not_a_hang() {
-    let mut loader = Loader::builder(Synth::new(100))
+/// A loader of `n` samples in batches of 10 with a pool of two buffers and one worker.
+fn two_buffers(n: u64) -> Loader {
+    Loader::builder(Synth::new(n))
         .batch_size(10)
         .workers(1)
         .prefetch(1)
         .held(1)
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+#[test]
+fn holding_every_buffer_is_an_error_not_a_hang() {
+    let mut loader = two_buffers(100);
     let mut it = loader.epoch(0).unwrap();
     let a = it.next().unwrap().unwrap();
     let b = it.next().unwrap().unwrap();
@@ -327,6 +332,57 @@ fn holding_every_buffer_is_an_error_not_a_hang() {
         .map(|b| b.unwrap().number())
         .collect();
     assert_eq!(rest, (2..10).collect::<Vec<_>>());
+}
+
+#[test]
+fn a_slow_consumer_fed_through_a_queue_is_not_a_deadlock() {
+    // Two buffers: one in the training thread's step, one waiting in the queue, while
+    // the loading thread asks for a third and waits longer than the deadlock grace.
+    let mut loader = two_buffers(40);
+    let (tx, rx) = crossbeam_channel::bounded::<stokehold::HostBatch>(1);
+    let trainer = std::thread::spawn(move || {
+        let mut seen = Vec::new();
+        for batch in rx {
+            seen.push(batch.column::<u64>(0).unwrap()[0]);
+            std::thread::sleep(std::time::Duration::from_millis(1300));
+        }
+        seen
+    });
+    let mut delivered = 0;
+    for batch in loader.epoch(0).unwrap() {
+        tx.send(batch.unwrap()).unwrap();
+        delivered += 1;
+    }
+    drop(tx);
+    let seen = trainer.join().unwrap();
+    assert_eq!(delivered, 4);
+    assert_eq!(seen.len(), 4);
+}
+
+#[test]
+fn a_leaked_epoch_is_an_error_not_a_hang() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut loader = Loader::builder(Synth::new(1000))
+            .batch_size(10)
+            .workers(2)
+            .prefetch(2)
+            .held(1)
+            .build()
+            .unwrap();
+        let mut it = loader.epoch(0).unwrap();
+        let batch = it.next().unwrap().unwrap();
+        std::mem::forget(it);
+        drop(batch);
+        let err = loader.epoch(1).unwrap_err();
+        assert!(matches!(err, Error::EpochLeaked { epoch: 0 }), "{err}");
+        // It stays refused, and dropping the loader joins its workers.
+        assert!(loader.epoch(1).is_err());
+        drop(loader);
+        tx.send(()).unwrap();
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(30))
+        .expect("the loader neither hangs nor panics after a leaked epoch");
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! Batches as the consumer sees them.
 
-use std::sync::atomic::Ordering;
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -141,6 +142,21 @@ impl BatchTiming {
     }
 }
 
+/// A number for the calling thread, unique in the process; `None` while the thread's
+/// locals are being destroyed.
+fn thread_number() -> Option<u64> {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local!(static NUMBER: Cell<u64> = const { Cell::new(0) });
+    NUMBER
+        .try_with(|n| {
+            if n.get() == 0 {
+                n.set(NEXT.fetch_add(1, Ordering::Relaxed));
+            }
+            n.get()
+        })
+        .ok()
+}
+
 /// A batch in a host buffer of the loader's pool. Dropping it returns the buffer.
 pub struct HostBatch {
     pub(crate) lease: Lease,
@@ -149,6 +165,11 @@ pub struct HostBatch {
     pub(crate) epoch: u64,
     pub(crate) number: u64,
     pub(crate) timing: BatchTiming,
+    /// The thread the epoch delivered it to.
+    home: Option<u64>,
+    /// Whether another thread has read it: the consumer hands batches on, so a pool
+    /// that is all held is not proof of a deadlock.
+    away: AtomicBool,
 }
 
 impl HostBatch {
@@ -168,6 +189,18 @@ impl HostBatch {
             epoch,
             number,
             timing,
+            home: thread_number(),
+            away: AtomicBool::new(false),
+        }
+    }
+
+    /// Notes a read on a thread other than the one it was delivered to.
+    fn touch(&self) {
+        if !self.away.load(Ordering::Relaxed)
+            && thread_number() != self.home
+            && !self.away.swap(true, Ordering::AcqRel)
+        {
+            self.lease.pool().held_away.fetch_add(1, Ordering::AcqRel);
         }
     }
 
@@ -193,6 +226,7 @@ impl HostBatch {
 
     /// The dataset indices of its samples, in batch order.
     pub fn indices(&self) -> &[u64] {
+        self.touch();
         &self.lease.slot().indices
     }
 
@@ -216,6 +250,7 @@ impl HostBatch {
     /// # Panics
     /// If `c` is not a column index.
     pub fn bytes(&self, c: usize) -> &[u8] {
+        self.touch();
         let off = self.layout.offset(c);
         let n = self.layout.columns()[c].row_bytes * self.len;
         &self.lease.slot().bytes()[off..off + n]
@@ -267,6 +302,7 @@ impl HostBatch {
     /// The whole buffer (every column at its offset, padding included): what a single
     /// host-to-device copy moves.
     pub fn as_bytes(&self) -> &[u8] {
+        self.touch();
         &self.lease.slot().bytes()[..self.layout.bytes()]
     }
 }
@@ -284,6 +320,9 @@ impl std::fmt::Debug for HostBatch {
 impl Drop for HostBatch {
     fn drop(&mut self) {
         let pool = self.lease.pool();
+        if self.away.load(Ordering::Acquire) {
+            pool.held_away.fetch_sub(1, Ordering::AcqRel);
+        }
         pool.released.fetch_add(1, Ordering::AcqRel);
         pool.held.fetch_sub(1, Ordering::AcqRel);
     }

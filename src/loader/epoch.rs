@@ -14,9 +14,9 @@ use crate::error::{Error, Result};
 /// How long `next()` waits before checking whether progress is still possible.
 const STALL_CHECK: Duration = Duration::from_millis(50);
 
-/// How long the consumer side may hold every buffer, releasing none, before `next()`
-/// calls it a deadlock. Long enough for another thread (a copy stream waiting for its
-/// DMA) to release a batch it holds.
+/// How long the consumer may hold every buffer, releasing none and reading none on
+/// another thread, before `next()` calls it a deadlock. Long enough for a thread that
+/// was handed a batch to start reading it.
 const EXHAUSTED_GRACE: Duration = Duration::from_secs(1);
 
 /// What the consumer side of an epoch measured.
@@ -38,8 +38,8 @@ pub struct EpochStats {
 
 /// One epoch of batches, in order: an [`ExactSizeIterator`] of `Result<HostBatch>`.
 ///
-/// An error (a failed read, a worker panic, a consumer holding every buffer) is yielded
-/// once and ends the epoch, so the iterator can yield fewer items than `len()` promised;
+/// An error (a failed read, a worker panic, a deadlock) is yielded once and ends the
+/// epoch, so the iterator can yield fewer items than `len()` promised;
 /// [`state`](Epoch::state) then points at the batch that failed, ready for a resume. Dropping the iterator stops the
 /// workers (each finishes at most the batch in hand), and returns every buffer not held
 /// by a [`HostBatch`] before `drop` returns.
@@ -188,7 +188,13 @@ impl Iterator for Epoch<'_> {
                 }
                 Err(RecvTimeoutError::Timeout) => {
                     let pool = &self.job.pool;
-                    if pool.held.load(Ordering::Acquire) >= pool.size() {
+                    // Every buffer held, none of them by another thread that has read
+                    // its batch: only this thread can release one, and it waits here.
+                    // A batch read elsewhere (a training thread fed through a queue)
+                    // will be released however slow its step is.
+                    if pool.held.load(Ordering::Acquire) >= pool.size()
+                        && pool.held_away.load(Ordering::Acquire) == 0
+                    {
                         let released = pool.released.load(Ordering::Acquire);
                         match stuck {
                             Some((since, r)) if r == released => {
@@ -252,6 +258,7 @@ impl Drop for Epoch<'_> {
         // Every result is now in the channel or the ring; dropping them returns buffers.
         self.pending.clear();
         while self.results.try_recv().is_ok() {}
+        self.job.closed.store(true, Ordering::Release);
     }
 }
 

@@ -11,7 +11,7 @@ mod epoch;
 mod pool;
 mod worker;
 
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -246,6 +246,7 @@ impl LoaderBuilder {
             }),
             resume: self.resume,
             startup,
+            last: None,
         })
     }
 }
@@ -289,6 +290,8 @@ pub struct Loader {
     state: LoaderState,
     resume: Option<LoaderState>,
     startup: Startup,
+    /// The job of the last epoch started, to tell a dropped `Epoch` from a leaked one.
+    last: Option<Arc<Job>>,
 }
 
 impl Loader {
@@ -324,8 +327,11 @@ impl Loader {
     /// only), the iterator starts after the batches already consumed.
     ///
     /// # Errors
-    /// [`Error::Config`] if the loader was built to resume a later epoch than `epoch`.
+    /// [`Error::Config`] if the loader was built to resume a later epoch than `epoch`;
+    /// [`Error::EpochLeaked`] if an earlier [`Epoch`] was leaked with `mem::forget`
+    /// instead of dropped (its buffers are lost; the loader's drop still returns).
     pub fn epoch(&mut self, epoch: u64) -> Result<Epoch<'_>> {
+        self.check_last()?;
         let start = match self.resume {
             Some(r) if epoch < r.epoch => {
                 return Err(Error::Config(format!(
@@ -347,8 +353,10 @@ impl Loader {
             next: AtomicU64::new(start),
             end: self.order.batches(),
             cancelled: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
             results: results_tx,
         });
+        self.last = Some(Arc::clone(&job));
         for w in &self.workers {
             if let Some(jobs) = &w.jobs {
                 // A worker that is gone drops the assignment, and with it its sender.
@@ -368,6 +376,21 @@ impl Loader {
             finished_rx,
             start,
         ))
+    }
+
+    /// An `Epoch` borrows the loader mutably, so when `&mut self` is available again
+    /// the previous one is gone: dropped (its job is closed) or leaked. A leaked one's
+    /// workers are stopped so they wait for no buffer, and the loader refuses to go on.
+    fn check_last(&mut self) -> Result<()> {
+        if let Some(last) = &self.last {
+            if !last.closed.load(Ordering::Acquire) {
+                last.cancel();
+                return Err(Error::EpochLeaked {
+                    epoch: last.order.epoch(),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Pays the loader's one-off costs before epoch 0: the buffer pool and the workers
@@ -446,6 +469,8 @@ impl Loader {
 
 impl Drop for Loader {
     fn drop(&mut self) {
+        // A leaked epoch's workers may wait for buffers that never come back.
+        let _ = self.check_last();
         for w in &mut self.workers {
             drop(w.jobs.take());
         }

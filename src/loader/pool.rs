@@ -142,6 +142,9 @@ pub(crate) struct Pool {
     bytes: usize,
     /// Slots currently inside a `HostBatch` handed to the consumer.
     pub(crate) held: AtomicUsize,
+    /// Of those, slots whose batch has been read on a thread other than the one it was
+    /// delivered to.
+    pub(crate) held_away: AtomicUsize,
     /// `HostBatch`es dropped so far (on any thread).
     pub(crate) released: AtomicU64,
     allocator: &'static str,
@@ -187,6 +190,7 @@ impl Pool {
             size,
             bytes,
             held: AtomicUsize::new(0),
+            held_away: AtomicUsize::new(0),
             released: AtomicU64::new(0),
             allocator: alloc.name(),
             alloc_time: start.elapsed(),

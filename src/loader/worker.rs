@@ -34,6 +34,9 @@ pub(crate) struct Job {
     pub(crate) next: AtomicU64,
     pub(crate) end: u64,
     pub(crate) cancelled: AtomicBool,
+    /// Set when the consumer's [`Epoch`](super::Epoch) has been dropped and every
+    /// worker has left the job; still false afterwards only if the `Epoch` was leaked.
+    pub(crate) closed: AtomicBool,
     pub(crate) results: Sender<Done>,
 }
 

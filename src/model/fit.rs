@@ -12,7 +12,8 @@ const MAX_CLASSES: u64 = 65_536;
 /// read straight from its file, plus one).
 ///
 /// # Errors
-/// [`Error::Dataset`] naming the file when there is no `int64` label column, or naming
+/// [`Error::Dataset`] naming the file when the inputs are not `uint8` or there is no
+/// `int64` label column (saying what the file holds instead), or naming
 /// the row of a label that is negative or beyond both the sample count and 65,536.
 pub fn fit_classifier(ds: &NpyDataset) -> Result<(Normalize, usize)> {
     let (inputs, labels) = match ds.arrays() {
@@ -25,10 +26,20 @@ pub fn fit_classifier(ds: &NpyDataset) -> Result<(Normalize, usize)> {
         }
         [] => return Err(Error::Config("a dataset needs at least one column".into())),
     };
+    let holds = |a: &crate::dataset::NpyArray| {
+        let per_row = a.row_bytes() / a.dtype().size();
+        format!("this file holds {per_row} {} per sample", a.dtype())
+    };
+    if inputs.dtype() != DType::U8 {
+        return Err(Error::dataset(
+            inputs.path(),
+            format!("inputs must be uint8 values; {}", holds(inputs)),
+        ));
+    }
     if labels.dtype() != DType::I64 || labels.row_bytes() != 8 {
         return Err(Error::dataset(
             labels.path(),
-            "labels must be one int64 per sample",
+            format!("labels must be one int64 per sample; {}", holds(labels)),
         ));
     }
     // Classes are the largest label plus one: a label far beyond the samples (a stray

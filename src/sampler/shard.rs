@@ -93,7 +93,9 @@ impl Shard {
     ///
     /// # Errors
     /// [`Error::Shard`] when a launcher's pair is half set, not a number, or
-    /// inconsistent (`rank >= world size`, world size 0).
+    /// inconsistent (`rank >= world size`, world size 0), and when Slurm's pair says
+    /// several tasks but no `SLURM_STEP_ID` is set: the process is then an `sbatch`
+    /// script, not a task of an `srun` step, and would silently train one rank's share.
     pub fn from_env() -> Result<Shard> {
         Self::from_vars(|name| std::env::var(name).ok())
     }
@@ -124,6 +126,21 @@ impl Shard {
                 })
             };
             let (rank, world) = (parse(rank_var, &rank)?, parse(world_var, &world)?);
+            // `sbatch` exports SLURM_NTASKS (the allocation's task count) and
+            // SLURM_PROCID=0 to the batch script itself, which is one process, not rank 0
+            // of a step: only tasks that `srun` starts have a step id.
+            if launcher == "Slurm"
+                && world > 1
+                && get("SLURM_STEP_ID").is_none()
+                && get("SLURM_STEPID").is_none()
+            {
+                return Err(Error::Shard(format!(
+                    "{world_var}={world} but SLURM_STEP_ID is not set: this process is the \
+                     sbatch script itself, not one of {world} tasks started by srun, and \
+                     would train rank {rank} of {world} alone; start it with `srun`, or \
+                     unset {world_var} to train on the whole epoch"
+                )));
+            }
             return Shard::new(rank, world).map_err(|_| {
                 Error::Shard(format!(
                     "{rank_var}={rank} with {world_var}={world}: need {rank_var} < {world_var} ({launcher})"
@@ -181,7 +198,12 @@ mod tests {
     fn reads_each_launcher() {
         let s = Shard::from_vars(vars(&[("RANK", "3"), ("WORLD_SIZE", "8")])).unwrap();
         assert_eq!((s.rank(), s.world_size()), (3, 8));
-        let s = Shard::from_vars(vars(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2")])).unwrap();
+        let s = Shard::from_vars(vars(&[
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_STEP_ID", "0"),
+        ]))
+        .unwrap();
         assert_eq!((s.rank(), s.world_size()), (1, 2));
         let s = Shard::from_vars(vars(&[
             ("OMPI_COMM_WORLD_RANK", "0"),
@@ -215,6 +237,26 @@ mod tests {
             assert!(matches!(err, Error::Shard(_)), "{bad:?}: {err}");
             assert!(err.to_string().contains(bad[0].0), "{err}");
         }
+    }
+
+    #[test]
+    fn an_sbatch_script_is_not_rank_0() {
+        // What `sbatch --ntasks=8` exports to the batch script: no step id.
+        let e = Shard::from_vars(vars(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "8")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("SLURM_STEP_ID") && e.contains("srun"), "{e}");
+        // One task needs no step: the whole epoch either way.
+        let s = Shard::from_vars(vars(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1")])).unwrap();
+        assert_eq!(s, Shard::single());
+        // Inside `srun`, tasks have a step id.
+        let s = Shard::from_vars(vars(&[
+            ("SLURM_PROCID", "7"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_STEP_ID", "3"),
+        ]))
+        .unwrap();
+        assert_eq!((s.rank(), s.world_size()), (7, 8));
     }
 
     #[test]
