@@ -216,9 +216,13 @@ fn run(command: Command) -> stokehold::Result<ExitCode> {
             let report = train::run(&config)?;
             let written = a.json.map_or(Ok(()), |path| write_json(&path, &report));
             emit(&train::summary(&report, &config));
-            written.map(|()| match report.diverged_at {
-                Some(_) => ExitCode::FAILURE,
-                None => ExitCode::SUCCESS,
+            if let Some(e) = &report.trace_error {
+                eprintln!("error: {e}");
+            }
+            let failed = report.diverged_at.is_some() || report.trace_error.is_some();
+            written.map(|()| match failed {
+                true => ExitCode::FAILURE,
+                false => ExitCode::SUCCESS,
             })
         }
         Command::Gen(a) => match a.tokens {

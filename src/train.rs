@@ -125,7 +125,10 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
             }
         }
     }
-    let trace = config.trace.as_ref().map(|_| Arc::new(Trace::new()));
+    let trace = match &config.trace {
+        Some(path) => Some(Arc::new(Trace::create(path)?)),
+        None => None,
+    };
     if let Some(tr) = &trace {
         trainer.set_trace(Arc::clone(tr));
     }
@@ -150,8 +153,8 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
         let after = pagecache::residency(ds.as_ref())?;
         report.push(EpochRow::new(epoch, &out, bytes, (before, after)));
     }
-    if let (Some(tr), Some(path)) = (&trace, &config.trace) {
-        tr.write(path)?;
+    if let Some(tr) = &trace {
+        report.trace_error = tr.finish().err().map(|e| e.to_string());
     }
     Ok(report)
 }
@@ -175,7 +178,7 @@ pub fn summary(report: &TrainReport, config: &TrainConfig) -> String {
         report.samples,
         report.bytes_per_sample,
         config.batch,
-        config.workers,
+        report.workers,
         config.shuffle,
         config.hidden
     );

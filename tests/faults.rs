@@ -55,6 +55,31 @@ fn a_file_size_limit_while_generating_is_an_error_and_leaves_no_partial_file() {
 }
 
 #[test]
+fn a_trace_that_cannot_be_written_keeps_the_table_and_the_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let (trace, json) = (dir.path().join("t.json"), dir.path().join("r.json"));
+    // About 200 KB of spans against a 32 KB file size limit; the report fits.
+    let script = format!(
+        "ulimit -f 64; exec {} train --data {DIGITS} --device cpu --epochs 2 --batch 16 \
+         --trace {} --json {}",
+        env!("CARGO_BIN_EXE_stokehold"),
+        trace.display(),
+        json.display()
+    );
+    let out = Command::new("sh").args(["-c", &script]).output().unwrap();
+    fails_with(&out, "t.json: File too large");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("epoch  wall s"));
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert!(report["trace_error"].as_str().unwrap().contains("t.json"));
+    assert_eq!(
+        files_in(dir.path()),
+        ["r.json"],
+        "no partial trace left behind"
+    );
+}
+
+#[test]
 fn sizes_that_overflow_are_errors() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().join("d");
@@ -314,6 +339,28 @@ fn column_type_errors_name_the_file_and_count_elements() {
     fails_with(
         &train_cpu(dir.path(), &["--epochs", "1"]),
         "y.npy: labels must be one int64 per sample; this file holds 2 int64 per sample",
+    );
+}
+
+#[test]
+fn sizes_from_flags_are_capped_or_refused() {
+    let data = Path::new(DIGITS);
+    // Once an abort (a 2^40-entry pool) and an out-of-memory kill (a 10^8-row batch):
+    // now capped at the 8 batches and 1797 rows an epoch has.
+    for flags in [
+        ["--prefetch", "1099511627776"],
+        ["--batch", "100000000"],
+        ["--workers", "1000"],
+    ] {
+        let out = train_cpu(data, &[&["--epochs", "1"][..], &flags].concat());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{flags:?}: {err}");
+    }
+    let out = train_cpu(data, &["--epochs", "1", "--workers", "1000"]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("batch 256, 8 workers"));
+    fails_with(
+        &train_cpu(data, &["--epochs", "1", "--workers", "4096"]),
+        "4096 workers: at most 1024",
     );
 }
 

@@ -386,6 +386,69 @@ fn a_leaked_epoch_is_an_error_not_a_hang() {
 }
 
 #[test]
+fn sizes_from_flags_are_capped_or_refused() {
+    // Prefetch, workers and buffer rows are capped at what an epoch of 10 batches uses.
+    let loader = Loader::builder(Synth::new(100))
+        .batch_size(10)
+        .workers(1000)
+        .prefetch(1 << 40)
+        .build()
+        .unwrap();
+    assert_eq!((loader.workers(), loader.prefetch()), (10, 10));
+    // A batch far beyond the dataset: buffers for the 100 rows that exist, one batch.
+    let mut loader = Loader::builder(Synth::new(100))
+        .batch_size(1 << 40)
+        .workers(2)
+        .build()
+        .unwrap();
+    assert_eq!(loader.layout().batch_size(), 100);
+    assert_eq!(loader.buffers(), 1 + 2);
+    let lens: Vec<usize> = loader.epoch(0).unwrap().map(|b| b.unwrap().len()).collect();
+    assert_eq!(lens, [100]);
+    // What cannot be capped is refused, saying which value and why.
+    let err = Loader::builder(Synth::new(100))
+        .workers(5000)
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("5000 workers"), "{err}");
+}
+
+/// Rows of 1 GiB that are never read: a pool for them cannot fit in memory.
+struct Wide(Vec<stokehold::Column>);
+
+impl Dataset for Wide {
+    fn len(&self) -> u64 {
+        1 << 20
+    }
+    fn columns(&self) -> &[stokehold::Column] {
+        &self.0
+    }
+    fn gather(&self, _: u64, _: &[u64], _: &mut [&mut [u8]]) -> stokehold::Result<()> {
+        unreachable!("the loader is refused before any gather")
+    }
+}
+
+#[test]
+fn a_pool_larger_than_memory_is_refused_not_killed() {
+    let wide = Wide(vec![stokehold::Column {
+        name: "wide".into(),
+        dtype: stokehold::DType::U8,
+        shape: vec![1 << 30],
+        row_bytes: 1 << 30,
+    }]);
+    let err = Loader::builder(wide)
+        .batch_size(1 << 10)
+        .workers(1)
+        .prefetch(4)
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("the buffer pool needs"), "{err}");
+    assert!(err.contains("bytes of memory"), "{err}");
+}
+
+#[test]
 fn buffer_memory_is_allocated_once_and_bounded() {
     let alloc = CountingAlloc::default();
     let mut loader = Loader::builder(Synth::new(3000))
@@ -521,11 +584,19 @@ fn digits_end_to_end() {
 /// panics or undefined behaviour.
 #[test]
 fn extreme_settings_are_errors_or_work() {
-    let huge = Loader::builder(Synth::new(10))
+    // A batch size near usize::MAX: buffers for the 10 rows there are, one batch.
+    let mut huge = Loader::builder(Synth::new(10))
         .batch_size(usize::MAX - 300)
-        .build();
-    assert!(matches!(huge, Err(Error::Config(_))), "{huge:?}");
-    let many = Loader::builder(Synth::new(1000))
+        .build()
+        .unwrap();
+    assert_eq!(
+        huge.epoch(0)
+            .unwrap()
+            .map(|b| b.unwrap().len())
+            .sum::<usize>(),
+        10
+    );
+    let many = Loader::builder(Synth::new(100_000))
         .workers(40)
         .build()
         .unwrap();
@@ -542,10 +613,9 @@ fn extreme_settings_are_errors_or_work() {
     let mut all: Vec<u64> = epoch_indices(&mut wide, 0).concat();
     all.sort_unstable();
     assert_eq!(all, (0..1000).collect::<Vec<_>>());
-    let overflow = Loader::builder(Synth::new(10))
-        .prefetch(usize::MAX)
-        .held(2)
-        .build();
+    let capped = Loader::builder(Synth::new(10)).prefetch(usize::MAX).build();
+    assert_eq!(capped.unwrap().prefetch(), 1);
+    let overflow = Loader::builder(Synth::new(10)).held(usize::MAX).build();
     assert!(matches!(overflow, Err(Error::Config(_))));
 }
 

@@ -84,7 +84,8 @@ impl BatchLayout {
         self.offsets[c]
     }
 
-    /// Samples per full batch.
+    /// Samples a buffer holds: those of a full batch (the loader's batch size, or an
+    /// epoch's samples when there are fewer).
     pub fn batch_size(&self) -> usize {
         self.batch_size
     }

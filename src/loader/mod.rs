@@ -31,6 +31,9 @@ use worker::{Assignment, Job};
 /// Bytes of prefetched batches the loader aims for when no prefetch depth is given.
 pub const DEFAULT_PREFETCH_BYTES: usize = 32 << 20;
 
+/// Worker threads a loader may have.
+pub const MAX_WORKERS: usize = 1024;
+
 /// Where a loader stands: `batch` batches of epoch `epoch` have been delivered.
 ///
 /// Save it with a checkpoint; a loader built with [`LoaderBuilder::resume`] yields exactly
@@ -103,7 +106,9 @@ impl LoaderBuilder {
         self
     }
 
-    /// Worker threads (default: the available parallelism, at most 8).
+    /// Worker threads (default: the available parallelism, at most 8). Capped at the
+    /// batches of an epoch (more would have nothing to do); more than [`MAX_WORKERS`] is
+    /// refused.
     pub fn workers(mut self, n: usize) -> Self {
         self.workers = n;
         self
@@ -115,6 +120,7 @@ impl LoaderBuilder {
     /// `2 * workers` and at most 64: deep enough that workers do not run out of buffers
     /// while the consumer waits for a CPU (on 2 cores with 2 workers, 4 buffers reached
     /// 75% of the bare-gather roofline and 32 reached 89%; see `BENCHMARKS.md`).
+    /// Whatever the request, it is capped at the batches of an epoch.
     pub fn prefetch(mut self, n: usize) -> Self {
         self.prefetch = Some(n);
         self
@@ -149,13 +155,24 @@ impl LoaderBuilder {
 
     /// Allocates the buffer pool and starts the workers.
     ///
+    /// Buffers hold `min(batch size, samples per epoch)` rows, so a batch size beyond
+    /// the dataset costs no memory.
+    ///
     /// # Errors
-    /// [`Error::Config`] for zero batch size, workers or prefetch, a shard leaving this
-    /// rank no batch, or a dataset with no column; [`Error::Alloc`] if the pool cannot
-    /// be allocated; [`Error::Io`] if a thread cannot be started.
+    /// [`Error::Config`] for zero batch size, workers or prefetch, more than
+    /// [`MAX_WORKERS`] workers, a shard leaving this rank no batch, a dataset with no
+    /// column, or a pool larger than the machine's memory; [`Error::Alloc`] if the pool
+    /// cannot be allocated; [`Error::Io`] if a thread cannot be started.
     pub fn build(self) -> Result<Loader> {
         if self.workers == 0 {
             return Err(Error::Config("workers must be at least 1".into()));
+        }
+        if self.workers > MAX_WORKERS {
+            return Err(Error::Config(format!(
+                "{} workers: at most {MAX_WORKERS} threads (workers beyond the CPUs and \
+                 the storage's queue depth only add contention)",
+                self.workers
+            )));
         }
         let columns = self.dataset.columns();
         let shuffle = match self.shuffle {
@@ -199,27 +216,28 @@ impl LoaderBuilder {
                 )));
             }
         }
-        let layout = Arc::new(BatchLayout::new(columns, self.batch_size)?);
+        // Buffers hold the rows a batch can have; capped by usize::MAX, `batches` fits.
+        let rows = (self.batch_size as u64).min(order.samples()) as usize;
+        let batches = usize::try_from(order.batches()).unwrap_or(usize::MAX);
+        let layout = Arc::new(BatchLayout::new(columns, rows)?);
+        let workers = self.workers.min(batches);
         let prefetch = self.prefetch.unwrap_or_else(|| {
             (DEFAULT_PREFETCH_BYTES / layout.bytes())
                 .min(64)
-                .max(self.workers.saturating_mul(2))
+                .max(workers * 2)
         });
         if prefetch == 0 {
             return Err(Error::Config("prefetch must be at least 1".into()));
         }
+        let prefetch = prefetch.min(batches);
         let buffers = prefetch
             .checked_add(self.held)
             .ok_or_else(|| Error::Config("prefetch + held overflows".into()))?;
-        let pool = Pool::new(
-            self.allocator.as_ref(),
-            buffers,
-            layout.bytes(),
-            self.batch_size,
-        )?;
+        check_pool_fits(buffers, layout.bytes())?;
+        let pool = Pool::new(self.allocator.as_ref(), buffers, layout.bytes(), rows)?;
         let threads_start = Instant::now();
-        let mut workers = Vec::with_capacity(self.workers);
-        for id in 0..self.workers {
+        let mut workers = Vec::with_capacity(workers);
+        for id in 0..workers.capacity() {
             let (tx, rx) = crossbeam_channel::unbounded();
             let handle =
                 worker::spawn(id, rx).map_err(|e| Error::io(format!("<worker thread {id}>"), e))?;
@@ -248,6 +266,32 @@ impl LoaderBuilder {
             startup,
             last: None,
         })
+    }
+}
+
+/// Refuses a pool of `buffers` buffers of `bytes` that the machine's memory cannot
+/// hold (allocating it would end in the out-of-memory killer, not an error).
+fn check_pool_fits(buffers: usize, bytes: usize) -> Result<()> {
+    // SAFETY: sysconf only reads system configuration.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    let memory = u64::try_from(pages)
+        .ok()
+        .zip(u64::try_from(page).ok())
+        .map(|(n, p)| n.saturating_mul(p))
+        .filter(|&m| m > 0);
+    let needed = (buffers as u64).saturating_mul(bytes as u64);
+    match memory {
+        Some(memory) if needed > memory => Err(Error::Config(format!(
+            "the buffer pool needs {needed} bytes ({buffers} buffers of {bytes}), more than \
+             this machine's {memory} bytes of memory: lower the prefetch depth, the held \
+             batches or the batch size"
+        ))),
+        _ => Ok(()),
     }
 }
 

@@ -159,7 +159,12 @@ impl Pool {
         batch_size: usize,
     ) -> Result<Arc<Pool>> {
         let start = Instant::now();
-        let mut free = Vec::with_capacity(size);
+        let mut free = Vec::new();
+        free.try_reserve_exact(size).map_err(|e| Error::Alloc {
+            bytes,
+            allocator: alloc.name(),
+            message: format!("a pool of {size} buffers: {e}"),
+        })?;
         for _ in 0..size {
             let slot = Slot {
                 mem: alloc.alloc(bytes)?,

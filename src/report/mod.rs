@@ -168,7 +168,13 @@ pub struct TrainReport {
     pub samples: u64,
     /// Bytes per sample.
     pub bytes_per_sample: u64,
-    /// Batch size, workers, prefetch, shuffle, hidden units, learning rate.
+    /// Loader worker threads that ran (the request, capped at the batches of an epoch).
+    pub workers: usize,
+    /// Batches prefetched (the request or the default, capped at the batches of an epoch).
+    pub prefetch: usize,
+    /// Host buffers in the loader's pool.
+    pub buffers: usize,
+    /// Batch size, workers, prefetch (as asked for), shuffle, hidden units, learning rate.
     pub config: serde_json::Value,
     /// One-off costs before epoch 1.
     pub setup: Setup,
@@ -179,6 +185,9 @@ pub struct TrainReport {
     /// The first epoch whose mean loss was not finite (the run diverged: the learning
     /// rate is too high), if any.
     pub diverged_at: Option<u64>,
+    /// Why the `--trace` file could not be written (a full disk), if it could not: the
+    /// run's figures survive it.
+    pub trace_error: Option<String>,
 }
 
 fn pct(r: Residency) -> String {
@@ -210,11 +219,15 @@ impl TrainReport {
             data: data.into(),
             samples: loader.order().samples(),
             bytes_per_sample: loader.layout().data_bytes(1) as u64,
+            workers: loader.workers(),
+            prefetch: loader.prefetch(),
+            buffers: loader.buffers(),
             config: serde_json::Value::Null,
             setup: Setup::default(),
             epochs: Vec::new(),
             warmup: None,
             diverged_at: None,
+            trace_error: None,
         }
     }
 
