@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use stokehold::bench::{loader_epoch, roofline_pass};
+use stokehold::bench::{loader_epoch, Roofline};
 use stokehold::gen::{self, ClassificationSpec};
 use stokehold::{pagecache, Dataset, Loader, NpyDataset, Order, Permutation, Shard, Shuffle};
 
@@ -40,13 +40,14 @@ fn gather(c: &mut Criterion) {
         e.batch(b, &mut batch);
         indices.extend_from_slice(&batch);
     }
-    let layout = loader.layout().clone();
+    let roofline = Roofline::new(Arc::clone(&ds), loader.layout(), WORKERS).expect("roofline");
+    let indices: Arc<[u64]> = indices.into();
 
     let mut group = c.benchmark_group("epoch");
     group.throughput(Throughput::Elements(SAMPLES));
     group.sample_size(20);
     group.bench_function("roofline", |b| {
-        b.iter(|| roofline_pass(ds.as_ref(), 0, &indices, &layout, WORKERS).unwrap())
+        b.iter(|| roofline.pass(0, Arc::clone(&indices)).unwrap())
     });
     group.bench_function("loader", |b| {
         b.iter(|| loader_epoch(&mut loader, 0).unwrap())

@@ -9,6 +9,7 @@ use std::os::fd::AsRawFd;
 
 use memmap2::{Advice, UncheckedAdvice};
 
+use crate::dataset::guard::guarded;
 use crate::dataset::{Dataset, MappedFile};
 use crate::error::{Error, Result};
 
@@ -131,7 +132,8 @@ pub fn evict(dataset: &dyn Dataset) -> Result<()> {
 /// so it is resident when this returns. Returns the bytes touched.
 ///
 /// # Errors
-/// [`Error::Io`] naming the file if the advice is refused.
+/// [`Error::Io`] naming the file if the advice is refused; [`Error::Dataset`] naming
+/// it if a page could not be read (another process truncated it, or a read error).
 pub fn read_ahead_file(file: MappedFile<'_>) -> Result<u64> {
     if file.bytes().is_empty() {
         return Ok(0);
@@ -140,14 +142,24 @@ pub fn read_ahead_file(file: MappedFile<'_>) -> Result<u64> {
         .advise(Advice::WillNeed)
         .map_err(|e| Error::io(file.path(), e))?;
     let page = page_size();
-    let mut sum = 0u8;
-    for i in (0..file.bytes().len()).step_by(page) {
-        // Volatile so the touch is not optimised away.
-        // SAFETY: `i < len`, inside the mapping.
-        sum ^= unsafe { std::ptr::read_volatile(file.bytes().as_ptr().add(i)) };
-    }
-    std::hint::black_box(sum);
-    Ok(file.bytes().len() as u64)
+    let bytes = file.bytes();
+    let touched = guarded(bytes, || {
+        let mut sum = 0u8;
+        for i in (0..bytes.len()).step_by(page) {
+            // Volatile so the touch is not optimised away.
+            // SAFETY: `i < len`, inside the mapping.
+            sum ^= unsafe { std::ptr::read_volatile(bytes.as_ptr().add(i)) };
+        }
+        std::hint::black_box(sum);
+    });
+    touched.ok_or_else(|| {
+        Error::dataset(
+            file.path(),
+            "a page could not be read (the file shrank under the mapping, or the storage \
+             returned an error)",
+        )
+    })?;
+    Ok(bytes.len() as u64)
 }
 
 /// Reads every file of a dataset into the page cache (see [`read_ahead_file`]).

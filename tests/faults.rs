@@ -266,6 +266,73 @@ fn a_dataset_file_that_is_not_a_regular_file_is_named() {
 }
 
 #[test]
+fn a_dataset_truncated_between_epochs_is_an_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    digits_in(dir.path());
+    let ds = stokehold::NpyDataset::open_xy(dir.path()).unwrap();
+    let mut loader = stokehold::Loader::builder(ds)
+        .batch_size(100)
+        .build()
+        .unwrap();
+    assert_eq!(loader.epoch(0).unwrap().filter(|b| b.is_ok()).count(), 18);
+    // Another job rewrites the file in place: first it truncates it.
+    let x = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.path().join("x.npy"))
+        .unwrap();
+    x.set_len(4096).unwrap();
+    let err = loader.epoch(1).unwrap().find_map(|b| b.err()).unwrap();
+    let msg = err.to_string();
+    assert!(msg.contains("x.npy: changed while it was mapped"), "{msg}");
+    // Grown back to its length, it is still refused: its bytes are not the ones opened.
+    x.set_len(std::fs::metadata(format!("{DIGITS}/x.npy")).unwrap().len())
+        .unwrap();
+    assert!(loader.epoch(2).unwrap().any(|b| b.is_err()));
+}
+
+#[test]
+fn a_dataset_truncated_while_training_stops_the_command_with_its_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("set");
+    let out = data.to_str().unwrap();
+    let made = stokehold(&[
+        "gen",
+        "--out",
+        out,
+        "--samples",
+        "20000",
+        "--shape",
+        "3x32x32",
+    ]);
+    assert!(made.status.success());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_stokehold"))
+        .args(["train", "--device", "cpu", "--epochs", "100000", "--data"])
+        .arg(&data)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let x = std::fs::OpenOptions::new()
+        .write(true)
+        .open(data.join("x.npy"))
+        .unwrap();
+    x.set_len(1 << 20).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("train went on with a truncated dataset");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    fails_with(
+        &child.wait_with_output().unwrap(),
+        "x.npy: changed while it was mapped",
+    );
+}
+
+#[test]
 fn train_reads_x_and_y_whatever_else_the_directory_holds() {
     let dir = tempfile::tempdir().unwrap();
     digits_in(dir.path());

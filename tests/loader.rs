@@ -657,3 +657,52 @@ fn batches_held_by_another_thread_are_not_a_deadlock() {
     holder.join().unwrap();
     assert_eq!(n, 10);
 }
+
+/// Records the thread of every gather.
+struct ThreadLog {
+    inner: Synth,
+    threads: std::sync::Mutex<std::collections::HashSet<String>>,
+}
+
+impl Dataset for ThreadLog {
+    fn len(&self) -> u64 {
+        self.inner.len()
+    }
+    fn columns(&self) -> &[stokehold::Column] {
+        self.inner.columns()
+    }
+    fn gather(&self, epoch: u64, indices: &[u64], out: &mut [&mut [u8]]) -> stokehold::Result<()> {
+        let name = std::thread::current().name().unwrap_or("?").to_string();
+        self.threads.lock().unwrap().insert(name);
+        self.inner.gather(epoch, indices, out)
+    }
+}
+
+#[test]
+fn the_roofline_keeps_its_threads_from_pass_to_pass() {
+    let log = Arc::new(ThreadLog {
+        inner: Synth::new(1000),
+        threads: Default::default(),
+    });
+    let loader = Loader::builder_shared(log.clone())
+        .batch_size(10)
+        .build()
+        .unwrap();
+    let roofline = stokehold::bench::Roofline::new(log.clone(), loader.layout(), 2).unwrap();
+    let indices: Arc<[u64]> = (0..1000).rev().collect::<Vec<u64>>().into();
+    for epoch in 0..5 {
+        roofline.pass(epoch, Arc::clone(&indices)).unwrap();
+    }
+    let threads = log.threads.lock().unwrap().clone();
+    let mut threads: Vec<String> = threads.into_iter().collect();
+    threads.sort();
+    assert_eq!(threads, ["stokehold-roofline-0", "stokehold-roofline-1"]);
+    // A gather's error comes back from the pass.
+    let mut failing = Synth::new(100);
+    failing.fail_at = Some(42);
+    let failing: Arc<dyn Dataset> = Arc::new(failing);
+    let roofline = stokehold::bench::Roofline::new(failing, loader.layout(), 2).unwrap();
+    assert!(roofline
+        .pass(0, (0..100).collect::<Vec<u64>>().into())
+        .is_err());
+}

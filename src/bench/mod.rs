@@ -1,21 +1,23 @@
 //! The loader against its roofline, measured in one run.
 //!
-//! The roofline is a bare random gather of the same rows, in the same order, from the
-//! same mapping, through the same [`Dataset::gather`], into one reused buffer per thread,
-//! on the same number of threads. Whatever the loader adds (claiming batches, buffer
+//! The roofline ([`Roofline`]) is a bare random gather of the same rows, in the same
+//! order, from the same mapping, through the same [`Dataset::gather`], into one reused
+//! buffer per thread, on the same number of persistent threads. Whatever the loader adds (claiming batches, buffer
 //! recycling, in-order delivery, waking the consumer) shows as the gap between the two.
 
 pub mod gpu;
+mod roofline;
 mod text;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+pub use roofline::Roofline;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::dataset::{Dataset, NpyDataset};
 use crate::device::Device;
 use crate::error::Result;
-use crate::loader::{BatchLayout, EpochStats, Loader};
+use crate::loader::{EpochStats, Loader};
 use crate::model::{fit_classifier, Normalize};
 use crate::pagecache::{self, Residency};
 use crate::sampler::{Order, Shard, Shuffle};
@@ -143,46 +145,6 @@ pub struct BenchReport {
     pub gpu_skipped: Option<String>,
 }
 
-/// One pass of the roofline: the epoch's batches (`indices`, cut every `batch`) gathered
-/// by `threads` threads, each into its own reused buffer.
-///
-/// # Errors
-/// The first error a gather returns.
-pub fn roofline_pass(
-    dataset: &dyn Dataset,
-    epoch: u64,
-    indices: &[u64],
-    layout: &BatchLayout,
-    threads: usize,
-) -> Result<Duration> {
-    let batch = layout.batch_size();
-    let batches = indices.len().div_ceil(batch);
-    let next = AtomicUsize::new(0);
-    let start = Instant::now();
-    std::thread::scope(|s| {
-        let workers: Vec<_> = (0..threads)
-            .map(|_| {
-                s.spawn(|| -> Result<()> {
-                    let mut buf = vec![0u8; layout.bytes()];
-                    loop {
-                        let b = next.fetch_add(1, Ordering::Relaxed);
-                        if b >= batches {
-                            return Ok(());
-                        }
-                        let ids = &indices[b * batch..((b + 1) * batch).min(indices.len())];
-                        let (mut parts, n) = layout.split(&mut buf, ids.len());
-                        dataset.gather(epoch, ids, &mut parts[..n])?;
-                    }
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .try_for_each(|w| w.join().expect("roofline threads do not panic"))
-    })?;
-    Ok(start.elapsed())
-}
-
 /// Runs one epoch of `loader`, dropping each batch as it arrives; returns its wall time
 /// and sample count.
 ///
@@ -230,6 +192,7 @@ pub fn run(dataset: Arc<dyn Dataset>, cfg: &BenchConfig) -> Result<BenchReport> 
     let bytes = samples * row_bytes as u64;
 
     pagecache::read_ahead(dataset.as_ref())?;
+    let bare = Roofline::new(Arc::clone(&dataset), &layout, cfg.workers)?;
     let mut indices = Vec::with_capacity(samples as usize);
     let mut roof = Vec::new();
     let mut load = Vec::new();
@@ -246,7 +209,7 @@ pub fn run(dataset: Arc<dyn Dataset>, cfg: &BenchConfig) -> Result<BenchReport> 
             indices.extend_from_slice(&batch);
         }
         // Alternate the two so that drift on a shared machine hits both alike.
-        let r = roofline_pass(dataset.as_ref(), epoch, &indices, &layout, cfg.workers)?;
+        let r = bare.pass(epoch, indices.as_slice().into())?;
         let (l, stats) = loader_epoch(&mut loader, epoch)?;
         debug_assert_eq!(stats.samples, samples);
         if rep > 0 {
@@ -268,7 +231,7 @@ pub fn run(dataset: Arc<dyn Dataset>, cfg: &BenchConfig) -> Result<BenchReport> 
     let ratio = sorted[sorted.len() / 2];
     let roofline = Throughput::from_runs(&roof, &mut roof_gather, &mut [], samples, bytes);
     let loader_tp = Throughput::from_runs(&load, &mut load_gather, &mut stalls, samples, bytes);
-    drop(loader);
+    drop((loader, bare));
 
     let mut cold = Vec::new();
     if cfg.cold {

@@ -157,11 +157,12 @@ impl Dataset for NpyDataset {
             if rb == 0 {
                 continue;
             }
-            let data = array.data();
-            for (dst, &index) in out.chunks_exact_mut(rb).zip(indices) {
-                let start = index as usize * rb;
-                dst.copy_from_slice(&data[start..start + rb]);
-            }
+            array.read(|data| {
+                for (dst, &index) in out.chunks_exact_mut(rb).zip(indices) {
+                    let start = index as usize * rb;
+                    dst.copy_from_slice(&data[start..start + rb]);
+                }
+            })?;
         }
         Ok(())
     }

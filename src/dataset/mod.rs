@@ -8,6 +8,7 @@
 
 mod columns;
 mod dtype;
+pub(crate) mod guard;
 mod npy;
 mod tokens;
 

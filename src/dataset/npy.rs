@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
+use super::guard::Watched;
+
 use super::DType;
 use crate::error::{Error, NpyProblem, Result};
 
@@ -342,6 +344,7 @@ pub struct NpyArray {
     path: PathBuf,
     header: NpyHeader,
     map: Mmap,
+    watched: Watched,
 }
 
 impl NpyArray {
@@ -352,16 +355,15 @@ impl NpyArray {
     /// file and the problem if it is not a `.npy` file stokehold reads.
     pub fn open(path: impl AsRef<Path>) -> Result<NpyArray> {
         let path = path.as_ref();
-        let file = super::open_regular(path)?;
-        let file_len = file.metadata().map_err(|e| Error::io(path, e))?.len();
-        if file_len == 0 {
+        let watched = Watched::new(path, super::open_regular(path)?)?;
+        if watched.len() == 0 {
             return Err(Error::npy(path, NpyProblem::BadMagic));
         }
-        // SAFETY: the mapping is read-only and private to this process's view; stokehold
-        // never writes through it. Like every mmap-based reader, it relies on the file
-        // not being truncated or rewritten by another process while mapped (that would
-        // raise SIGBUS or change the bytes read); datasets are treated as immutable.
-        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        // SAFETY: the mapping is read-only; stokehold never writes through it. Another
+        // process may still truncate or rewrite the file while it is mapped: reads that
+        // go through `Watched::read` (every gather) turn that into an error naming the
+        // file instead of a SIGBUS or silently different bytes.
+        let map = unsafe { Mmap::map(watched.file()) }.map_err(|e| Error::io(path, e))?;
         let header = NpyHeader::parse(&map).map_err(|p| Error::npy(path, p))?;
         let expected = header.data_bytes().map_err(|p| Error::npy(path, p))?;
         let actual = (map.len() as u64).saturating_sub(header.data_offset);
@@ -380,6 +382,7 @@ impl NpyArray {
             path: path.to_path_buf(),
             header,
             map,
+            watched,
         })
     }
 
@@ -413,9 +416,29 @@ impl NpyArray {
         self.header.row_bytes() as usize
     }
 
-    /// The array's data bytes (C order, little-endian).
+    /// The array's data bytes (C order, little-endian), straight from the mapping.
+    ///
+    /// If another process truncates the file meanwhile, touching a vanished page raises
+    /// `SIGBUS`; [`read`](NpyArray::read) turns that into an error.
     pub fn data(&self) -> &[u8] {
         &self.map[self.header.data_offset as usize..]
+    }
+
+    /// Runs `read` over the data bytes, first checking that the file is unchanged since
+    /// it was opened, and guarded against its pages vanishing during the read (another
+    /// process truncating the file). Loader gathers read this way.
+    ///
+    /// # Errors
+    /// [`Error::Dataset`] naming the file if it changed (length or modification time) or
+    /// a page of it could not be read; the array then stays in error.
+    pub fn read<R>(&self, read: impl FnOnce(&[u8]) -> R) -> Result<R> {
+        let offset = self.header.data_offset as usize;
+        self.watched.read(&self.map, |map| read(&map[offset..]))
+    }
+
+    /// The watched file and its mapping, for a dataset built on this array.
+    pub(crate) fn into_parts(self) -> (Watched, Mmap) {
+        (self.watched, self.map)
     }
 
     /// The whole mapping, header included (for page-cache residency and advice).

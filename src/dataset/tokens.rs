@@ -4,6 +4,8 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
+use super::guard::Watched;
+
 use super::{check_out, Column, DType, Dataset, MappedFile, NpyArray};
 use crate::error::{Error, Result};
 use crate::util::mix;
@@ -109,6 +111,7 @@ impl LlmcHeader {
 pub struct TokenDataset {
     path: PathBuf,
     map: Mmap,
+    watched: Watched,
     offset: usize,
     tokens: u64,
     dtype: DType,
@@ -142,14 +145,14 @@ impl TokenDataset {
                 "token files hold uint16 or uint32, not {dtype}"
             )));
         }
-        let file = super::open_regular(path)?;
-        let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+        let watched = Watched::new(path, super::open_regular(path)?)?;
+        let len = watched.len();
         if len == 0 {
             return Err(Error::dataset(path, "the token file is empty"));
         }
-        // SAFETY: read-only mapping of a dataset file treated as immutable while mapped
-        // (see `NpyArray::open`).
-        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        // SAFETY: read-only mapping; a truncation or rewrite by another process is
+        // caught by the gathers' `Watched::read` (see `NpyArray::open`).
+        let map = unsafe { Mmap::map(watched.file()) }.map_err(|e| Error::io(path, e))?;
         let offset = match llmc_header(&map) {
             Some(header) => header.check(path, &map, dtype)?,
             None => 0,
@@ -166,7 +169,7 @@ impl TokenDataset {
         }
         Self::build(
             path,
-            map,
+            (watched, map),
             offset,
             body / dtype.size() as u64,
             dtype,
@@ -202,18 +205,20 @@ impl TokenDataset {
             array.rows(),
             array.dtype(),
         );
-        let file = super::open_regular(path)?;
-        // SAFETY: as in `NpyArray::open`; this maps the file that was just validated.
-        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        if map.len() != array.mapping().len() {
-            return Err(Error::dataset(path, "the file changed while it was opened"));
-        }
-        Self::build(path, map, offset, tokens, dtype, seq_len, windows)
+        Self::build(
+            path,
+            array.into_parts(),
+            offset,
+            tokens,
+            dtype,
+            seq_len,
+            windows,
+        )
     }
 
     fn build(
         path: &Path,
-        map: Mmap,
+        (watched, map): (Watched, Mmap),
         offset: usize,
         tokens: u64,
         dtype: DType,
@@ -241,6 +246,7 @@ impl TokenDataset {
         Ok(TokenDataset {
             path: path.to_path_buf(),
             map,
+            watched,
             offset,
             tokens,
             dtype,
@@ -287,16 +293,17 @@ impl Dataset for TokenDataset {
     fn gather(&self, epoch: u64, indices: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
         check_out(&self.columns, indices.len(), out)?;
         let rb = self.columns[0].row_bytes;
-        let data = &self.map[self.offset..];
         let len = self.len();
-        for (dst, &index) in out[0].chunks_exact_mut(rb).zip(indices) {
-            if index >= len {
-                return Err(Error::OutOfRange { index, len });
-            }
-            let start = self.window_start(epoch, index) as usize * self.dtype.size();
-            dst.copy_from_slice(&data[start..start + rb]);
+        if let Some(&index) = indices.iter().find(|&&i| i >= len) {
+            return Err(Error::OutOfRange { index, len });
         }
-        Ok(())
+        self.watched.read(&self.map, |map| {
+            let data = &map[self.offset..];
+            for (dst, &index) in out[0].chunks_exact_mut(rb).zip(indices) {
+                let start = self.window_start(epoch, index) as usize * self.dtype.size();
+                dst.copy_from_slice(&data[start..start + rb]);
+            }
+        })
     }
 
     fn files(&self) -> Vec<MappedFile<'_>> {

@@ -46,26 +46,27 @@ pub fn fit_classifier(ds: &NpyDataset) -> Result<(Normalize, usize)> {
     // 10^12, or i64::MAX) would make a model of that many classes, so it is refused with
     // its row.
     let limit = labels.rows().max(MAX_CLASSES);
-    let values = labels.data().chunks_exact(8);
-    let labels_of = values.map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")));
-    let mut max = 0i64;
-    for (row, l) in labels_of.enumerate() {
-        if l < 0 || l as u64 >= limit {
-            let problem = match l < 0 {
-                true => format!("negative label {l} at row {row}"),
-                false => format!(
-                    "label {l} at row {row} is far beyond the {} samples: classes are the \
-                     largest label plus one, and at most {limit} are allowed",
-                    labels.rows()
-                ),
-            };
-            return Err(Error::dataset(labels.path(), problem));
+    let max = labels.read(|data| {
+        let values = data.chunks_exact(8);
+        let labels_of = values.map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")));
+        let mut max = 0i64;
+        for (row, l) in labels_of.enumerate() {
+            if l < 0 || l as u64 >= limit {
+                return Err(match l < 0 {
+                    true => format!("negative label {l} at row {row}"),
+                    false => format!(
+                        "label {l} at row {row} is far beyond the {} samples: classes are \
+                         the largest label plus one, and at most {limit} are allowed",
+                        labels.rows()
+                    ),
+                });
+            }
+            max = max.max(l);
         }
-        max = max.max(l);
-    }
+        Ok(max)
+    })?;
+    let max = max.map_err(|problem| Error::dataset(labels.path(), problem))?;
     let sample = inputs.rows().min(512) as usize * inputs.row_bytes();
-    Ok((
-        Normalize::fit(&inputs.data()[..sample]),
-        (max + 1).max(2) as usize,
-    ))
+    let norm = inputs.read(|data| Normalize::fit(&data[..sample]))?;
+    Ok((norm, (max + 1).max(2) as usize))
 }
