@@ -77,6 +77,23 @@ pub fn check_writable(path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// A vector of `n` default values, or an error saying what `what` would have needed,
+/// instead of the abort an ordinary allocation makes when memory runs out.
+///
+/// # Errors
+/// [`Error::Alloc`] when the allocation fails or its byte size overflows.
+pub fn zeroed<T: Clone + Default>(n: usize, what: &'static str) -> Result<Vec<T>> {
+    let bytes = n.saturating_mul(std::mem::size_of::<T>());
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|e| Error::Alloc {
+        bytes,
+        allocator: what,
+        message: e.to_string(),
+    })?;
+    v.resize(n, T::default());
+    Ok(v)
+}
+
 #[cfg(test)]
 mod tests {
     use super::{median, megabytes, mix, write_whole};

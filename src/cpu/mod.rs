@@ -18,6 +18,7 @@ use crate::error::Result;
 use crate::loader::{BatchLayout, Epoch, EpochStats, HostBatch, Loader};
 use crate::model::{step, Metrics, Mlp, Normalize, Workspace};
 use crate::telemetry::{stalled, EpochOutcome, Progress, Stage, Trace, Track};
+use crate::util::zeroed;
 
 /// A device slot: a batch's bytes and indices.
 struct Slot {
@@ -139,17 +140,17 @@ impl CpuTrainer {
         slots: usize,
     ) -> Result<CpuTrainer> {
         check_columns(&mlp, layout, (x_column, y_column))?;
-        let workspace = Workspace::new(&mlp.config, layout.batch_size());
+        let workspace = Workspace::new(&mlp.config, layout.batch_size())?;
         let slots = (0..slots.max(2))
             .map(|_| {
-                Mutex::new(Slot {
-                    bytes: vec![0u8; layout.bytes()],
+                Ok(Mutex::new(Slot {
+                    bytes: zeroed(layout.bytes(), "CPU device slots")?,
                     indices: Vec::with_capacity(layout.batch_size()),
                     len: 0,
                     number: 0,
-                })
+                }))
             })
-            .collect();
+            .collect::<Result<_>>()?;
         Ok(CpuTrainer {
             mlp,
             norm,

@@ -10,6 +10,7 @@ use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
 
 use crate::error::{Error, Result};
+use crate::util::zeroed;
 
 /// Shapes and hyper-parameters of the classifier.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -141,15 +142,17 @@ impl Mlp {
             )));
         }
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(config.seed);
-        let mut init = |n: usize, fan_in: usize| -> Vec<f32> {
+        let mut init = |n: usize, fan_in: usize| -> Result<Vec<f32>> {
             let a = (6.0 / fan_in as f32).sqrt();
-            (0..n).map(|_| rng.random_range(-a..a)).collect()
+            let mut w = zeroed(n, "MLP weights")?;
+            w.iter_mut().for_each(|w| *w = rng.random_range(-a..a));
+            Ok(w)
         };
         Ok(Mlp {
-            w1: init(config.inputs * config.hidden, config.inputs),
-            b1: vec![0.0; config.hidden],
-            w2: init(config.hidden * config.classes, config.hidden),
-            b2: vec![0.0; config.classes],
+            w1: init(d * h, d)?,
+            b1: zeroed(h, "MLP weights")?,
+            w2: init(h * c, h)?,
+            b2: zeroed(c, "MLP weights")?,
             config,
         })
     }
@@ -167,14 +170,18 @@ pub struct Workspace {
 
 impl Workspace {
     /// Buffers for batches of up to `batch` samples.
-    pub fn new(config: &MlpConfig, batch: usize) -> Workspace {
-        Workspace {
+    ///
+    /// # Errors
+    /// [`Error::Alloc`] if the buffers cannot be had (a huge batch times a wide layer).
+    pub fn new(config: &MlpConfig, batch: usize) -> Result<Workspace> {
+        let buffer = |width: usize| zeroed(batch.saturating_mul(width), "MLP workspace");
+        Ok(Workspace {
             batch,
-            x: vec![0.0; batch * config.inputs],
-            h: vec![0.0; batch * config.hidden],
-            z: vec![0.0; batch * config.classes],
-            dh: vec![0.0; batch * config.hidden],
-        }
+            x: buffer(config.inputs)?,
+            h: buffer(config.hidden)?,
+            z: buffer(config.classes)?,
+            dh: buffer(config.hidden)?,
+        })
     }
 }
 
@@ -455,7 +462,7 @@ mod tests {
     #[test]
     fn gradients_match_finite_differences() {
         let (mlp, x, y, norm) = tiny();
-        let mut ws = Workspace::new(&mlp.config, 6);
+        let mut ws = Workspace::new(&mlp.config, 6).unwrap();
         // One step with lr = 1 moves each parameter by minus its gradient.
         let mut stepped = mlp.clone();
         step(
@@ -476,7 +483,7 @@ mod tests {
                 set(&mut plus)[i] += eps;
                 let mut minus = mlp.clone();
                 set(&mut minus)[i] -= eps;
-                let mut ws = Workspace::new(&mlp.config, 6);
+                let mut ws = Workspace::new(&mlp.config, 6).unwrap();
                 let numeric = (loss(&plus, &mut ws, norm, &x, &y).unwrap()
                     - loss(&minus, &mut ws, norm, &x, &y).unwrap())
                     / (2.0 * eps as f64);
@@ -495,7 +502,7 @@ mod tests {
     #[test]
     fn bad_labels_are_errors() {
         let (mut mlp, x, _, norm) = tiny();
-        let mut ws = Workspace::new(&mlp.config, 6);
+        let mut ws = Workspace::new(&mlp.config, 6).unwrap();
         let y = vec![0, 1, 3, 0, 0, 0];
         let err = step(
             &mut mlp,
@@ -537,7 +544,7 @@ mod tests {
         // Logits thousands apart: exp of the label's logit underflows to 0.
         mlp.w2.iter_mut().for_each(|w| *w *= 1e4);
         mlp.config.lr = 1e-9;
-        let mut ws = Workspace::new(&mlp.config, 6);
+        let mut ws = Workspace::new(&mlp.config, 6).unwrap();
         let mut m = Metrics::default();
         step(&mut mlp, &mut ws, norm, &x, &y, &[], &mut m).unwrap();
         assert!(
@@ -548,10 +555,20 @@ mod tests {
     }
 
     #[test]
+    fn a_workspace_too_large_to_allocate_is_an_error_not_an_abort() {
+        let (mlp, ..) = tiny();
+        // 2^60 samples of a few floats each: no allocator can say yes.
+        let err = Workspace::new(&mlp.config, 1 << 60)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("MLP workspace"), "{err}");
+    }
+
+    #[test]
     fn loss_goes_down_on_a_repeated_batch() {
         let (mut mlp, x, y, norm) = tiny();
         mlp.config.lr = 0.1;
-        let mut ws = Workspace::new(&mlp.config, 6);
+        let mut ws = Workspace::new(&mlp.config, 6).unwrap();
         let before = loss(&mlp, &mut ws, norm, &x, &y).unwrap();
         for _ in 0..50 {
             step(

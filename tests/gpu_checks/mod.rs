@@ -71,7 +71,7 @@ fn first_step_matches_with(c: Cuda, batch_size: usize, hidden: usize) {
     let batch = loader.epoch(0).unwrap().next().unwrap().unwrap();
     let gm = gpu.step_once(&batch).unwrap();
     let mut cpu = mlp.clone();
-    let mut ws = Workspace::new(&mlp.config, batch_size);
+    let mut ws = Workspace::new(&mlp.config, batch_size).unwrap();
     let mut cm = Metrics::default();
     let x: &[u8] = batch.column(0).unwrap();
     let y: &[i64] = batch.column(1).unwrap();
