@@ -69,7 +69,7 @@ pub use dataset::{
 pub use error::{Error, NpyProblem, Result};
 pub use loader::{
     BatchLayout, BatchTiming, Epoch, EpochStats, HostAlloc, HostBatch, HostMemory, Loader,
-    LoaderBuilder, LoaderState, PlainAlloc, Startup, DEFAULT_PREFETCH_BYTES,
+    LoaderBuilder, LoaderState, PlainAlloc, Startup, Storage, DEFAULT_PREFETCH_BYTES, MAX_WORKERS,
 };
 pub use sampler::{EpochOrder, Order, Permutation, Shard, ShardTail, Shuffle};
 pub use util::megabytes;

@@ -128,6 +128,10 @@ struct BenchArgs {
     /// Skip the cold-cache epochs.
     #[arg(long)]
     no_cold: bool,
+    /// Measure only this part: `cold` (a cold epoch with full and with block shuffle,
+    /// and the storage's direct-I/O roofline).
+    #[arg(long, value_parser = ["cold"])]
+    only: Option<String>,
 }
 
 /// The dataset and loader flags `train` and `bench` share.
@@ -145,6 +149,10 @@ struct LoaderArgs {
     /// Prefetch depth (default: about 32 MiB of batches).
     #[arg(long)]
     prefetch: Option<usize>,
+    /// Bytes of page cache the loader may fill with the dataset (default: half the
+    /// available memory); a larger dataset is streamed, 0 always streams.
+    #[arg(long)]
+    page_cache_budget: Option<u64>,
 }
 
 /// A parser of one of `names` into the library's type of that name.
@@ -200,6 +208,7 @@ fn run(command: Command) -> stokehold::Result<ExitCode> {
                 batch: a.loader.batch,
                 workers: a.loader.workers,
                 prefetch: a.loader.prefetch,
+                page_cache_budget: a.loader.page_cache_budget,
                 shuffle: Shuffle::named(&a.shuffle, seed)?,
                 device: a.device,
                 hidden: a.hidden,
@@ -266,6 +275,8 @@ fn run(command: Command) -> stokehold::Result<ExitCode> {
                 reps: a.reps.max(1),
                 seed: 0,
                 cold: !a.no_cold,
+                only_cold: a.only.is_some(),
+                page_cache_budget: a.loader.page_cache_budget,
             };
             a.json.as_deref().map_or(Ok(()), report::check_output)?;
             let report = bench::measure(&a.loader.data, &cfg, &mut |line| eprintln!("{line}"))?;

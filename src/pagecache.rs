@@ -40,7 +40,7 @@ impl Residency {
     }
 }
 
-fn page_size() -> usize {
+pub(crate) fn page_size() -> usize {
     // SAFETY: sysconf has no memory-safety preconditions.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if p > 0 {
@@ -55,13 +55,23 @@ fn page_size() -> usize {
 /// # Errors
 /// [`Error::Io`] naming the file if `mincore` fails.
 pub fn file_residency(file: MappedFile<'_>) -> Result<Residency> {
-    let page = page_size();
+    let vec = resident_pages(file)?;
+    Ok(Residency {
+        resident: vec.iter().filter(|&&b| b & 1 != 0).count() as u64,
+        pages: vec.len() as u64,
+    })
+}
+
+/// One byte per page of `file`'s mapping, bit 0 set where the page is resident.
+///
+/// # Errors
+/// [`Error::Io`] naming the file if `mincore` fails.
+pub(crate) fn resident_pages(file: MappedFile<'_>) -> Result<Vec<u8>> {
     let len = file.bytes().len();
     if len == 0 {
-        return Ok(Residency::default());
+        return Ok(Vec::new());
     }
-    let pages = len.div_ceil(page);
-    let mut vec = vec![0u8; pages];
+    let mut vec = vec![0u8; len.div_ceil(page_size())];
     // SAFETY: `file.map` is a live mapping (page-aligned, as every mmap is) of `len`
     // bytes, and `vec` has one byte per page of it, as mincore requires.
     let rc = unsafe {
@@ -74,10 +84,77 @@ pub fn file_residency(file: MappedFile<'_>) -> Result<Residency> {
     if rc != 0 {
         return Err(Error::io(file.path(), std::io::Error::last_os_error()));
     }
-    Ok(Residency {
-        resident: vec.iter().filter(|&&b| b & 1 != 0).count() as u64,
-        pages: pages as u64,
-    })
+    Ok(vec)
+}
+
+/// Bytes per `MADV_WILLNEED` call: the kernel reads at most its read-ahead window
+/// (`read_ahead_kb`, 128 KiB on many machines) per call and silently drops the rest.
+const WILL_NEED_PIECE: usize = 128 << 10;
+
+/// Asks the kernel to read `len` bytes of `file` at `offset` (page-aligned) into the
+/// page cache, without waiting (`madvise(MADV_WILLNEED)` on the mapping, in pieces that
+/// no read-ahead setting cuts short).
+pub(crate) fn will_need(file: MappedFile<'_>, offset: usize, len: usize) {
+    let end = (offset + len).min(file.bytes().len());
+    let mut at = offset;
+    while at < end {
+        let n = WILL_NEED_PIECE.min(end - at);
+        // Advice only: a refusal leaves the read to the page fault.
+        let _ = file.mapping().advise_range(Advice::WillNeed, at, n);
+        at += n;
+    }
+}
+
+/// Turns off the kernel's read-around on page faults in `file`'s mapping
+/// (`madvise(MADV_RANDOM)`): with every read planned, a fault reads one page, not a
+/// window of `read_ahead_kb`.
+pub(crate) fn advise_random(file: MappedFile<'_>) {
+    let _ = file.mapping().advise(Advice::Random);
+}
+
+/// Drops `len` bytes of `file` at `offset` (page-aligned) from this process's mapping
+/// and from the page cache, as [`evict_file`] does for a whole file; `fd` is the file
+/// open for reading.
+pub(crate) fn drop_range(file: MappedFile<'_>, fd: &File, offset: usize, len: usize) {
+    // SAFETY: as in `evict_file`: a read-only shared file mapping, whose pages fault the
+    // same bytes back in on the next read.
+    let _ = unsafe {
+        file.mapping()
+            .unchecked_advise_range(UncheckedAdvice::DontNeed, offset, len)
+    };
+    // SAFETY: a valid open descriptor; fadvise reads no memory of ours.
+    unsafe {
+        libc::posix_fadvise(
+            fd.as_raw_fd(),
+            offset as libc::off_t,
+            len as libc::off_t,
+            libc::POSIX_FADV_DONTNEED,
+        )
+    };
+}
+
+/// Bytes this process has caused to be read from storage so far (`read_bytes` of
+/// `/proc/self/io`, every thread included); `None` where the kernel does not say.
+pub fn storage_read_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/io").ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("read_bytes:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Memory the kernel reports as available for new work (`MemAvailable` of
+/// `/proc/meminfo`), in bytes; `None` where it does not say.
+pub fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
 }
 
 /// Page-cache residency of every file of a dataset, summed.

@@ -28,6 +28,8 @@ pub struct TrainConfig {
     pub workers: usize,
     /// Prefetch depth (`None`: the loader's default).
     pub prefetch: Option<usize>,
+    /// Bytes of page cache the loader may fill (`None`: half the available memory).
+    pub page_cache_budget: Option<u64>,
     /// Sample order.
     pub shuffle: Shuffle,
     /// Where the step runs.
@@ -88,6 +90,9 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
         .shuffle(config.shuffle);
     if let Some(p) = config.prefetch {
         builder = builder.prefetch(p);
+    }
+    if let Some(b) = config.page_cache_budget {
+        builder = builder.page_cache_budget(b);
     }
     if let Some(alloc) = backend.allocator(config.pinned) {
         builder = builder.allocator(alloc);

@@ -150,6 +150,7 @@ fn the_main_job_reports_every_epoch_and_the_warmup_split() {
         batch: 64,
         workers: 2,
         prefetch: None,
+        page_cache_budget: None,
         shuffle: Shuffle::Full { seed: 1 },
         device: stokehold::device::DeviceChoice::Cpu,
         hidden: 32,

@@ -6,6 +6,7 @@
 //! recycling, in-order delivery, waking the consumer) shows as the gap between the two.
 
 pub mod gpu;
+pub mod io;
 mod roofline;
 mod text;
 
@@ -37,6 +38,10 @@ pub struct BenchConfig {
     pub seed: u64,
     /// Also measure cold-cache epochs (evicting the files first).
     pub cold: bool,
+    /// Only the cold epochs and the I/O roofline (`--only cold`).
+    pub only_cold: bool,
+    /// The loaders' page-cache budget (`None`: the loader's default).
+    pub page_cache_budget: Option<u64>,
 }
 
 impl Default for BenchConfig {
@@ -48,6 +53,8 @@ impl Default for BenchConfig {
             reps: 11,
             seed: 0,
             cold: true,
+            only_cold: false,
+            page_cache_budget: None,
         }
     }
 }
@@ -94,16 +101,29 @@ impl Throughput {
 /// One epoch from a cold page cache.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ColdEpoch {
-    /// `full` or `block`.
-    pub shuffle: String,
-    /// Epoch time.
-    pub seconds: f64,
+    /// Epoch time, seconds.
+    pub epoch_s: f64,
     /// Samples per second.
     pub samples_per_s: f64,
+    /// Bytes the process read from storage during the epoch (`/proc/self/io`).
+    pub bytes_read: u64,
+    /// `bytes_read` over the sample bytes delivered.
+    pub read_amplification: f64,
+    /// What the loader's planner did: warming or streaming.
+    pub storage: crate::loader::Storage,
     /// Residency of the dataset's files before the epoch (after eviction).
     pub residency_before: Residency,
     /// Residency after it.
     pub residency_after: Residency,
+}
+
+/// A cold epoch with each shuffle.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ColdEpochs {
+    /// Full shuffle.
+    pub full: ColdEpoch,
+    /// Block shuffle.
+    pub block: ColdEpoch,
 }
 
 /// The dataset measured.
@@ -126,17 +146,21 @@ pub struct BenchReport {
     pub config: BenchConfig,
     /// Logical CPUs of the machine.
     pub cpus: usize,
-    /// The bare gather.
-    pub roofline: Throughput,
+    /// The bare gather (absent with `--only cold`).
+    pub roofline: Option<Throughput>,
     /// The loader (warm page cache, full shuffle).
-    pub loader: Throughput,
+    pub loader: Option<Throughput>,
     /// Loader throughput over roofline throughput: the median over timed repetitions of
     /// the ratio within each back-to-back pair (so drift on a shared machine cancels).
-    pub ratio: f64,
+    pub ratio: Option<f64>,
     /// The per-pair ratios, in order.
     pub ratios: Vec<f64>,
-    /// Cold-cache epochs, full then block shuffle.
-    pub cold: Vec<ColdEpoch>,
+    /// Cold-cache epochs.
+    pub cold: Option<ColdEpochs>,
+    /// What the storage under `x.npy` delivers with direct I/O (with cold epochs).
+    pub io_roofline: Option<io::IoRoofline>,
+    /// Why the I/O roofline is missing (a file system without direct I/O).
+    pub io_roofline_skipped: Option<String>,
     /// Overlapped against serialised on the CPU backend.
     pub cpu_overlap: Option<CpuOverlap>,
     /// GPU figures, where a GPU was found.
@@ -167,11 +191,15 @@ fn build(dataset: &Arc<dyn Dataset>, cfg: &BenchConfig, shuffle: Shuffle) -> Res
     if let Some(p) = cfg.prefetch {
         b = b.prefetch(p);
     }
+    if let Some(budget) = cfg.page_cache_budget {
+        b = b.page_cache_budget(budget);
+    }
     b.build()
 }
 
-/// Measures the loader against the roofline on a page-cached dataset, then (if asked)
-/// full against block shuffle from a cold cache.
+/// Measures the loader against the roofline on a page-cached dataset (unless
+/// `cfg.only_cold`), then (if asked) full against block shuffle from a cold cache, with
+/// the I/O roofline of the storage.
 ///
 /// # Errors
 /// Any error of the dataset, the loader or the page-cache calls.
@@ -190,72 +218,7 @@ pub fn run(dataset: Arc<dyn Dataset>, cfg: &BenchConfig) -> Result<BenchReport> 
     let samples = order.samples();
     let row_bytes: usize = dataset.columns().iter().map(|c| c.row_bytes).sum();
     let bytes = samples * row_bytes as u64;
-
-    pagecache::read_ahead(dataset.as_ref())?;
-    let bare = Roofline::new(Arc::clone(&dataset), &layout, cfg.workers)?;
-    let mut indices = Vec::with_capacity(samples as usize);
-    let mut roof = Vec::new();
-    let mut load = Vec::new();
-    let (mut roof_gather, mut load_gather) = (Vec::new(), Vec::new());
-    let mut stalls = Vec::new();
-    let batches = order.batches() as f64;
-    let mut batch = Vec::new();
-    for rep in 0..=cfg.reps {
-        let epoch = rep as u64;
-        let e = order.epoch(epoch);
-        indices.clear();
-        for b in 0..e.batches() {
-            e.batch(b, &mut batch);
-            indices.extend_from_slice(&batch);
-        }
-        // Alternate the two so that drift on a shared machine hits both alike.
-        let r = bare.pass(epoch, indices.as_slice().into())?;
-        let (l, stats) = loader_epoch(&mut loader, epoch)?;
-        debug_assert_eq!(stats.samples, samples);
-        if rep > 0 {
-            roof.push(r);
-            load.push(l);
-            // Every roofline thread gathers for the whole pass.
-            roof_gather.push(r.as_secs_f64() * cfg.workers as f64 / batches * 1e6);
-            load_gather.push(stats.gather.as_secs_f64() / batches * 1e6);
-            stalls.push(stats.stalls as f64 / batches);
-        }
-    }
-    let ratios: Vec<f64> = roof
-        .iter()
-        .zip(&load)
-        .map(|(r, l)| r.as_secs_f64() / l.as_secs_f64())
-        .collect();
-    let mut sorted = ratios.clone();
-    sorted.sort_by(f64::total_cmp);
-    let ratio = sorted[sorted.len() / 2];
-    let roofline = Throughput::from_runs(&roof, &mut roof_gather, &mut [], samples, bytes);
-    let loader_tp = Throughput::from_runs(&load, &mut load_gather, &mut stalls, samples, bytes);
-    drop((loader, bare));
-
-    let mut cold = Vec::new();
-    if cfg.cold {
-        for (name, shuffle) in [
-            ("full", Shuffle::Full { seed: cfg.seed }),
-            ("block", Shuffle::block(cfg.seed)),
-        ] {
-            let mut loader = build(&dataset, cfg, shuffle)?;
-            pagecache::evict(dataset.as_ref())?;
-            let before = pagecache::residency(dataset.as_ref())?;
-            let (t, stats) = loader_epoch(&mut loader, 0)?;
-            let n = stats.samples;
-            let after = pagecache::residency(dataset.as_ref())?;
-            cold.push(ColdEpoch {
-                shuffle: name.into(),
-                seconds: t.as_secs_f64(),
-                samples_per_s: n as f64 / t.as_secs_f64(),
-                residency_before: before,
-                residency_after: after,
-            });
-        }
-        pagecache::read_ahead(dataset.as_ref())?;
-    }
-    Ok(BenchReport {
+    let mut report = BenchReport {
         dataset: DatasetInfo {
             samples: dataset.len(),
             row_bytes,
@@ -266,15 +229,99 @@ pub fn run(dataset: Arc<dyn Dataset>, cfg: &BenchConfig) -> Result<BenchReport> 
             ..cfg.clone()
         },
         cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
-        ratio,
-        ratios,
-        roofline,
-        loader: loader_tp,
-        cold,
+        ratio: None,
+        ratios: Vec::new(),
+        roofline: None,
+        loader: None,
+        cold: None,
+        io_roofline: None,
+        io_roofline_skipped: None,
         cpu_overlap: None,
         gpu: None,
         gpu_skipped: None,
-    })
+    };
+    if !cfg.only_cold {
+        pagecache::read_ahead(dataset.as_ref())?;
+        let bare = Roofline::new(Arc::clone(&dataset), &layout, cfg.workers)?;
+        let mut indices = Vec::with_capacity(samples as usize);
+        let mut roof = Vec::new();
+        let mut load = Vec::new();
+        let (mut roof_gather, mut load_gather) = (Vec::new(), Vec::new());
+        let mut stalls = Vec::new();
+        let batches = order.batches() as f64;
+        let mut batch = Vec::new();
+        for rep in 0..=cfg.reps {
+            let epoch = rep as u64;
+            let e = order.epoch(epoch);
+            indices.clear();
+            for b in 0..e.batches() {
+                e.batch(b, &mut batch);
+                indices.extend_from_slice(&batch);
+            }
+            // Alternate the two so that drift on a shared machine hits both alike.
+            let r = bare.pass(epoch, indices.as_slice().into())?;
+            let (l, stats) = loader_epoch(&mut loader, epoch)?;
+            debug_assert_eq!(stats.samples, samples);
+            if rep > 0 {
+                roof.push(r);
+                load.push(l);
+                // Every roofline thread gathers for the whole pass.
+                roof_gather.push(r.as_secs_f64() * cfg.workers as f64 / batches * 1e6);
+                load_gather.push(stats.gather.as_secs_f64() / batches * 1e6);
+                stalls.push(stats.stalls as f64 / batches);
+            }
+        }
+        let ratios: Vec<f64> = roof
+            .iter()
+            .zip(&load)
+            .map(|(r, l)| r.as_secs_f64() / l.as_secs_f64())
+            .collect();
+        let mut sorted = ratios.clone();
+        sorted.sort_by(f64::total_cmp);
+        let ratio = sorted[sorted.len() / 2];
+        let roofline = Throughput::from_runs(&roof, &mut roof_gather, &mut [], samples, bytes);
+        let loader_tp = Throughput::from_runs(&load, &mut load_gather, &mut stalls, samples, bytes);
+        drop((loader, bare));
+        report.ratio = Some(ratio);
+        report.ratios = ratios;
+        report.roofline = Some(roofline);
+        report.loader = Some(loader_tp);
+    } else {
+        drop(loader);
+    }
+    if cfg.cold || cfg.only_cold {
+        let cold = |shuffle: Shuffle| -> Result<ColdEpoch> {
+            let mut loader = build(&dataset, cfg, shuffle)?;
+            pagecache::evict(dataset.as_ref())?;
+            let before = pagecache::residency(dataset.as_ref())?;
+            let (t, stats) = loader_epoch(&mut loader, 0)?;
+            let after = pagecache::residency(dataset.as_ref())?;
+            Ok(ColdEpoch {
+                epoch_s: t.as_secs_f64(),
+                samples_per_s: stats.samples as f64 / t.as_secs_f64(),
+                bytes_read: stats.bytes_read,
+                read_amplification: stats.bytes_read as f64
+                    / (stats.samples * row_bytes as u64).max(1) as f64,
+                storage: stats.storage,
+                residency_before: before,
+                residency_after: after,
+            })
+        };
+        report.cold = Some(ColdEpochs {
+            full: cold(Shuffle::Full { seed: cfg.seed })?,
+            block: cold(Shuffle::block(cfg.seed))?,
+        });
+        // The rows of column 0 (x.npy): the file that holds nearly all the bytes.
+        match dataset.files().first() {
+            Some(f) => match io::measure(f.path(), dataset.columns()[0].row_bytes) {
+                Ok(r) => report.io_roofline = Some(r),
+                Err(e) => report.io_roofline_skipped = Some(e.to_string()),
+            },
+            None => report.io_roofline_skipped = Some("the dataset has no file".into()),
+        }
+        pagecache::read_ahead(dataset.as_ref())?;
+    }
+    Ok(report)
 }
 
 /// Overlapped against serialised on the CPU backend: the training step with copies on
@@ -398,6 +445,9 @@ pub fn measure(
         if cfg.cold { ", then cold epochs" } else { "" }
     ));
     let mut report = run(Arc::clone(&ds), cfg)?;
+    if cfg.only_cold {
+        return Ok(report);
+    }
     report.cpu_overlap = Some(overlap_cpu(Arc::clone(&ds), cfg, fitted)?);
     match Device::auto() {
         Device::Cuda(c) => {

@@ -12,32 +12,50 @@ impl BenchReport {
                 o.hidden, o.overlapped_s, o.serialised_s, o.speedup, o.gather_per_worker_s, o.copy_s, o.compute_s, o.overlapped_vs_slowest
             );
         }
-        let (r, l) = (&self.roofline, &self.loader);
-        s += &format!(
-            "warm page cache, full shuffle, batch {}, {} threads:\n",
-            self.config.batch, self.config.workers
-        );
-        s += &format!(
-            "  roofline (bare gather)  {:>10.0} samples/s  {:>6.2} GB/s  {:>6.0} us/batch gather\n",
-            r.samples_per_s, r.gb_per_s, r.gather_us_per_batch
-        );
-        s += &format!(
-            "  loader                  {:>10.0} samples/s  {:>6.2} GB/s  {:>6.0} us/batch gather  = {:.1}% of roofline (median of paired runs), stalled on {:.0}% of batches\n",
-            l.samples_per_s,
-            l.gb_per_s,
-            l.gather_us_per_batch,
-            100.0 * self.ratio,
-            100.0 * l.stalled_share
-        );
-        for c in &self.cold {
+        if let (Some(r), Some(l), Some(ratio)) = (&self.roofline, &self.loader, self.ratio) {
             s += &format!(
-                "cold cache, {:<5} shuffle: {:>7.2} s  {:>10.0} samples/s  (resident {:.0}% -> {:.0}%)\n",
-                c.shuffle,
-                c.seconds,
-                c.samples_per_s,
-                100.0 * c.residency_before.fraction(),
-                100.0 * c.residency_after.fraction()
+                "warm page cache, full shuffle, batch {}, {} threads:\n",
+                self.config.batch, self.config.workers
             );
+            s += &format!(
+                "  roofline (bare gather)  {:>10.0} samples/s  {:>6.2} GB/s  {:>6.0} us/batch gather\n",
+                r.samples_per_s, r.gb_per_s, r.gather_us_per_batch
+            );
+            s += &format!(
+                "  loader                  {:>10.0} samples/s  {:>6.2} GB/s  {:>6.0} us/batch gather  = {:.1}% of roofline (median of paired runs), stalled on {:.0}% of batches\n",
+                l.samples_per_s,
+                l.gb_per_s,
+                l.gather_us_per_batch,
+                100.0 * ratio,
+                100.0 * l.stalled_share
+            );
+        }
+        if let Some(c) = &self.cold {
+            for (name, e) in [("full", &c.full), ("block", &c.block)] {
+                s += &format!(
+                    "cold cache, {name:<5} shuffle: {:>7.2} s  {:>10.0} samples/s  read {:.0} MB ({:.2}x the rows), {}, resident {:.0}% -> {:.0}%\n",
+                    e.epoch_s,
+                    e.samples_per_s,
+                    e.bytes_read as f64 / 1e6,
+                    e.read_amplification,
+                    e.storage.name(),
+                    100.0 * e.residency_before.fraction(),
+                    100.0 * e.residency_after.fraction()
+                );
+            }
+        }
+        match (&self.io_roofline, &self.io_roofline_skipped) {
+            (Some(io), _) => {
+                s += &format!(
+                    "I/O roofline (direct I/O on {}): sequential {:.2} GB/s, random {:.0} reads/s of {} bytes at depth 32\n",
+                    io.file,
+                    io.sequential_bytes_per_s / 1e9,
+                    io.random_iops,
+                    io.random_read_bytes
+                );
+            }
+            (None, Some(reason)) => s += &format!("I/O roofline skipped: {reason}\n"),
+            (None, None) => {}
         }
         match (&self.gpu, &self.gpu_skipped) {
             (Some(g), _) => s += &gpu_text(g),

@@ -167,6 +167,16 @@ impl Dataset for NpyDataset {
         Ok(())
     }
 
+    fn locate(&self, _epoch: u64, index: u64, each: &mut dyn FnMut(usize, usize, usize)) {
+        if index >= self.len {
+            return;
+        }
+        for (f, a) in self.arrays.iter().enumerate() {
+            let rb = a.row_bytes();
+            each(f, a.header().data_offset as usize + index as usize * rb, rb);
+        }
+    }
+
     fn files(&self) -> Vec<MappedFile<'_>> {
         self.arrays
             .iter()

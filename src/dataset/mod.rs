@@ -99,6 +99,15 @@ pub trait Dataset: Send + Sync + 'static {
     fn files(&self) -> Vec<MappedFile<'_>> {
         Vec::new()
     }
+
+    /// Where sample `index` of `epoch` lives: calls `each(file, offset, len)` for every
+    /// byte range of [`files`](Dataset::files)`()[file]` that its gather reads. The
+    /// loader plans its storage reads from this (see
+    /// [`LoaderBuilder::page_cache_budget`](crate::LoaderBuilder::page_cache_budget));
+    /// the default, no range, leaves reads to page faults.
+    fn locate(&self, epoch: u64, index: u64, each: &mut dyn FnMut(usize, usize, usize)) {
+        let _ = (epoch, index, each);
+    }
 }
 
 /// Opens `path` for reading if it is a regular file (or a link to one). A FIFO would

@@ -306,6 +306,14 @@ impl Dataset for TokenDataset {
         })
     }
 
+    fn locate(&self, epoch: u64, index: u64, each: &mut dyn FnMut(usize, usize, usize)) {
+        if index >= self.len() {
+            return;
+        }
+        let start = self.window_start(epoch, index) as usize * self.dtype.size();
+        each(0, self.offset + start, self.columns[0].row_bytes);
+    }
+
     fn files(&self) -> Vec<MappedFile<'_>> {
         vec![MappedFile::new(&self.path, &self.map)]
     }

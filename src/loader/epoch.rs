@@ -8,7 +8,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, TryRecvError};
 
 use super::batch::{BatchTiming, HostBatch};
 use super::worker::{Done, Job};
-use super::LoaderState;
+use super::{LoaderState, Storage};
 use crate::error::{Error, Result};
 
 /// How long `next()` waits before checking whether progress is still possible.
@@ -34,6 +34,11 @@ pub struct EpochStats {
     pub stalls: u64,
     /// From the epoch's start to its first batch.
     pub first_batch: Option<Duration>,
+    /// What storage did for this epoch's data: warm, warming or streaming.
+    pub storage: Storage,
+    /// Bytes this process read from storage since the epoch started (`/proc/self/io`;
+    /// 0 where the kernel does not say).
+    pub bytes_read: u64,
 }
 
 /// One epoch of batches, in order: an [`ExactSizeIterator`] of `Result<HostBatch>`.
@@ -54,6 +59,7 @@ pub struct Epoch<'a> {
     done: bool,
     started: Instant,
     stats: EpochStats,
+    read_at_start: Option<u64>,
 }
 
 impl<'a> Epoch<'a> {
@@ -76,6 +82,7 @@ impl<'a> Epoch<'a> {
             done: false,
             started: Instant::now(),
             stats: EpochStats::default(),
+            read_at_start: crate::pagecache::storage_read_bytes(),
         }
     }
 
@@ -107,7 +114,14 @@ impl<'a> Epoch<'a> {
 
     /// What the consumer side measured so far.
     pub fn stats(&self) -> EpochStats {
-        self.stats
+        let read = crate::pagecache::storage_read_bytes();
+        EpochStats {
+            storage: Storage::load(&self.job.storage),
+            bytes_read: read
+                .zip(self.read_at_start)
+                .map_or(0, |(n, s)| n.saturating_sub(s)),
+            ..self.stats
+        }
     }
 
     fn deliver(&mut self, done: Done, asked: Instant, waited: Duration) -> Result<HostBatch> {
@@ -127,6 +141,7 @@ impl<'a> Epoch<'a> {
             waited,
         };
         self.next += 1;
+        self.job.delivered.store(self.next, Ordering::Release);
         self.state.batch = self.next;
         self.stats.batches += 1;
         self.stats.samples += rows as u64;

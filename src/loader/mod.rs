@@ -8,10 +8,11 @@
 
 mod batch;
 mod epoch;
+mod plan;
 mod pool;
 mod worker;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -20,11 +21,13 @@ use crossbeam_channel::Sender;
 
 pub use batch::{BatchLayout, BatchTiming, HostBatch, COLUMN_ALIGN, MAX_COLUMNS};
 pub use epoch::{Epoch, EpochStats};
+pub use plan::Storage;
 pub use pool::{HostAlloc, HostMemory, PlainAlloc, BUFFER_ALIGN};
 
 use crate::dataset::Dataset;
 use crate::error::{Error, Result};
 use crate::sampler::{Order, Shard, Shuffle};
+use plan::PlanSettings;
 use pool::Pool;
 use worker::{Assignment, Job};
 
@@ -85,6 +88,8 @@ pub struct LoaderBuilder {
     drop_last: bool,
     allocator: Arc<dyn HostAlloc>,
     resume: Option<LoaderState>,
+    budget: Option<u64>,
+    plan: bool,
 }
 
 impl LoaderBuilder {
@@ -142,6 +147,26 @@ impl LoaderBuilder {
     /// page-locked memory).
     pub fn allocator(mut self, alloc: Arc<dyn HostAlloc>) -> Self {
         self.allocator = alloc;
+        self
+    }
+
+    /// Bytes of page cache the loader may fill with the dataset (default: half the
+    /// memory available when the loader is built, `MemAvailable` of `/proc/meminfo`).
+    ///
+    /// Files that fit are read in during the first epoch that finds them cold: the rows
+    /// of the next batches first, the rest sequentially in the background. Larger files
+    /// are streamed: only the rows of the next batches are read, and pages behind are
+    /// dropped. `0` always streams (a set larger than memory, simulated). Either way the
+    /// batches are the same; see [`Storage`].
+    pub fn page_cache_budget(mut self, bytes: u64) -> Self {
+        self.budget = Some(bytes);
+        self
+    }
+
+    /// Whether to plan storage reads at all (default true); without a plan, cold data
+    /// is read by page faults and the kernel's read-around, as a plain mapping is.
+    pub fn plan_reads(mut self, yes: bool) -> Self {
+        self.plan = yes;
         self
     }
 
@@ -235,7 +260,26 @@ impl LoaderBuilder {
             .ok_or_else(|| Error::Config("prefetch + held overflows".into()))?;
         check_pool_fits(buffers, layout.bytes())?;
         let pool = Pool::new(self.allocator.as_ref(), buffers, layout.bytes(), rows)?;
+        let budget = self
+            .budget
+            .unwrap_or_else(|| crate::pagecache::available_memory().map_or(u64::MAX, |m| m / 2));
         let threads_start = Instant::now();
+        let planner = match self.plan && !self.dataset.files().is_empty() {
+            true => {
+                let settings = PlanSettings {
+                    budget,
+                    ahead: ((64 << 20) / layout.bytes()).clamp(workers.max(4) * 2, 64) as u64,
+                };
+                let (tx, rx) = crossbeam_channel::unbounded();
+                let handle =
+                    plan::spawn(settings, rx).map_err(|e| Error::io("<planner thread>", e))?;
+                Some(Worker {
+                    jobs: Some(tx),
+                    handle: Some(handle),
+                })
+            }
+            false => None,
+        };
         let mut workers = Vec::with_capacity(workers);
         for id in 0..workers.capacity() {
             let (tx, rx) = crossbeam_channel::unbounded();
@@ -265,6 +309,8 @@ impl LoaderBuilder {
             resume: self.resume,
             startup,
             last: None,
+            planner,
+            budget,
         })
     }
 }
@@ -336,6 +382,9 @@ pub struct Loader {
     startup: Startup,
     /// The job of the last epoch started, to tell a dropped `Epoch` from a leaked one.
     last: Option<Arc<Job>>,
+    /// The thread that plans storage reads, if any.
+    planner: Option<Worker>,
+    budget: u64,
 }
 
 impl Loader {
@@ -361,6 +410,8 @@ impl Loader {
             drop_last: false,
             allocator: Arc::new(PlainAlloc),
             resume: None,
+            budget: None,
+            plan: true,
         }
     }
 
@@ -399,6 +450,13 @@ impl Loader {
             cancelled: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             results: results_tx,
+            delivered: AtomicU64::new(start),
+            storage: AtomicU8::new(self.storage() as u8),
+            planner: self
+                .planner
+                .as_ref()
+                .and_then(|p| p.handle.as_ref())
+                .map(|h| h.thread().clone()),
         });
         self.last = Some(Arc::clone(&job));
         for w in &self.workers {
@@ -406,6 +464,12 @@ impl Loader {
                 // A worker that is gone drops the assignment, and with it its sender.
                 let _ = jobs.send((Arc::clone(&job), finished_tx.clone()));
             }
+        }
+        // The planner holds the job (and so the dataset) for as long as it works on it,
+        // and leaves within a millisecond of the epoch's end or drop: nothing waits
+        // for it, so its own finished channel goes nowhere.
+        if let Some(jobs) = self.planner.as_ref().and_then(|p| p.jobs.as_ref()) {
+            let _ = jobs.send((Arc::clone(&job), crossbeam_channel::bounded(0).0));
         }
         drop(finished_tx);
         self.state = LoaderState {
@@ -420,6 +484,22 @@ impl Loader {
             finished_rx,
             start,
         ))
+    }
+
+    /// What storage will do for an epoch starting now: decided here, where the epoch
+    /// starts, so that the report holds whatever the planner's thread has done by then.
+    fn storage(&self) -> Storage {
+        if self.planner.is_none() {
+            return Storage::Warm;
+        }
+        let files = self.dataset.files();
+        let resident = crate::pagecache::residency(self.dataset.as_ref());
+        let total: u64 = files.iter().map(|f| f.bytes().len() as u64).sum();
+        match resident {
+            Ok(r) if r.resident < r.pages && total > self.budget => Storage::Streaming,
+            Ok(r) if r.resident < r.pages => Storage::Warming,
+            _ => Storage::Warm,
+        }
     }
 
     /// An `Epoch` borrows the loader mutably, so when `&mut self` is available again
@@ -505,6 +585,12 @@ impl Loader {
         self.pool.allocator()
     }
 
+    /// Bytes of page cache the loader may fill (see
+    /// [`LoaderBuilder::page_cache_budget`]).
+    pub fn page_cache_budget(&self) -> u64 {
+        self.budget
+    }
+
     /// One-off costs of building the loader.
     pub fn startup(&self) -> Startup {
         self.startup
@@ -515,10 +601,10 @@ impl Drop for Loader {
     fn drop(&mut self) {
         // A leaked epoch's workers may wait for buffers that never come back.
         let _ = self.check_last();
-        for w in &mut self.workers {
+        for w in self.workers.iter_mut().chain(&mut self.planner) {
             drop(w.jobs.take());
         }
-        for w in &mut self.workers {
+        for w in self.workers.iter_mut().chain(&mut self.planner) {
             if let Some(h) = w.handle.take() {
                 let _ = h.join();
             }

@@ -1,7 +1,7 @@
 //! Persistent worker threads and the per-epoch job they share.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -38,6 +38,12 @@ pub(crate) struct Job {
     /// worker has left the job; still false afterwards only if the `Epoch` was leaked.
     pub(crate) closed: AtomicBool,
     pub(crate) results: Sender<Done>,
+    /// Batches delivered to the consumer so far (the planner drops pages behind it).
+    pub(crate) delivered: AtomicU64,
+    /// What storage did this epoch ([`Storage`](super::Storage), set by the planner).
+    pub(crate) storage: AtomicU8,
+    /// The planner's thread, woken when a batch is claimed.
+    pub(crate) planner: Option<std::thread::Thread>,
 }
 
 /// A job and the sender a worker drops when it is done with it.
@@ -67,6 +73,9 @@ impl Job {
             let number = self.next.fetch_add(1, Ordering::Relaxed);
             if number >= self.end {
                 return;
+            }
+            if let Some(planner) = &self.planner {
+                planner.unpark();
             }
             let start = Instant::now();
             let result = catch_unwind(AssertUnwindSafe(|| self.assemble(&mut lease, number)))

@@ -8,7 +8,7 @@ pub use inspect::inspect;
 pub use progress::EpochProgress;
 pub use timer::EpochTimer;
 
-use crate::loader::Loader;
+use crate::loader::{Loader, Storage};
 use crate::pagecache::Residency;
 use crate::telemetry::EpochOutcome;
 use crate::util::{median, megabytes};
@@ -46,6 +46,14 @@ pub struct EpochRow {
     pub loss: f64,
     /// Training accuracy (predictions before each step's update).
     pub accuracy: f64,
+    /// What storage did: `warm` (all resident at the start), `warming` (read in, the
+    /// files fit the page-cache budget) or `streaming` (read as planned, dropped behind).
+    pub storage: Storage,
+    /// Bytes the process read from storage during the epoch (`/proc/self/io`).
+    pub bytes_read: u64,
+    /// `bytes_read` over the sample bytes delivered: 1.0 reads each byte used once;
+    /// above 1, storage read bytes no batch used (whole pages, read-around).
+    pub read_amplification: f64,
 }
 
 impl EpochRow {
@@ -74,6 +82,10 @@ impl EpochRow {
             residency_end: residency.1,
             loss: out.metrics.loss(),
             accuracy: out.metrics.accuracy(),
+            storage: out.loader.storage,
+            bytes_read: out.loader.bytes_read,
+            read_amplification: out.loader.bytes_read as f64
+                / (samples * bytes_per_sample).max(1) as f64,
         }
     }
 }
@@ -243,7 +255,7 @@ impl TrainReport {
     /// The epoch table.
     pub fn table(&self) -> String {
         let mut s = format!(
-            "{:>5} {:>7} {:>10} {:>6} {:>7} {:>7} {:>7} {:>7} {:>8} {:>9} {:>7} {:>6}\n",
+            "{:>5} {:>7} {:>10} {:>6} {:>7} {:>7} {:>7} {:>7} {:>8} {:>9} {:>9} {:>8} {:>7} {:>6}\n",
             "epoch",
             "wall s",
             "samples/s",
@@ -254,12 +266,14 @@ impl TrainReport {
             "copy",
             "compute",
             "resident",
+            "storage",
+            "read MB",
             "loss",
             "acc"
         );
         for r in &self.epochs {
             s += &format!(
-                "{:>5} {:>7.2} {:>10.0} {:>6.2} {:>6.3}s {:>6.2}s {:>6.2}s {:>6.2}s {:>7.2}s {:>4}>{:<4} {:>7.4} {:>5.1}%\n",
+                "{:>5} {:>7.2} {:>10.0} {:>6.2} {:>6.3}s {:>6.2}s {:>6.2}s {:>6.2}s {:>7.2}s {:>4}>{:<4} {:>9} {:>8.1} {:>7.4} {:>5.1}%\n",
                 r.epoch,
                 r.wall_s,
                 r.samples_per_s,
@@ -271,6 +285,8 @@ impl TrainReport {
                 r.compute_s,
                 pct(r.residency_start),
                 pct(r.residency_end),
+                r.storage.name(),
+                r.bytes_read as f64 / 1e6,
                 r.loss,
                 100.0 * r.accuracy
             );
@@ -399,6 +415,9 @@ mod tests {
             residency_end: Residency::default(),
             loss: 0.0,
             accuracy: 0.0,
+            storage: crate::loader::Storage::Warm,
+            bytes_read: 0,
+            read_amplification: 0.0,
         }
     }
 

@@ -1,0 +1,135 @@
+//! Planned storage reads (issue 13): the plan changes what storage does, never the
+//! batches; streaming keeps the page cache the loader fills small; the report says what
+//! was read.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use stokehold::gen::{self, ClassificationSpec};
+use stokehold::pagecache::{self, storage_read_bytes};
+use stokehold::{Dataset, Loader, NpyDataset, Shuffle, Storage};
+
+/// Storage figures are per process (`/proc/self/io`): the tests here take turns.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A CIFAR-shaped set of `samples` rows of 3,080 bytes.
+fn dataset(dir: &Path, samples: u64) -> Arc<dyn Dataset> {
+    let spec = ClassificationSpec {
+        samples,
+        ..ClassificationSpec::default()
+    };
+    gen::classification(dir, &spec, &|_| {}).unwrap();
+    Arc::new(NpyDataset::open_xy(dir).unwrap())
+}
+
+/// Every batch's bytes, in order, from a cold page cache when `cold`.
+fn epoch_bytes(loader: &mut Loader, epoch: u64, cold: bool) -> Vec<Vec<u8>> {
+    if cold {
+        pagecache::evict(loader.dataset().as_ref()).unwrap();
+    }
+    let it = loader.epoch(epoch).unwrap();
+    it.map(|b| {
+        let b = b.unwrap();
+        [b.bytes(0), b.bytes(1)].concat()
+    })
+    .collect()
+}
+
+/// Whether evicting works here (not on tmpfs, for one): the figures need it.
+fn evicts(ds: &dyn Dataset) -> bool {
+    pagecache::evict(ds).unwrap();
+    pagecache::residency(ds).unwrap().fraction() < 0.1
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 6, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_plan_never_changes_the_batches(budget in prop_oneof![Just(0u64), 0u64..8 << 20, Just(u64::MAX)], block in any::<bool>(), seed in 0u64..4) {
+        let _turn = turn();
+        let dir = tempfile::tempdir().unwrap();
+        let ds = dataset(dir.path(), 2000);
+        let shuffle = match block {
+            true => Shuffle::block(seed),
+            false => Shuffle::Full { seed },
+        };
+        let build = |plan: bool| {
+            Loader::builder_shared(Arc::clone(&ds))
+                .batch_size(37)
+                .workers(2)
+                .shuffle(shuffle)
+                .plan_reads(plan)
+                .page_cache_budget(budget)
+                .build()
+                .unwrap()
+        };
+        let want = epoch_bytes(&mut build(false), 1, false);
+        let mut planned = build(true);
+        prop_assert!(epoch_bytes(&mut planned, 1, true) == want);
+        // Warm now (or streamed again): the same.
+        prop_assert!(epoch_bytes(&mut planned, 1, false) == want);
+    }
+}
+
+#[test]
+fn streaming_keeps_the_page_cache_it_fills_small() {
+    let _turn = turn();
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path(), 20_000);
+    if !evicts(ds.as_ref()) {
+        eprintln!("skipped: the page cache cannot be evicted on this file system");
+        return;
+    }
+    let mut loader = Loader::builder_shared(Arc::clone(&ds))
+        .batch_size(16)
+        .workers(2)
+        .page_cache_budget(0)
+        .build()
+        .unwrap();
+    let mut it = loader.epoch(0).unwrap();
+    let n = it.by_ref().map(|b| b.unwrap().len()).sum::<usize>();
+    assert_eq!(n, 20_000);
+    assert_eq!(it.stats().storage, Storage::Streaming);
+    drop(it);
+    // The planned window is 64 batches of 16 rows, two or three pages each: a few MB of
+    // a 62 MB set stay behind.
+    let resident = pagecache::residency(ds.as_ref()).unwrap();
+    assert!(
+        resident.fraction() < 0.25,
+        "{} of {} pages resident",
+        resident.resident,
+        resident.pages
+    );
+}
+
+#[test]
+fn a_cold_epoch_reports_what_storage_read() {
+    let _turn = turn();
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path(), 5000);
+    if !evicts(ds.as_ref()) || storage_read_bytes().is_none() {
+        eprintln!("skipped: no eviction or no /proc/self/io here");
+        return;
+    }
+    let mut loader = Loader::builder_shared(Arc::clone(&ds)).build().unwrap();
+    let mut it = loader.epoch(0).unwrap();
+    let rows: usize = it.by_ref().map(|b| b.unwrap().len()).sum();
+    let stats = it.stats();
+    assert_eq!(stats.storage, Storage::Warming);
+    let used = rows as f64 * 3080.0;
+    let amplification = stats.bytes_read as f64 / used;
+    assert!(
+        (0.9..=1.5).contains(&amplification),
+        "read {} bytes for {used}",
+        stats.bytes_read
+    );
+    drop(it);
+    let mut it = loader.epoch(1).unwrap();
+    it.by_ref().for_each(|b| drop(b.unwrap()));
+    assert_eq!(it.stats().storage, Storage::Warm);
+}
