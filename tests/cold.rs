@@ -133,3 +133,16 @@ fn a_cold_epoch_reports_what_storage_read() {
     it.by_ref().for_each(|b| drop(b.unwrap()));
     assert_eq!(it.stats().storage, Storage::Warm);
 }
+
+#[test]
+fn a_shared_dataset_says_where_its_rows_live() {
+    // The loader holds an `Arc<dyn Dataset>`: `locate` must reach the files through it,
+    // or the planner asks for nothing.
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path(), 100);
+    let mut ranges = Vec::new();
+    ds.locate(0, 5, &mut |f, offset, len| ranges.push((f, offset, len)));
+    assert_eq!(ranges.len(), 2, "one range per column: {ranges:?}");
+    assert_eq!((ranges[0].0, ranges[0].2), (0, 3072));
+    assert_eq!((ranges[1].0, ranges[1].2), (1, 8));
+}

@@ -186,4 +186,7 @@ impl<D: Dataset + ?Sized> Dataset for std::sync::Arc<D> {
     fn files(&self) -> Vec<MappedFile<'_>> {
         (**self).files()
     }
+    fn locate(&self, epoch: u64, index: u64, each: &mut dyn FnMut(usize, usize, usize)) {
+        (**self).locate(epoch, index, each)
+    }
 }
