@@ -9,9 +9,10 @@ use std::os::fd::AsRawFd;
 
 use memmap2::{Advice, UncheckedAdvice};
 
-use crate::dataset::guard::guarded;
+use crate::dataset::guard::{guarded, VANISHED};
 use crate::dataset::{Dataset, MappedFile};
 use crate::error::{Error, Result};
+use crate::util::page_size;
 
 /// How much of some files is in the page cache.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -40,16 +41,6 @@ impl Residency {
     }
 }
 
-pub(crate) fn page_size() -> usize {
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if p > 0 {
-        p as usize
-    } else {
-        4096
-    }
-}
-
 /// Page-cache residency of one mapped file.
 ///
 /// # Errors
@@ -67,16 +58,25 @@ pub fn file_residency(file: MappedFile<'_>) -> Result<Residency> {
 /// # Errors
 /// [`Error::Io`] naming the file if `mincore` fails.
 pub(crate) fn resident_pages(file: MappedFile<'_>) -> Result<Vec<u8>> {
-    let len = file.bytes().len();
+    resident_range(file, 0, file.bytes().len())
+}
+
+/// As [`resident_pages`], for the pages of `len` bytes at `offset` (page-aligned).
+///
+/// # Errors
+/// [`Error::Io`] naming the file if `mincore` fails.
+pub(crate) fn resident_range(file: MappedFile<'_>, offset: usize, len: usize) -> Result<Vec<u8>> {
+    let len = len.min(file.bytes().len().saturating_sub(offset));
     if len == 0 {
         return Ok(Vec::new());
     }
     let mut vec = vec![0u8; len.div_ceil(page_size())];
-    // SAFETY: `file.map` is a live mapping (page-aligned, as every mmap is) of `len`
-    // bytes, and `vec` has one byte per page of it, as mincore requires.
+    // SAFETY: `offset` is page-aligned and `offset + len` within the live mapping of
+    // `file` (page-aligned, as every mmap is), and `vec` has one byte per page of the
+    // range, as mincore requires.
     let rc = unsafe {
         libc::mincore(
-            file.bytes().as_ptr() as *mut libc::c_void,
+            file.bytes().as_ptr().add(offset) as *mut libc::c_void,
             len,
             vec.as_mut_ptr(),
         )
@@ -229,13 +229,7 @@ pub fn read_ahead_file(file: MappedFile<'_>) -> Result<u64> {
         }
         std::hint::black_box(sum);
     });
-    touched.ok_or_else(|| {
-        Error::dataset(
-            file.path(),
-            "a page could not be read (the file shrank under the mapping, or the storage \
-             returned an error)",
-        )
-    })?;
+    touched.ok_or_else(|| Error::dataset(file.path(), VANISHED))?;
     Ok(bytes.len() as u64)
 }
 

@@ -94,6 +94,16 @@ pub fn zeroed<T: Clone + Default>(n: usize, what: &'static str) -> Result<Vec<T>
     Ok(v)
 }
 
+/// The system's page size (4096 where it cannot be read).
+pub fn page_size() -> usize {
+    // SAFETY: sysconf only reads system configuration.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(p)
+        .ok()
+        .filter(|p| p.is_power_of_two())
+        .unwrap_or(4096)
+}
+
 #[cfg(test)]
 mod tests {
     use super::{median, megabytes, mix, write_whole};

@@ -16,6 +16,11 @@ fn stokehold(args: &[&str]) -> Output {
         .expect("the stokehold binary runs")
 }
 
+/// `stokehold gen --out OUT` with `extra` flags.
+fn gen(out: &Path, extra: &[&str]) -> Output {
+    stokehold(&[&["gen", "--out", out.to_str().unwrap()][..], extra].concat())
+}
+
 /// Exit 1 with `needle` in the message: no signal, no panic.
 fn fails_with(out: &Output, needle: &str) {
     let err = String::from_utf8_lossy(&out.stderr);
@@ -83,24 +88,10 @@ fn a_trace_that_cannot_be_written_keeps_the_table_and_the_json() {
 fn sizes_that_overflow_are_errors() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().join("d");
-    let out = stokehold(&[
-        "gen",
-        "--out",
-        d.to_str().unwrap(),
-        "--samples",
-        "18446744073709551615",
-        "--shape",
-        "1",
-    ]);
+    let out = gen(&d, &["--samples", "18446744073709551615", "--shape", "1"]);
     fails_with(&out, "too large");
     let t = dir.path().join("t.bin");
-    let out = stokehold(&[
-        "gen",
-        "--out",
-        t.to_str().unwrap(),
-        "--tokens",
-        "9223372036854775808",
-    ]);
+    let out = gen(&t, &["--tokens", "9223372036854775808"]);
     fails_with(&out, "overflow");
     assert!(!t.exists());
 }
@@ -186,15 +177,7 @@ fn a_closed_stdout_still_writes_the_json_and_does_not_panic() {
 fn gen_tokens_goes_through_a_temporary_file() {
     let dir = tempfile::tempdir().unwrap();
     let t = dir.path().join("t.bin");
-    let out = stokehold(&[
-        "gen",
-        "--out",
-        t.to_str().unwrap(),
-        "--tokens",
-        "1000",
-        "--vocab",
-        "100",
-    ]);
+    let out = gen(&t, &["--tokens", "1000", "--vocab", "100"]);
     assert!(out.status.success());
     assert_eq!(std::fs::metadata(&t).unwrap().len(), 2000);
     assert_eq!(files_in(dir.path()), ["t.bin"]);
@@ -294,16 +277,7 @@ fn a_dataset_truncated_between_epochs_is_an_error_naming_it() {
 fn a_dataset_truncated_while_training_stops_the_command_with_its_name() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("set");
-    let out = data.to_str().unwrap();
-    let made = stokehold(&[
-        "gen",
-        "--out",
-        out,
-        "--samples",
-        "20000",
-        "--shape",
-        "3x32x32",
-    ]);
+    let made = gen(&data, &["--samples", "20000", "--shape", "3x32x32"]);
     assert!(made.status.success());
     let mut child = Command::new(env!("CARGO_BIN_EXE_stokehold"))
         .args(["train", "--device", "cpu", "--epochs", "100000", "--data"])

@@ -45,7 +45,7 @@ pub fn measure(path: &Path, row_bytes: usize) -> Result<IoRoofline> {
         .open(path)
         .map_err(|e| Error::io(path, e))?;
     let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
-    let page = crate::pagecache::page_size();
+    let page = crate::util::page_size();
     let buf = PlainAlloc.alloc(SEQUENTIAL)?;
     // SAFETY: `HostMemory` guarantees `len` initialised bytes at `as_ptr`, owned by
     // `buf`, which outlives the slice; page-aligned, as O_DIRECT requires.

@@ -300,8 +300,7 @@ pub fn run(dataset: Arc<dyn Dataset>, cfg: &BenchConfig) -> Result<BenchReport> 
                 epoch_s: t.as_secs_f64(),
                 samples_per_s: stats.samples as f64 / t.as_secs_f64(),
                 bytes_read: stats.bytes_read,
-                read_amplification: stats.bytes_read as f64
-                    / (stats.samples * row_bytes as u64).max(1) as f64,
+                read_amplification: stats.read_amplification(row_bytes as u64),
                 storage: stats.storage,
                 residency_before: before,
                 residency_after: after,

@@ -36,6 +36,8 @@ thread_local! {
 
 /// The `SIGBUS` action in place before ours, to pass faults that are not ours on to.
 static PREVIOUS: OnceLock<libc::sigaction> = OnceLock::new();
+/// The page size, read once before the handler is installed (the handler itself calls
+/// nothing but `mmap` and `sigaction`).
 static PAGE: AtomicUsize = AtomicUsize::new(4096);
 static INSTALL: Once = Once::new();
 
@@ -46,13 +48,7 @@ type Action = extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void
 /// unguarded, as they would without this module.
 fn install() {
     INSTALL.call_once(|| {
-        // SAFETY: sysconf only reads system configuration.
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-        if let Ok(page) = usize::try_from(page) {
-            if page.is_power_of_two() {
-                PAGE.store(page, Ordering::Relaxed);
-            }
-        }
+        PAGE.store(crate::util::page_size(), Ordering::Relaxed);
         // SAFETY: a zeroed `sigaction` is a valid value to be filled in; `sigaction`
         // writes the current action into `previous` and installs `action`, whose handler
         // has the three-argument signature that `SA_SIGINFO` promises.
@@ -141,6 +137,10 @@ fn pass_on(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void)
     }
 }
 
+/// What a guarded read that faulted says about the file.
+pub(crate) const VANISHED: &str = "a page could not be read (the file shrank under the \
+                                   mapping, or the storage returned an error)";
+
 /// Runs `read` with this thread's guard over `range`: `Some` with its result, or `None`
 /// if a page of `range` faulted (and read as zeros) meanwhile.
 pub(crate) fn guarded<R>(range: &[u8], read: impl FnOnce() -> R) -> Option<R> {
@@ -212,15 +212,21 @@ impl Watched {
         Error::dataset(&self.path, format!("changed while it was mapped: {how}"))
     }
 
+    /// Fails if an earlier read found the file changed.
+    fn check_earlier(&self) -> Result<()> {
+        match self.changed.load(Ordering::Acquire) {
+            true => Err(self.changed("an earlier read found it changed".into())),
+            false => Ok(()),
+        }
+    }
+
     /// Checks that the file is as it was opened.
     ///
     /// # Errors
     /// [`Error::Dataset`] naming the file if its length or modification time changed,
     /// now or in an earlier read.
     pub(crate) fn check(&self) -> Result<()> {
-        if self.changed.load(Ordering::Acquire) {
-            return Err(self.changed("an earlier read found it changed".into()));
-        }
+        self.check_earlier()?;
         let meta = self.file.metadata().map_err(|e| Error::io(&self.path, e))?;
         if meta.len() != self.len {
             return Err(self.changed(format!(
@@ -249,16 +255,10 @@ impl Watched {
         if last == 0 || now.saturating_sub(last) >= RECHECK.as_nanos() as u64 {
             self.check()?;
             self.checked.store(now.max(1), Ordering::Relaxed);
-        } else if self.changed.load(Ordering::Acquire) {
-            return Err(self.changed("an earlier read found it changed".into()));
+        } else {
+            self.check_earlier()?;
         }
-        guarded(map, || read(map)).ok_or_else(|| {
-            self.changed(
-                "a page could not be read (the file shrank under the mapping, or the \
-                 storage returned an error)"
-                    .into(),
-            )
-        })
+        guarded(map, || read(map)).ok_or_else(|| self.changed(VANISHED.into()))
     }
 }
 

@@ -62,6 +62,15 @@ pub struct Epoch<'a> {
     read_at_start: Option<u64>,
 }
 
+impl EpochStats {
+    /// Bytes read from storage over the sample bytes delivered, for samples of
+    /// `bytes_per_sample`: 1.0 reads each byte used once; above 1, storage read bytes no
+    /// batch used (whole pages, read-around).
+    pub fn read_amplification(&self, bytes_per_sample: u64) -> f64 {
+        self.bytes_read as f64 / self.samples.saturating_mul(bytes_per_sample).max(1) as f64
+    }
+}
+
 impl<'a> Epoch<'a> {
     pub(crate) fn new(
         state: &'a mut LoaderState,
@@ -116,7 +125,7 @@ impl<'a> Epoch<'a> {
     pub fn stats(&self) -> EpochStats {
         let read = crate::pagecache::storage_read_bytes();
         EpochStats {
-            storage: Storage::load(&self.job.storage),
+            storage: self.job.storage,
             bytes_read: read
                 .zip(self.read_at_start)
                 .map_or(0, |(n, s)| n.saturating_sub(s)),

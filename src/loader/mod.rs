@@ -12,7 +12,7 @@ mod plan;
 mod pool;
 mod worker;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -27,7 +27,6 @@ pub use pool::{HostAlloc, HostMemory, PlainAlloc, BUFFER_ALIGN};
 use crate::dataset::Dataset;
 use crate::error::{Error, Result};
 use crate::sampler::{Order, Shard, Shuffle};
-use plan::PlanSettings;
 use pool::Pool;
 use worker::{Assignment, Job};
 
@@ -266,13 +265,10 @@ impl LoaderBuilder {
         let threads_start = Instant::now();
         let planner = match self.plan && !self.dataset.files().is_empty() {
             true => {
-                let settings = PlanSettings {
-                    budget,
-                    ahead: ((64 << 20) / layout.bytes()).clamp(workers.max(4) * 2, 64) as u64,
-                };
+                let ahead = ((64 << 20) / layout.bytes()).clamp(workers.max(4) * 2, 64) as u64;
                 let (tx, rx) = crossbeam_channel::unbounded();
                 let handle =
-                    plan::spawn(settings, rx).map_err(|e| Error::io("<planner thread>", e))?;
+                    plan::spawn(ahead, rx).map_err(|e| Error::io("<planner thread>", e))?;
                 Some(Worker {
                     jobs: Some(tx),
                     handle: Some(handle),
@@ -319,16 +315,10 @@ impl LoaderBuilder {
 /// hold (allocating it would end in the out-of-memory killer, not an error).
 fn check_pool_fits(buffers: usize, bytes: usize) -> Result<()> {
     // SAFETY: sysconf only reads system configuration.
-    let (pages, page) = unsafe {
-        (
-            libc::sysconf(libc::_SC_PHYS_PAGES),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
+    let pages = unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) };
     let memory = u64::try_from(pages)
         .ok()
-        .zip(u64::try_from(page).ok())
-        .map(|(n, p)| n.saturating_mul(p))
+        .map(|n| n.saturating_mul(crate::util::page_size() as u64))
         .filter(|&m| m > 0);
     let needed = (buffers as u64).saturating_mul(bytes as u64);
     match memory {
@@ -438,6 +428,10 @@ impl Loader {
             _ => 0,
         };
         self.resume = None;
+        let (storage, resident) = match self.planner {
+            Some(_) => plan::snapshot(self.dataset.as_ref(), self.budget),
+            None => (Storage::Warm, Vec::new()),
+        };
         let (results_tx, results_rx) = crossbeam_channel::unbounded();
         let (finished_tx, finished_rx) = crossbeam_channel::bounded(0);
         let job = Arc::new(Job {
@@ -451,7 +445,8 @@ impl Loader {
             closed: AtomicBool::new(false),
             results: results_tx,
             delivered: AtomicU64::new(start),
-            storage: AtomicU8::new(self.storage() as u8),
+            storage,
+            resident: std::sync::Mutex::new(resident),
             planner: self
                 .planner
                 .as_ref()
@@ -484,22 +479,6 @@ impl Loader {
             finished_rx,
             start,
         ))
-    }
-
-    /// What storage will do for an epoch starting now: decided here, where the epoch
-    /// starts, so that the report holds whatever the planner's thread has done by then.
-    fn storage(&self) -> Storage {
-        if self.planner.is_none() {
-            return Storage::Warm;
-        }
-        let files = self.dataset.files();
-        let resident = crate::pagecache::residency(self.dataset.as_ref());
-        let total: u64 = files.iter().map(|f| f.bytes().len() as u64).sum();
-        match resident {
-            Ok(r) if r.resident < r.pages && total > self.budget => Storage::Streaming,
-            Ok(r) if r.resident < r.pages => Storage::Warming,
-            _ => Storage::Warm,
-        }
     }
 
     /// An `Epoch` borrows the loader mutably, so when `&mut self` is available again

@@ -19,15 +19,16 @@
 //! plan asked for. The plan is advice: the gathers read the same bytes whatever it did.
 
 use std::fs::File;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam_channel::Receiver;
 
 use super::worker::{Assignment, Job};
-use crate::dataset::MappedFile;
-use crate::pagecache::{advise_random, drop_range, page_size, resident_pages, will_need};
+use crate::dataset::{Dataset, MappedFile};
+use crate::pagecache::{advise_random, drop_range, resident_pages, resident_range, will_need};
+use crate::util::page_size;
 
 /// What storage did for an epoch's data.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -51,23 +52,27 @@ impl Storage {
             Storage::Streaming => "streaming",
         }
     }
-
-    pub(crate) fn load(at: &AtomicU8) -> Storage {
-        match at.load(Ordering::Acquire) {
-            1 => Storage::Warming,
-            2 => Storage::Streaming,
-            _ => Storage::Warm,
-        }
-    }
 }
 
-/// How the planner works for one loader.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct PlanSettings {
-    /// Bytes of page cache the loader may fill: files larger than this are streamed.
-    pub(crate) budget: u64,
-    /// Batches planned beyond the last one a worker claimed.
-    pub(crate) ahead: u64,
+/// The residency of every file of `dataset` as an epoch starts (one byte per page,
+/// bit 0 set where resident), and what storage will do for it under `budget`. Taken
+/// where the epoch starts, so that the epoch's report does not depend on how far the
+/// planner's thread has got; the planner then starts from these pages.
+pub(crate) fn snapshot(dataset: &dyn Dataset, budget: u64) -> (Storage, Vec<Vec<u8>>) {
+    let files = dataset.files();
+    let pages: Option<Vec<Vec<u8>>> = files.iter().map(|&f| resident_pages(f).ok()).collect();
+    let Some(pages) = pages else {
+        return (Storage::Warm, Vec::new());
+    };
+    let total: u64 = files.iter().map(|f| f.bytes().len() as u64).sum();
+    let storage = if pages.iter().flatten().all(|&b| b & 1 != 0) {
+        Storage::Warm
+    } else if total > budget {
+        Storage::Streaming
+    } else {
+        Storage::Warming
+    };
+    (storage, pages)
 }
 
 /// Sequential warming: bytes per request (within any kernel's read-ahead cap, so the
@@ -76,15 +81,13 @@ const CHUNK: usize = 128 << 10;
 const IN_FLIGHT: usize = 64;
 
 /// Starts the planner: it serves jobs until its channel closes.
-pub(crate) fn spawn(
-    settings: PlanSettings,
-    jobs: Receiver<Assignment>,
-) -> std::io::Result<JoinHandle<()>> {
+/// `ahead` is how many batches are planned beyond the last one a worker claimed.
+pub(crate) fn spawn(ahead: u64, jobs: Receiver<Assignment>) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name("stokehold-planner".into())
         .spawn(move || {
             for (job, done) in jobs {
-                plan_epoch(&job, settings);
+                plan_epoch(&job, ahead);
                 drop(job);
                 drop(done);
             }
@@ -132,26 +135,27 @@ fn batch_pages(
     runs.truncate(merged);
 }
 
-fn plan_epoch(job: &Job, settings: PlanSettings) {
+fn plan_epoch(job: &Job, ahead: u64) {
+    if job.storage == Storage::Warm {
+        return;
+    }
+    let streaming = job.storage == Storage::Streaming;
+    let states = std::mem::take(&mut *job.resident.lock().unwrap_or_else(|e| e.into_inner()));
     let files = job.dataset.files();
+    if states.len() != files.len() {
+        return;
+    }
     let page = page_size();
-    let mut pages = Vec::with_capacity(files.len());
-    for &file in &files {
-        let Ok(state) = resident_pages(file) else {
-            return;
-        };
-        pages.push(Pages {
+    let mut pages: Vec<Pages<'_>> = files
+        .into_iter()
+        .zip(states)
+        .map(|(file, state)| Pages {
             file,
             state,
             refs: Vec::new(),
             fd: None,
-        });
-    }
-    let total: u64 = files.iter().map(|f| f.bytes().len() as u64).sum();
-    if pages.iter().all(|p| p.state.iter().all(|&b| b & 1 != 0)) {
-        return;
-    }
-    let streaming = total > settings.budget;
+        })
+        .collect();
     for p in &mut pages {
         advise_random(p.file);
         if streaming {
@@ -169,7 +173,7 @@ fn plan_epoch(job: &Job, settings: PlanSettings) {
             return;
         }
         let claimed = job.next.load(Ordering::Relaxed).min(job.end);
-        let target = claimed.saturating_add(settings.ahead).min(job.end);
+        let target = claimed.saturating_add(ahead).min(job.end);
         while planned < target {
             batch_pages(job, planned, page, &mut idx, &mut runs);
             for &(f, start, end) in &runs {
@@ -255,7 +259,8 @@ fn warm(
     page: usize,
 ) {
     while let Some(&(f, at)) = asked.front() {
-        let resident = resident_pages_at(pages[f].file, at, page);
+        // A page that cannot be checked counts as read: the plan is only advice.
+        let resident = resident_range(pages[f].file, at, page).map_or(true, |v| v[0] & 1 != 0);
         if !resident {
             break;
         }
@@ -276,19 +281,4 @@ fn warm(
         }
         cursor.1 += CHUNK;
     }
-}
-
-/// Whether the page at byte `at` of `file` is resident now.
-fn resident_pages_at(file: MappedFile<'_>, at: usize, page: usize) -> bool {
-    let mut byte = 0u8;
-    let start = at / page * page;
-    // SAFETY: `start` is a page inside the live mapping of `file`; one page, one byte.
-    let rc = unsafe {
-        libc::mincore(
-            file.bytes().as_ptr().add(start) as *mut libc::c_void,
-            page.min(file.bytes().len() - start),
-            &mut byte,
-        )
-    };
-    rc != 0 || byte & 1 != 0
 }

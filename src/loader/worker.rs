@@ -1,7 +1,7 @@
 //! Persistent worker threads and the per-epoch job they share.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -40,8 +40,10 @@ pub(crate) struct Job {
     pub(crate) results: Sender<Done>,
     /// Batches delivered to the consumer so far (the planner drops pages behind it).
     pub(crate) delivered: AtomicU64,
-    /// What storage did this epoch ([`Storage`](super::Storage), set by the planner).
-    pub(crate) storage: AtomicU8,
+    /// What storage does this epoch, decided as it started.
+    pub(crate) storage: super::Storage,
+    /// The files' page residency as the epoch started, for the planner to take.
+    pub(crate) resident: std::sync::Mutex<Vec<Vec<u8>>>,
     /// The planner's thread, woken when a batch is claimed.
     pub(crate) planner: Option<std::thread::Thread>,
 }

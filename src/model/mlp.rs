@@ -248,41 +248,26 @@ fn forward(mlp: &Mlp, ws: &mut Workspace, norm: Normalize, x: &[u8], n: usize) {
     for (o, &b) in ws.x[..n * d].iter_mut().zip(&x[..n * d]) {
         *o = (b as f32 - norm.mean) * norm.inv_std;
     }
-    for row in ws.h[..n * h].chunks_exact_mut(h) {
-        row.copy_from_slice(&mlp.b1);
-    }
-    gemm(
-        n,
-        d,
-        h,
-        1.0,
-        &ws.x,
-        (d, 1),
-        &mlp.w1,
-        (h, 1),
-        1.0,
-        &mut ws.h,
-        h,
-    );
+    dense(n, (d, h), &ws.x, (&mlp.w1, &mlp.b1), &mut ws.h);
     for v in &mut ws.h[..n * h] {
         *v = v.max(0.0);
     }
-    for row in ws.z[..n * c].chunks_exact_mut(c) {
-        row.copy_from_slice(&mlp.b2);
+    dense(n, (h, c), &ws.h, (&mlp.w2, &mlp.b2), &mut ws.z);
+}
+
+/// A dense layer on `n` rows: `out(n x m) = input(n x k) weights(k x m) + bias`, with
+/// the bias broadcast over the rows first.
+fn dense(
+    n: usize,
+    (k, m): (usize, usize),
+    input: &[f32],
+    (weights, bias): (&[f32], &[f32]),
+    out: &mut [f32],
+) {
+    for row in out[..n * m].chunks_exact_mut(m) {
+        row.copy_from_slice(bias);
     }
-    gemm(
-        n,
-        h,
-        c,
-        1.0,
-        &ws.h,
-        (h, 1),
-        &mlp.w2,
-        (c, 1),
-        1.0,
-        &mut ws.z,
-        c,
-    );
+    gemm(n, k, m, 1.0, input, (k, 1), weights, (m, 1), 1.0, out, m);
 }
 
 fn check_labels(y: &[i64], classes: usize, indices: &[u64]) -> Result<()> {

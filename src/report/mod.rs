@@ -84,8 +84,7 @@ impl EpochRow {
             accuracy: out.metrics.accuracy(),
             storage: out.loader.storage,
             bytes_read: out.loader.bytes_read,
-            read_amplification: out.loader.bytes_read as f64
-                / (samples * bytes_per_sample).max(1) as f64,
+            read_amplification: out.loader.read_amplification(bytes_per_sample),
         }
     }
 }

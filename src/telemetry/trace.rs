@@ -263,7 +263,9 @@ impl Trace {
         };
         let mut spans = self.spans.lock().unwrap_or_else(|e| e.into_inner());
         spans.push(span);
-        if spans.len() < CHUNK {
+        // A streamed trace hands over each full chunk; an in-memory one (or one already
+        // finished) looks for a stream once per chunk, not on every span.
+        if spans.len() % CHUNK != 0 {
             return;
         }
         let file = self.file.lock().unwrap_or_else(|e| e.into_inner());
