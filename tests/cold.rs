@@ -47,10 +47,10 @@ fn evicts(ds: &dyn Dataset) -> bool {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 6, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 10, ..ProptestConfig::default() })]
 
     #[test]
-    fn the_plan_never_changes_the_batches(budget in prop_oneof![Just(0u64), 0u64..8 << 20, Just(u64::MAX)], block in any::<bool>(), seed in 0u64..4) {
+    fn the_plan_never_changes_the_batches(budget in prop_oneof![Just(0u64), 0u64..8 << 20, Just(u64::MAX)], block in any::<bool>(), direct in any::<bool>(), seed in 0u64..4) {
         let _turn = turn();
         let dir = tempfile::tempdir().unwrap();
         let ds = dataset(dir.path(), 2000);
@@ -64,6 +64,7 @@ proptest! {
                 .workers(2)
                 .shuffle(shuffle)
                 .plan_reads(plan)
+                .direct_reads(direct)
                 .page_cache_budget(budget)
                 .build()
                 .unwrap()
@@ -145,4 +146,80 @@ fn a_shared_dataset_says_where_its_rows_live() {
     assert_eq!(ranges.len(), 2, "one range per column: {ranges:?}");
     assert_eq!((ranges[0].0, ranges[0].2), (0, 3072));
     assert_eq!((ranges[1].0, ranges[1].2), (1, 8));
+}
+
+#[test]
+fn direct_reads_deliver_the_rows_read_no_more_and_leave_nothing_behind() {
+    let _turn = turn();
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path(), 20_000);
+    if !evicts(ds.as_ref()) || storage_read_bytes().is_none() {
+        eprintln!("skipped: no eviction or no /proc/self/io here");
+        return;
+    }
+    let build = |direct: bool| {
+        Loader::builder_shared(Arc::clone(&ds))
+            .batch_size(64)
+            .workers(2)
+            .shuffle(Shuffle::Full { seed: 3 })
+            .direct_reads(direct)
+            .page_cache_budget(0)
+            .build()
+            .unwrap()
+    };
+    let mut loader = build(true);
+    if !loader.direct_reads() {
+        eprintln!("skipped: no io_uring here");
+        return;
+    }
+    let want = epoch_bytes(&mut build(false), 2, true);
+    pagecache::evict(ds.as_ref()).unwrap();
+    let mut it = loader.epoch(2).unwrap();
+    let got: Vec<Vec<u8>> = it
+        .by_ref()
+        .map(|b| {
+            let b = b.unwrap();
+            [b.bytes(0), b.bytes(1)].concat()
+        })
+        .collect();
+    assert!(got == want, "direct reads changed the batches");
+    let stats = it.stats();
+    assert_eq!(stats.storage, Storage::Streaming);
+    // Rows of 3,072 bytes read in 512-byte sectors (7 of them) or whole pages: the
+    // issue's bound is 1.5; through the page cache this was 2.2.
+    let amplification = stats.bytes_read as f64 / (20_000.0 * 3080.0);
+    assert!(amplification <= 1.5, "read {amplification:.2}x the rows");
+    drop(it);
+    // Nothing of x.npy stays in the page cache; the labels were read through it.
+    let x = ds.files()[0];
+    let resident = pagecache::file_residency(x).unwrap();
+    assert!(
+        resident.fraction() < 0.01,
+        "{} of {} pages of x.npy resident",
+        resident.resident,
+        resident.pages
+    );
+}
+
+#[test]
+fn a_file_truncated_under_direct_reads_is_an_error_naming_it() {
+    let _turn = turn();
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path(), 3000);
+    let mut loader = Loader::builder_shared(Arc::clone(&ds))
+        .batch_size(64)
+        .workers(2)
+        .shuffle(Shuffle::Full { seed: 1 })
+        .page_cache_budget(0)
+        .build()
+        .unwrap();
+    // Another job rewrites the file in place: first it truncates it.
+    let x = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.path().join("x.npy"))
+        .unwrap();
+    x.set_len(3000 * 3072 / 2).unwrap();
+    let err = loader.epoch(0).unwrap().find_map(|b| b.err()).unwrap();
+    let msg = err.to_string();
+    assert!(msg.contains("x.npy: changed while it was mapped"), "{msg}");
 }

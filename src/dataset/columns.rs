@@ -180,7 +180,7 @@ impl Dataset for NpyDataset {
     fn files(&self) -> Vec<MappedFile<'_>> {
         self.arrays
             .iter()
-            .map(|a| MappedFile::new(a.path(), a.mapping()))
+            .map(|a| MappedFile::new(a.path(), a.mapping()).watched_by(a.watched()))
             .collect()
     }
 }

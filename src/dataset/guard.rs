@@ -250,15 +250,33 @@ impl Watched {
     /// [`Error::Dataset`] naming the file if it changed, or if a page of it could not be
     /// read (it shrank during the read, or the storage failed).
     pub(crate) fn read<R>(&self, map: &[u8], read: impl FnOnce(&[u8]) -> R) -> Result<R> {
+        self.check_recently()?;
+        guarded(map, || read(map)).ok_or_else(|| self.changed(VANISHED.into()))
+    }
+
+    /// [`check`](Watched::check), unless it passed within [`RECHECK`]; an earlier
+    /// failure is reported either way.
+    ///
+    /// # Errors
+    /// As [`check`](Watched::check).
+    pub(crate) fn check_recently(&self) -> Result<()> {
         let now = now_ns();
         let last = self.checked.load(Ordering::Relaxed);
         if last == 0 || now.saturating_sub(last) >= RECHECK.as_nanos() as u64 {
             self.check()?;
             self.checked.store(now.max(1), Ordering::Relaxed);
+            Ok(())
         } else {
-            self.check_earlier()?;
+            self.check_earlier()
         }
-        guarded(map, || read(map)).ok_or_else(|| self.changed(VANISHED.into()))
+    }
+
+    /// A read of the file outside its mapping came back short: the file is in error
+    /// from now on, as for a page that vanished.
+    pub(crate) fn short_read(&self, offset: u64, wanted: usize, got: usize) -> Error {
+        self.changed(format!(
+            "{wanted} bytes at offset {offset} read back as {got} (it shrank)"
+        ))
     }
 }
 

@@ -42,12 +42,30 @@ pub struct Column {
 pub struct MappedFile<'a> {
     path: &'a Path,
     map: &'a memmap2::Mmap,
+    watched: Option<&'a guard::Watched>,
 }
 
 impl<'a> MappedFile<'a> {
     /// The mapping `map` of the file at `path`.
     pub fn new(path: &'a Path, map: &'a memmap2::Mmap) -> MappedFile<'a> {
-        MappedFile { path, map }
+        MappedFile {
+            path,
+            map,
+            watched: None,
+        }
+    }
+
+    /// The same, with the open file the mapping was made from, watched for changes: the
+    /// loader may then read its rows straight from storage (see
+    /// [`LoaderBuilder::page_cache_budget`](crate::LoaderBuilder::page_cache_budget)).
+    pub(crate) fn watched_by(mut self, watched: &'a guard::Watched) -> MappedFile<'a> {
+        self.watched = Some(watched);
+        self
+    }
+
+    /// The open file behind the mapping, watched for changes, where the dataset gave it.
+    pub(crate) fn watched(&self) -> Option<&'a guard::Watched> {
+        self.watched
     }
 
     /// The file's path.

@@ -446,6 +446,11 @@ impl NpyArray {
         &self.map
     }
 
+    /// The open file behind the mapping, watched for changes.
+    pub(crate) fn watched(&self) -> &Watched {
+        &self.watched
+    }
+
     /// The bytes of sample `index`.
     ///
     /// # Errors

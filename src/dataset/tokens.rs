@@ -315,6 +315,6 @@ impl Dataset for TokenDataset {
     }
 
     fn files(&self) -> Vec<MappedFile<'_>> {
-        vec![MappedFile::new(&self.path, &self.map)]
+        vec![MappedFile::new(&self.path, &self.map).watched_by(&self.watched)]
     }
 }

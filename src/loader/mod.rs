@@ -7,6 +7,7 @@
 //! more, fewer are prefetched. Nothing is allocated per batch in steady state.
 
 mod batch;
+mod direct;
 mod epoch;
 mod plan;
 mod pool;
@@ -89,6 +90,7 @@ pub struct LoaderBuilder {
     resume: Option<LoaderState>,
     budget: Option<u64>,
     plan: bool,
+    direct: bool,
 }
 
 impl LoaderBuilder {
@@ -152,11 +154,14 @@ impl LoaderBuilder {
     /// Bytes of page cache the loader may fill with the dataset (default: half the
     /// memory available when the loader is built, `MemAvailable` of `/proc/meminfo`).
     ///
-    /// Files that fit are read in during the first epoch that finds them cold: the rows
-    /// of the next batches first, the rest sequentially in the background. Larger files
-    /// are streamed: only the rows of the next batches are read, and pages behind are
-    /// dropped. `0` always streams (a set larger than memory, simulated). Either way the
-    /// batches are the same; see [`Storage`].
+    /// The smallest files are kept while they fit under the budget together (labels stay
+    /// in memory while images stream). Kept files are read in during the first epoch
+    /// that finds them cold: the rows of the next batches first, the rest sequentially
+    /// in the background. The others are streamed: each worker reads its batch's rows
+    /// straight from storage (`O_DIRECT` through io_uring, see
+    /// [`direct_reads`](LoaderBuilder::direct_reads)), so they leave nothing in the page
+    /// cache. `0` streams every file (a set larger than memory, simulated). Either way
+    /// the batches are the same; see [`Storage`].
     pub fn page_cache_budget(mut self, bytes: u64) -> Self {
         self.budget = Some(bytes);
         self
@@ -166,6 +171,19 @@ impl LoaderBuilder {
     /// is read by page faults and the kernel's read-around, as a plain mapping is.
     pub fn plan_reads(mut self, yes: bool) -> Self {
         self.plan = yes;
+        self
+    }
+
+    /// Whether streamed files are read with direct I/O under a full shuffle (default
+    /// true, where the file system and the kernel allow it: `O_DIRECT` and io_uring),
+    /// for files whose rows are at least 1 KiB (shorter rows share pages, and are read
+    /// through the page cache). Without it, or where it is refused, streamed rows are
+    /// read through the page cache: their pages are asked for ahead and dropped behind,
+    /// at the cost of reading whole pages (4 KiB for a 3 KB row, often two) instead of
+    /// the row's sectors. A block shuffle always streams through the page cache, its
+    /// window's blocks in long runs.
+    pub fn direct_reads(mut self, yes: bool) -> Self {
+        self.direct = yes;
         self
     }
 
@@ -307,9 +325,55 @@ impl LoaderBuilder {
             last: None,
             planner,
             budget,
+            direct: self.direct && self.plan && direct::Reader::available(),
         })
     }
 }
+
+/// Opens every file of `dataset` for the workers' direct reads. A streamed file is read
+/// with `O_DIRECT` (its mode becomes [`plan::Mode::Direct`]) when its rows are at least
+/// [`DIRECT_ROW`] long; shorter rows share pages with the planned rows around them
+/// (labels: hundreds to a page), so those files stay streamed through the page cache,
+/// and the workers read them from there. `None`, the plans untouched, if a file cannot
+/// be opened so: every streamed page then goes through the page cache, as planned.
+fn direct_sources(
+    dataset: &dyn Dataset,
+    plans: &mut [plan::FilePlan],
+) -> Option<Vec<direct::Source>> {
+    let files = dataset.files();
+    if files.len() != plans.len() || dataset.is_empty() {
+        return None;
+    }
+    let mut row = vec![0usize; files.len()];
+    dataset.locate(0, 0, &mut |f, _, len| {
+        if let Some(r) = row.get_mut(f) {
+            *r = (*r).max(len);
+        }
+    });
+    let direct: Vec<bool> = plans
+        .iter()
+        .zip(&row)
+        .map(|(p, &len)| p.mode == plan::Mode::Stream && len >= DIRECT_ROW)
+        .collect();
+    if !direct.contains(&true) {
+        return None;
+    }
+    let sources: Option<Vec<direct::Source>> = files
+        .iter()
+        .zip(&direct)
+        .map(|(&f, &d)| direct::Source::open(f, d))
+        .collect();
+    let sources = sources?;
+    for (p, s) in plans.iter_mut().zip(&sources) {
+        if s.is_direct() {
+            p.mode = plan::Mode::Direct;
+        }
+    }
+    Some(sources)
+}
+
+/// The shortest row a streamed file is read directly for: a quarter of a page.
+const DIRECT_ROW: usize = 1024;
 
 /// Refuses a pool of `buffers` buffers of `bytes` that the machine's memory cannot
 /// hold (allocating it would end in the out-of-memory killer, not an error).
@@ -375,6 +439,8 @@ pub struct Loader {
     /// The thread that plans storage reads, if any.
     planner: Option<Worker>,
     budget: u64,
+    /// Whether streamed files are read with direct I/O (asked for, and io_uring works).
+    direct: bool,
 }
 
 impl Loader {
@@ -402,6 +468,7 @@ impl Loader {
             resume: None,
             budget: None,
             plan: true,
+            direct: true,
         }
     }
 
@@ -428,9 +495,16 @@ impl Loader {
             _ => 0,
         };
         self.resume = None;
-        let (storage, resident) = match self.planner {
+        let (storage, mut plans) = match self.planner {
             Some(_) => plan::snapshot(self.dataset.as_ref(), self.budget),
             None => (Storage::Warm, Vec::new()),
+        };
+        // Direct reads suit rows scattered over the whole file; a block shuffle reads
+        // its window's blocks whole, which the page cache does sequentially.
+        let scattered = matches!(self.order.shuffle(), Shuffle::Full { .. });
+        let direct = match storage == Storage::Streaming && self.direct && scattered {
+            true => direct_sources(self.dataset.as_ref(), &mut plans),
+            false => None,
         };
         let (results_tx, results_rx) = crossbeam_channel::unbounded();
         let (finished_tx, finished_rx) = crossbeam_channel::bounded(0);
@@ -446,7 +520,8 @@ impl Loader {
             results: results_tx,
             delivered: AtomicU64::new(start),
             storage,
-            resident: std::sync::Mutex::new(resident),
+            plans: std::sync::Mutex::new(plans),
+            direct,
             planner: self
                 .planner
                 .as_ref()
@@ -568,6 +643,14 @@ impl Loader {
     /// [`LoaderBuilder::page_cache_budget`]).
     pub fn page_cache_budget(&self) -> u64 {
         self.budget
+    }
+
+    /// Whether files streamed under a full shuffle are read with direct I/O here: asked
+    /// for ([`LoaderBuilder::direct_reads`]), reads planned, and io_uring available.
+    /// Each epoch still falls back to the page cache for a file system without
+    /// `O_DIRECT`.
+    pub fn direct_reads(&self) -> bool {
+        self.direct
     }
 
     /// One-off costs of building the loader.

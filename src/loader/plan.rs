@@ -1,22 +1,27 @@
 //! Planned storage reads: the loader knows every row it will gather, batches ahead, so
-//! it asks for exactly those pages instead of leaving reads to page faults.
+//! it reads what it needs, the way storage does it best, instead of leaving reads to
+//! page faults and the kernel's read-around.
 //!
-//! One planner thread per loader joins each epoch's job beside the workers. At the
-//! start of an epoch it takes the files' residency (`mincore`):
+//! As an epoch starts, the files' residency (`mincore`) and the page-cache budget decide
+//! each file's [`Mode`]: the smallest files are kept while they fit under the budget
+//! together, the others are streamed. The epoch is then:
 //!
 //! - **warm**: every page resident; nothing to do.
-//! - **warming**: the files fit under the page-cache budget. The rows of the next
-//!   batches are asked for first (`madvise(MADV_WILLNEED)` on exactly their pages), and
-//!   the rest of the files streams in sequentially in the background, so epoch 0 costs
-//!   about one sequential read of the files.
-//! - **streaming**: the files are larger than the budget. Only the rows of the next
-//!   batches are read, and the pages of batches already gathered are dropped unless a
+//! - **warming**: every file is kept. One planner thread per loader reads the files
+//!   that are not resident sequentially, in the larger requests the device takes
+//!   (`madvise(MADV_WILLNEED)`), so epoch 0 costs about one sequential read of them.
+//! - **streaming**: some file exceeds the budget. Under a full shuffle its rows are
+//!   scattered, and the workers read each batch's rows straight from storage
+//!   ([`direct`](super::direct), nothing left in the page cache). Otherwise (a block
+//!   shuffle's windows, or where direct I/O is refused) the planner asks for the pages
+//!   of the next batches, with the gaps between them in a block shuffle, so that a
+//!   window's blocks are read in long runs; pages are dropped once gathered unless a
 //!   planned row still needs them, so the page cache the loader fills stays near the
 //!   planned window.
 //!
-//! Either way the mappings are set to `MADV_RANDOM`: a page fault then reads one page,
-//! not the kernel's read-around window (`read_ahead_kb`), and what is read is what the
-//! plan asked for. The plan is advice: the gathers read the same bytes whatever it did.
+//! The mappings of the files the planner reads are set to `MADV_RANDOM`: a fault on a
+//! page not read yet then reads that page, not a window of `read_ahead_kb`. The plan is
+//! advice: the gathers read the same bytes whatever it did.
 
 use std::fs::File;
 use std::sync::atomic::Ordering;
@@ -27,7 +32,10 @@ use crossbeam_channel::Receiver;
 
 use super::worker::{Assignment, Job};
 use crate::dataset::{Dataset, MappedFile};
-use crate::pagecache::{advise_random, drop_range, resident_pages, resident_range, will_need};
+use crate::pagecache::{
+    advise_random, drop_range, resident_pages, resident_range, will_need, will_need_piece,
+};
+use crate::sampler::Shuffle;
 use crate::util::page_size;
 
 /// What storage did for an epoch's data.
@@ -54,31 +62,76 @@ impl Storage {
     }
 }
 
-/// The residency of every file of `dataset` as an epoch starts (one byte per page,
-/// bit 0 set where resident), and what storage will do for it under `budget`. Taken
-/// where the epoch starts, so that the epoch's report does not depend on how far the
-/// planner's thread has got; the planner then starts from these pages.
-pub(crate) fn snapshot(dataset: &dyn Dataset, budget: u64) -> (Storage, Vec<Vec<u8>>) {
+/// What the planner does for one file in an epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Every page was resident as the epoch started: nothing.
+    Resident,
+    /// Kept under the budget: the next batches' rows are asked for, and the rest of the
+    /// file is warmed sequentially.
+    Keep,
+    /// Over the budget, through the page cache: the next batches' rows are asked for,
+    /// and dropped once gathered unless a planned row still needs them.
+    Stream,
+    /// Over the budget, read by the workers straight from storage (see
+    /// [`direct`](super::direct)): nothing for the planner.
+    Direct,
+}
+
+/// One file's plan for an epoch: its mode and its residency as the epoch started (one
+/// byte per page, bit 0 set where resident).
+#[derive(Debug, Clone)]
+pub(crate) struct FilePlan {
+    pub(crate) mode: Mode,
+    pub(crate) pages: Vec<u8>,
+}
+
+/// The residency of every file of `dataset` as an epoch starts, and what storage will
+/// do for each under `budget`: the smallest files are kept while they fit under it
+/// together (labels stay in memory while images stream), the others are streamed.
+/// Taken where the epoch starts, so that the epoch's report does not depend on how far
+/// the planner's thread has got; the planner then starts from these pages.
+pub(crate) fn snapshot(dataset: &dyn Dataset, budget: u64) -> (Storage, Vec<FilePlan>) {
     let files = dataset.files();
     let pages: Option<Vec<Vec<u8>>> = files.iter().map(|&f| resident_pages(f).ok()).collect();
     let Some(pages) = pages else {
         return (Storage::Warm, Vec::new());
     };
-    let total: u64 = files.iter().map(|f| f.bytes().len() as u64).sum();
-    let storage = if pages.iter().flatten().all(|&b| b & 1 != 0) {
-        Storage::Warm
-    } else if total > budget {
+    let mut by_size: Vec<usize> = (0..files.len()).collect();
+    by_size.sort_by_key(|&f| files[f].bytes().len());
+    let mut plans: Vec<FilePlan> = pages
+        .into_iter()
+        .map(|pages| FilePlan {
+            mode: Mode::Resident,
+            pages,
+        })
+        .collect();
+    let mut kept = 0u64;
+    for f in by_size {
+        let plan = &mut plans[f];
+        let len = files[f].bytes().len() as u64;
+        if plan.pages.iter().all(|&b| b & 1 != 0) {
+            kept = kept.saturating_add(len);
+        } else if kept.saturating_add(len) <= budget {
+            plan.mode = Mode::Keep;
+            kept += len;
+        } else {
+            plan.mode = Mode::Stream;
+        }
+    }
+    let storage = if plans.iter().any(|p| p.mode == Mode::Stream) {
         Storage::Streaming
-    } else {
+    } else if plans.iter().any(|p| p.mode == Mode::Keep) {
         Storage::Warming
+    } else {
+        Storage::Warm
     };
-    (storage, pages)
+    (storage, plans)
 }
 
-/// Sequential warming: bytes per request (within any kernel's read-ahead cap, so the
-/// whole range is read) and requests that may be in flight.
-const CHUNK: usize = 128 << 10;
-const IN_FLIGHT: usize = 64;
+/// Sequential warming: bytes that may be asked for and not yet resident, in requests of
+/// the file's read-ahead piece ([`will_need_piece`]).
+const WARMING: usize = 64 << 20;
 
 /// Starts the planner: it serves jobs until its channel closes.
 /// `ahead` is how many batches are planned beyond the last one a worker claimed.
@@ -95,12 +148,15 @@ pub(crate) fn spawn(ahead: u64, jobs: Receiver<Assignment>) -> std::io::Result<J
 }
 
 /// One file's pages: bit 0 of `state` resident or asked for; `refs` counts the planned
-/// rows that still need each page (streaming only).
+/// rows that still need each page ([`Mode::Stream`] only).
 struct Pages<'a> {
     file: MappedFile<'a>,
+    mode: Mode,
     state: Vec<u8>,
     refs: Vec<u16>,
     fd: Option<File>,
+    /// Bytes per read-ahead request ([`will_need_piece`]).
+    piece: usize,
 }
 
 /// The pages of one batch's rows, merged: `(file, first page, end page)`.
@@ -136,34 +192,54 @@ fn batch_pages(
 }
 
 fn plan_epoch(job: &Job, ahead: u64) {
-    if job.storage == Storage::Warm {
-        return;
-    }
-    let streaming = job.storage == Storage::Streaming;
-    let states = std::mem::take(&mut *job.resident.lock().unwrap_or_else(|e| e.into_inner()));
+    let plans = std::mem::take(&mut *job.plans.lock().unwrap_or_else(|e| e.into_inner()));
     let files = job.dataset.files();
-    if states.len() != files.len() {
+    if plans.len() != files.len() {
         return;
     }
     let page = page_size();
     let mut pages: Vec<Pages<'_>> = files
         .into_iter()
-        .zip(states)
-        .map(|(file, state)| Pages {
+        .zip(plans)
+        .map(|(file, plan)| Pages {
             file,
-            state,
+            mode: plan.mode,
+            state: plan.pages,
             refs: Vec::new(),
             fd: None,
+            piece: 0,
         })
         .collect();
+    let (mut keep, mut stream) = (false, false);
     for p in &mut pages {
-        advise_random(p.file);
-        if streaming {
-            p.refs = vec![0; p.state.len()];
-            p.fd = File::open(p.file.path()).ok();
+        match p.mode {
+            Mode::Keep => keep = true,
+            Mode::Stream => {
+                stream = true;
+                p.refs = vec![0; p.state.len()];
+                p.fd = File::open(p.file.path()).ok();
+            }
+            Mode::Resident | Mode::Direct => continue,
         }
+        p.piece = match (p.file.watched(), &p.fd) {
+            (Some(w), _) => will_need_piece(w.file()),
+            (None, Some(fd)) => will_need_piece(fd),
+            (None, None) => File::open(p.file.path()).map_or(0, |f| will_need_piece(&f)),
+        };
+        advise_random(p.file);
     }
-    let (mut idx, mut runs) = (Vec::new(), Vec::new());
+    if !keep && !stream {
+        return;
+    }
+    let (mut idx, mut runs, mut wanted) = (Vec::new(), Vec::new(), Vec::new());
+    // A block shuffle's window uses every row of its blocks within a few batches, so
+    // the pages between two planned rows are asked for with them (up to a block of
+    // about 1 MiB): the window's blocks are read in long runs from its first batch on,
+    // not page by page as its batches come up. A full shuffle's rows are far apart.
+    let gap = match job.order.shuffle() {
+        Shuffle::Full { .. } => 0,
+        Shuffle::Block { .. } | Shuffle::None => (1 << 20) / page,
+    };
     let first = job.next.load(Ordering::Relaxed).min(job.end);
     let (mut planned, mut dropped) = (first, first);
     // Sequential warming: the next chunk to ask for, and those asked for, oldest first.
@@ -174,27 +250,34 @@ fn plan_epoch(job: &Job, ahead: u64) {
         }
         let claimed = job.next.load(Ordering::Relaxed).min(job.end);
         let target = claimed.saturating_add(ahead).min(job.end);
+        // The pages of every batch planned now, merged across batches: a block
+        // shuffle's batches each take rows scattered over a window of blocks, which
+        // together cover the blocks, and are then asked for in long runs.
         while planned < target {
             batch_pages(job, planned, page, &mut idx, &mut runs);
             for &(f, start, end) in &runs {
-                ask(&mut pages[f], start, end, page, streaming);
+                ask(&mut pages[f], f, start, end, &mut wanted);
             }
             planned += 1;
         }
-        let done = if streaming {
+        ask_runs(&mut pages, &mut wanted, gap, page);
+        if stream {
             let delivered = job.delivered.load(Ordering::Acquire).min(planned);
             while dropped < delivered {
                 batch_pages(job, dropped, page, &mut idx, &mut runs);
                 for &(f, start, end) in &runs {
-                    release(&mut pages[f], start, end, page);
+                    release(&mut pages[f], f, start, end, &mut wanted);
                 }
                 dropped += 1;
             }
-            dropped >= job.end
-        } else {
+            drop_runs(&pages, &mut wanted, page);
+        }
+        if keep {
             warm(&mut pages, &mut cursor, &mut asked, page);
-            planned >= job.end && cursor.0 >= pages.len()
-        };
+        }
+        let done = planned >= job.end
+            && (!stream || dropped >= job.end)
+            && (!keep || cursor.0 >= pages.len());
         if done {
             return;
         }
@@ -202,56 +285,88 @@ fn plan_epoch(job: &Job, ahead: u64) {
     }
 }
 
-/// Asks for the pages `start..end` of a file that are neither resident nor asked for,
-/// in runs; counts the row's need for each when streaming.
-fn ask(p: &mut Pages<'_>, start: usize, end: usize, page: usize, streaming: bool) {
+/// Marks the pages `start..end` of a streamed file `f` that are neither resident nor
+/// asked for as asked for, adding them to `wanted`, and counts the row's need for each.
+fn ask(p: &mut Pages<'_>, f: usize, start: usize, end: usize, wanted: &mut Vec<(usize, usize)>) {
     let end = end.min(p.state.len());
-    if streaming {
-        p.refs[start..end]
+    match p.mode {
+        Mode::Stream => p.refs[start..end]
             .iter_mut()
-            .for_each(|r| *r = r.saturating_add(1));
+            .for_each(|r| *r = r.saturating_add(1)),
+        // A kept file is read whole and in order by `warm`: asking for rows at random
+        // as well only splits the disk's time between two streams (measured: a cold
+        // full-shuffle epoch of a 616 MB set took 1.0 to 1.4 s with row asks, 0.6 to
+        // 0.7 s without).
+        Mode::Keep | Mode::Resident | Mode::Direct => return,
     }
-    let mut k = start;
-    while k < end {
-        if p.state[k] & 1 != 0 {
-            k += 1;
-            continue;
-        }
-        let run = k;
-        while k < end && p.state[k] & 1 == 0 {
+    for k in start..end {
+        if p.state[k] & 1 == 0 {
             p.state[k] |= 1;
-            k += 1;
+            wanted.push((f, k));
         }
-        will_need(p.file, run * page, (k - run) * page);
     }
 }
 
-/// A gathered row no longer needs pages `start..end`: those no planned row needs are
-/// dropped from the page cache, in runs.
-fn release(p: &mut Pages<'_>, start: usize, end: usize, page: usize) {
+/// Asks for the pages in `wanted` (`(file, page)`), in runs of pages at most `gap`
+/// apart (the pages between them included), and empties it.
+fn ask_runs(pages: &mut [Pages<'_>], wanted: &mut Vec<(usize, usize)>, gap: usize, page: usize) {
+    for (f, first, end) in runs_of(wanted, gap) {
+        let p = &mut pages[f];
+        p.state[first..end].iter_mut().for_each(|b| *b |= 1);
+        will_need(p.file, first * page, (end - first) * page, p.piece);
+    }
+    wanted.clear();
+}
+
+/// A gathered row no longer needs pages `start..end` of file `f`: those no planned row
+/// needs are added to `free` ([`Mode::Stream`] only).
+fn release(p: &mut Pages<'_>, f: usize, start: usize, end: usize, free: &mut Vec<(usize, usize)>) {
+    if p.mode != Mode::Stream {
+        return;
+    }
     let end = end.min(p.state.len());
-    p.refs[start..end]
-        .iter_mut()
-        .for_each(|r| *r = r.saturating_sub(1));
-    let mut k = start;
-    while k < end {
-        if p.refs[k] > 0 || p.state[k] & 1 == 0 {
-            k += 1;
-            continue;
-        }
-        let run = k;
-        while k < end && p.refs[k] == 0 && p.state[k] & 1 != 0 {
+    for k in start..end {
+        p.refs[k] = p.refs[k].saturating_sub(1);
+        if p.refs[k] == 0 && p.state[k] & 1 != 0 {
             p.state[k] &= !1;
-            k += 1;
-        }
-        if let Some(fd) = &p.fd {
-            drop_range(p.file, fd, run * page, (k - run) * page);
+            free.push((f, k));
         }
     }
 }
 
-/// Asks for the next sequential chunks of the files, keeping at most [`IN_FLIGHT`]
-/// chunks asked for and not yet resident.
+/// Drops the pages in `free` (`(file, page)`) from the page cache, in runs of
+/// consecutive pages, and empties it.
+fn drop_runs(pages: &[Pages<'_>], free: &mut Vec<(usize, usize)>, page: usize) {
+    for (f, first, end) in runs_of(free, 0) {
+        if let Some(fd) = &pages[f].fd {
+            drop_range(pages[f].file, fd, first * page, (end - first) * page);
+        }
+    }
+    free.clear();
+}
+
+/// The runs of pages in `list` (`(file, page)`, sorted here) with at most `gap` pages
+/// between neighbours: `(file, first, end)`.
+fn runs_of(
+    list: &mut [(usize, usize)],
+    gap: usize,
+) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+    list.sort_unstable();
+    let mut k = 0;
+    std::iter::from_fn(move || {
+        let &(f, first) = list.get(k)?;
+        let mut end = first + 1;
+        k += 1;
+        while k < list.len() && list[k].0 == f && list[k].1 <= end + gap {
+            end = end.max(list[k].1 + 1);
+            k += 1;
+        }
+        Some((f, first, end))
+    })
+}
+
+/// Asks for the next sequential chunks of the kept files, keeping at most
+/// [`WARMING`] bytes asked for and not yet resident.
 fn warm(
     pages: &mut [Pages<'_>],
     cursor: &mut (usize, usize),
@@ -266,19 +381,23 @@ fn warm(
         }
         asked.pop_front();
     }
-    while asked.len() < IN_FLIGHT && cursor.0 < pages.len() {
+    while cursor.0 < pages.len() {
         let p = &mut pages[cursor.0];
         let len = p.file.bytes().len();
-        if cursor.1 >= len {
+        if p.mode != Mode::Keep || cursor.1 >= len {
             *cursor = (cursor.0 + 1, 0);
             continue;
         }
-        let (first, end) = (cursor.1 / page, (cursor.1 + CHUNK).min(len).div_ceil(page));
+        let chunk = p.piece;
+        if asked.len() * chunk >= WARMING {
+            break;
+        }
+        let (first, end) = (cursor.1 / page, (cursor.1 + chunk).min(len).div_ceil(page));
         if p.state[first..end].iter().any(|&b| b & 1 == 0) {
             p.state[first..end].iter_mut().for_each(|b| *b |= 1);
-            will_need(p.file, first * page, (end - first) * page);
+            will_need(p.file, first * page, (end - first) * page, p.piece);
             asked.push_back((cursor.0, (end - 1) * page));
         }
-        cursor.1 += CHUNK;
+        cursor.1 += chunk;
     }
 }

@@ -9,6 +9,7 @@ use std::time::Instant;
 use crossbeam_channel::{Receiver, Sender};
 
 use super::batch::BatchLayout;
+use super::direct::{Reader, Source};
 use super::pool::{Lease, Pool};
 use crate::dataset::Dataset;
 use crate::error::{Error, Result};
@@ -42,8 +43,12 @@ pub(crate) struct Job {
     pub(crate) delivered: AtomicU64,
     /// What storage does this epoch, decided as it started.
     pub(crate) storage: super::Storage,
-    /// The files' page residency as the epoch started, for the planner to take.
-    pub(crate) resident: std::sync::Mutex<Vec<Vec<u8>>>,
+    /// Each file's plan (mode and residency as the epoch started), for the planner to
+    /// take.
+    pub(crate) plans: std::sync::Mutex<Vec<super::plan::FilePlan>>,
+    /// The files opened for direct reads, one per file, when the workers read rows
+    /// straight from storage this epoch.
+    pub(crate) direct: Option<Vec<Source>>,
     /// The planner's thread, woken when a batch is claimed.
     pub(crate) planner: Option<std::thread::Thread>,
 }
@@ -58,8 +63,9 @@ impl Job {
         self.pool.wake_all();
     }
 
-    /// Claims and assembles batches until the epoch is exhausted or cancelled.
-    fn run(&self, worker: usize) {
+    /// Claims and assembles batches until the epoch is exhausted or cancelled. `reader`
+    /// is the worker's own, made at its first direct read.
+    fn run(&self, worker: usize, reader: &mut ReaderSlot) {
         loop {
             if self.cancelled.load(Ordering::Acquire)
                 || self.next.load(Ordering::Relaxed) >= self.end
@@ -80,15 +86,17 @@ impl Job {
                 planner.unpark();
             }
             let start = Instant::now();
-            let result = catch_unwind(AssertUnwindSafe(|| self.assemble(&mut lease, number)))
-                .unwrap_or_else(|payload| {
-                    Err(Error::WorkerPanic {
-                        worker,
-                        epoch: self.order.epoch(),
-                        batch: number,
-                        message: panic_message(payload.as_ref()),
-                    })
-                });
+            let result = catch_unwind(AssertUnwindSafe(|| {
+                self.assemble(&mut lease, number, reader)
+            }))
+            .unwrap_or_else(|payload| {
+                Err(Error::WorkerPanic {
+                    worker,
+                    epoch: self.order.epoch(),
+                    batch: number,
+                    message: panic_message(payload.as_ref()),
+                })
+            });
             let end = Instant::now();
             let failed = result.is_err();
             let done = Done {
@@ -108,13 +116,20 @@ impl Job {
     }
 
     /// Writes batch `number` into the lease's buffer; returns its sample count.
-    fn assemble(&self, lease: &mut Lease, number: u64) -> Result<usize> {
+    fn assemble(&self, lease: &mut Lease, number: u64, reader: &mut ReaderSlot) -> Result<usize> {
         let (bytes, indices) = lease.slot_mut().parts_mut();
         self.order.batch(number, indices);
         let rows = indices.len();
         let (mut parts, n) = self.layout.split(bytes, rows);
+        let epoch = self.order.epoch();
+        if let (Some(sources), Some(reader)) = (&self.direct, reader.get()) {
+            let dataset = self.dataset.as_ref();
+            if reader.gather(dataset, sources, epoch, indices, &mut parts[..n])? {
+                return Ok(rows);
+            }
+        }
         self.dataset
-            .gather(self.order.epoch(), indices, &mut parts[..n])
+            .gather(epoch, indices, &mut parts[..n])
             .map(|()| rows)
     }
 }
@@ -129,13 +144,39 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
+/// A worker's direct reader: not made yet, made, or not to be had here (the worker
+/// then gathers through the mapping).
+#[derive(Debug, Default)]
+pub(crate) enum ReaderSlot {
+    #[default]
+    Unmade,
+    Made(Box<Reader>),
+    Unavailable,
+}
+
+impl ReaderSlot {
+    fn get(&mut self) -> Option<&mut Reader> {
+        if let ReaderSlot::Unmade = self {
+            *self = match Reader::new() {
+                Ok(r) => ReaderSlot::Made(Box::new(r)),
+                Err(_) => ReaderSlot::Unavailable,
+            };
+        }
+        match self {
+            ReaderSlot::Made(r) => Some(r),
+            _ => None,
+        }
+    }
+}
+
 /// Starts worker `id`: it serves jobs until its channel closes.
 pub(crate) fn spawn(id: usize, jobs: Receiver<Assignment>) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name(format!("stokehold-worker-{id}"))
         .spawn(move || {
+            let mut reader = ReaderSlot::Unmade;
             for (job, done) in jobs {
-                job.run(id);
+                job.run(id, &mut reader);
                 drop(job);
                 drop(done);
             }

@@ -251,6 +251,11 @@ enum Kind {
 }
 
 impl EpochOrder {
+    /// The shuffle this epoch follows.
+    pub fn shuffle(&self) -> Shuffle {
+        self.order.shuffle
+    }
+
     /// The epoch number.
     pub const fn epoch(&self) -> u64 {
         self.epoch

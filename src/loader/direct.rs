@@ -1,0 +1,403 @@
+//! Direct reads: while a dataset streams (its files exceed the page-cache budget), each
+//! worker reads its batch's rows straight from storage, bypassing the page cache.
+//!
+//! Through the page cache a row costs its whole pages: a 3,080-byte row spans two 4 KiB
+//! pages more often than one, and a page shared with a row outside the planned window is
+//! read again later. With `O_DIRECT` a read costs the row's sectors (the file system's
+//! direct-I/O alignment, 512 bytes on most disks) and leaves nothing behind in the page
+//! cache. A worker puts every read of its batch in flight at once on its own io_uring,
+//! so storage sees a queue as deep as the batch, without a thread per read.
+//!
+//! Rows that are adjacent or overlap after alignment (block shuffle, neighbouring
+//! windows) are merged into one read of up to [`MAX_READ`]. Files kept under the budget
+//! are read the same way without `O_DIRECT` (from the page cache). A read that comes
+//! back short, or a file whose length or modification time changed, is an error naming
+//! the file, as for the mapped path.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+
+use io_uring::{opcode, types, IoUring};
+
+use super::pool::{HostAlloc, HostMemory, PlainAlloc};
+use crate::dataset::{check_out, Dataset, MappedFile};
+use crate::error::{Error, Result};
+use crate::util::page_size;
+
+/// The longest single read, in bytes.
+const MAX_READ: u64 = 1 << 20;
+/// Reads in flight per worker, at most (the ring's size).
+const DEPTH: u32 = 32;
+
+/// One dataset file opened for reads outside its mapping.
+#[derive(Debug)]
+pub(crate) struct Source {
+    file: File,
+    /// Offsets, lengths and buffer addresses are multiples of this (1 without
+    /// `O_DIRECT`).
+    align: u64,
+}
+
+impl Source {
+    /// Opens the file behind `mapped` again, the same inode as its mapping (through
+    /// `/proc/self/fd`, whatever has happened to its path since), with `O_DIRECT` when
+    /// `direct`. `None` where that cannot be done: a dataset that gave no open file, no
+    /// `/proc`, or a file system without direct I/O (tmpfs).
+    pub(crate) fn open(mapped: MappedFile<'_>, direct: bool) -> Option<Source> {
+        let watched = mapped.watched()?;
+        if !direct {
+            return Some(Source {
+                file: watched.file().try_clone().ok()?,
+                align: 1,
+            });
+        }
+        let path = format!("/proc/self/fd/{}", watched.file().as_raw_fd());
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+            .ok()?;
+        let align = direct_align(&file)?;
+        Some(Source { file, align })
+    }
+
+    /// Whether reads bypass the page cache.
+    pub(crate) fn is_direct(&self) -> bool {
+        self.align > 1
+    }
+}
+
+/// The alignment direct reads of `file` need (offset, length and memory), from
+/// `statx(STATX_DIOALIGN)`; the page size where the kernel does not say; `None` where
+/// the file system does not do direct I/O, or needs more than a page of memory
+/// alignment (the buffers are page-aligned).
+fn direct_align(file: &File) -> Option<u64> {
+    let page = page_size() as u64;
+    // SAFETY: `statx` is plain old data, for which all zeroes is a valid value.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid descriptor, an empty NUL-terminated path with AT_EMPTY_PATH (the
+    // descriptor itself), and a live `statx` for the kernel to fill.
+    let rc = unsafe {
+        libc::statx(
+            file.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_DIOALIGN,
+            &mut stx,
+        )
+    };
+    if rc != 0 || stx.stx_mask & libc::STATX_DIOALIGN == 0 {
+        return Some(page);
+    }
+    let (offset, memory) = (
+        u64::from(stx.stx_dio_offset_align),
+        u64::from(stx.stx_dio_mem_align),
+    );
+    if offset == 0 || memory > page {
+        return None;
+    }
+    Some(offset.max(memory).max(1))
+}
+
+/// One row of one column, as `locate` gave it.
+#[derive(Debug, Clone, Copy)]
+struct Row {
+    file: u32,
+    column: u32,
+    sample: u32,
+    offset: u64,
+    len: u32,
+    /// The read that brings it in.
+    read: u32,
+}
+
+/// One read: aligned bytes of a file into the staging buffer at `at`.
+#[derive(Debug, Clone, Copy)]
+struct Read {
+    file: u32,
+    offset: u64,
+    len: u64,
+    at: usize,
+    /// Bytes the file holds of this read (less than `len` only at its end).
+    wanted: u64,
+    done: u64,
+}
+
+/// A worker's ring, staging buffer and scratch lists, kept from batch to batch.
+pub(crate) struct Reader {
+    ring: IoUring,
+    buf: Option<Box<dyn HostMemory>>,
+    rows: Vec<Row>,
+    reads: Vec<Read>,
+    order: Vec<u32>,
+    queue: Vec<u32>,
+}
+
+impl std::fmt::Debug for Reader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reader").finish_non_exhaustive()
+    }
+}
+
+impl Reader {
+    /// A reader with its own ring.
+    ///
+    /// # Errors
+    /// [`Error::Io`] where io_uring cannot be set up (an old kernel, or a sandbox that
+    /// forbids it); the worker then gathers through the mapping.
+    pub(crate) fn new() -> Result<Reader> {
+        let ring = IoUring::new(DEPTH).map_err(|e| Error::io("<io_uring>", e))?;
+        Ok(Reader {
+            ring,
+            buf: None,
+            rows: Vec::new(),
+            reads: Vec::new(),
+            order: Vec::new(),
+            queue: Vec::new(),
+        })
+    }
+
+    /// Whether io_uring works here (a ring can be made).
+    pub(crate) fn available() -> bool {
+        IoUring::new(2).is_ok()
+    }
+
+    /// Copies the samples `indices` of `epoch` into `out`, as [`Dataset::gather`] does,
+    /// by reading the byte ranges `locate` gives from `sources` (one per file of
+    /// `dataset`). Returns `Ok(false)`, having read nothing, where `locate` does not
+    /// describe the gather (not one range per column of its row's length, in column
+    /// order): the caller then gathers through the dataset.
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming the file for a failed read; [`Error::Dataset`] naming it for
+    /// a short read or a file that changed since it was opened.
+    pub(crate) fn gather(
+        &mut self,
+        dataset: &dyn Dataset,
+        sources: &[Source],
+        epoch: u64,
+        indices: &[u64],
+        out: &mut [&mut [u8]],
+    ) -> Result<bool> {
+        let columns = dataset.columns();
+        check_out(columns, indices.len(), out)?;
+        if !self.locate(dataset, sources, epoch, indices) {
+            return Ok(false);
+        }
+        let files = dataset.files();
+        if files.len() != sources.len() {
+            return Ok(false);
+        }
+        self.merge(sources, &files)?;
+        self.read_all(sources, &files)?;
+        let buf = self.buf.as_ref().map_or(&[][..], |b| {
+            // SAFETY: `HostMemory` guarantees `len` initialised bytes at `as_ptr`, owned
+            // by `b`; no read is in flight (`read_all` drained the ring).
+            unsafe { std::slice::from_raw_parts(b.as_ptr(), b.len()) }
+        });
+        for row in &self.rows {
+            let read = &self.reads[row.read as usize];
+            let from = read.at + (row.offset - read.offset) as usize;
+            let len = row.len as usize;
+            let to = row.sample as usize * len;
+            out[row.column as usize][to..to + len].copy_from_slice(&buf[from..from + len]);
+        }
+        // A file rewritten in place keeps its length: its modification time tells.
+        for f in &files {
+            if let Some(w) = f.watched() {
+                w.check_recently()?;
+            }
+        }
+        Ok(true)
+    }
+
+    /// Collects the rows of `indices`; false if `locate` does not describe the gather.
+    fn locate(
+        &mut self,
+        dataset: &dyn Dataset,
+        sources: &[Source],
+        epoch: u64,
+        indices: &[u64],
+    ) -> bool {
+        let columns = dataset.columns();
+        self.rows.clear();
+        let mut fits = indices.len() <= u32::MAX as usize;
+        for (sample, &index) in indices.iter().enumerate() {
+            let mut column = 0usize;
+            let rows = &mut self.rows;
+            dataset.locate(epoch, index, &mut |file, offset, len| {
+                fits &= column < columns.len()
+                    && columns[column].row_bytes == len
+                    && file < sources.len()
+                    && len <= u32::MAX as usize;
+                if fits && len > 0 {
+                    rows.push(Row {
+                        file: file as u32,
+                        column: column as u32,
+                        sample: sample as u32,
+                        offset: offset as u64,
+                        len: len as u32,
+                        read: 0,
+                    });
+                }
+                column += 1;
+            });
+            if !fits || column != columns.len() {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Turns the rows into aligned reads, merging those that touch, and sizes the
+    /// staging buffer for them.
+    ///
+    /// # Errors
+    /// [`Error::Alloc`] if the staging buffer cannot grow; [`Error::Dataset`] for a row
+    /// beyond its file's end.
+    fn merge(&mut self, sources: &[Source], files: &[MappedFile<'_>]) -> Result<()> {
+        let rows = &mut self.rows;
+        self.order.clear();
+        self.order.extend(0..rows.len() as u32);
+        self.order
+            .sort_unstable_by_key(|&r| (rows[r as usize].file, rows[r as usize].offset));
+        self.reads.clear();
+        for &r in &self.order {
+            let row = &mut rows[r as usize];
+            let a = sources[row.file as usize].align;
+            let start = row.offset / a * a;
+            let end = (row.offset + u64::from(row.len)).div_ceil(a) * a;
+            let merged = match self.reads.last_mut() {
+                Some(last)
+                    if last.file == row.file
+                        && start <= last.offset + last.len
+                        && end.max(last.offset + last.len) - last.offset <= MAX_READ =>
+                {
+                    last.len = last.len.max(end - last.offset);
+                    true
+                }
+                _ => false,
+            };
+            if !merged {
+                self.reads.push(Read {
+                    file: row.file,
+                    offset: start,
+                    len: end - start,
+                    at: 0,
+                    wanted: 0,
+                    done: 0,
+                });
+            }
+            row.read = (self.reads.len() - 1) as u32;
+        }
+        let mut total = 0usize;
+        for read in &mut self.reads {
+            let f = read.file as usize;
+            let a = sources[f].align as usize;
+            read.at = total.div_ceil(a) * a;
+            total = read.at + read.len as usize;
+            let file_len = files[f].bytes().len() as u64;
+            if read.offset >= file_len {
+                return Err(Error::dataset(
+                    files[f].path(),
+                    format!("a row at offset {} is beyond its end", read.offset),
+                ));
+            }
+            read.wanted = read.len.min(file_len - read.offset);
+        }
+        if self.buf.as_ref().map_or(0, |b| b.len()) < total {
+            self.buf = None;
+            self.buf = Some(PlainAlloc.alloc(total.next_power_of_two())?);
+        }
+        Ok(())
+    }
+
+    /// Puts every read in flight, [`DEPTH`] at a time, and waits for all of them. Reads
+    /// cut short by a signal or a full queue are submitted again for the rest; a read
+    /// that ends before the file does is an error. Every read has completed when this
+    /// returns, error or not: none may land in the buffer afterwards.
+    fn read_all(&mut self, sources: &[Source], files: &[MappedFile<'_>]) -> Result<()> {
+        let base = match &self.buf {
+            Some(b) => b.as_ptr(),
+            None => return Ok(()),
+        };
+        self.queue.clear();
+        self.queue.extend((0..self.reads.len() as u32).rev());
+        let (mut in_flight, mut failed) = (0u32, None::<Error>);
+        loop {
+            if failed.is_none() {
+                let mut sq = self.ring.submission();
+                while in_flight < DEPTH {
+                    let Some(&r) = self.queue.last() else { break };
+                    let read = &self.reads[r as usize];
+                    let source = &sources[read.file as usize];
+                    let len = (read.len - read.done) as u32;
+                    // SAFETY: `at + done .. at + len` lies within the staging buffer
+                    // (`merge` sized it), which stays allocated and untouched by us until
+                    // this read completes: this function drains the ring before it
+                    // returns, and a buffer the kernel might still write is leaked, not
+                    // freed (see below).
+                    let dst = unsafe { base.add(read.at + read.done as usize) };
+                    let entry = opcode::Read::new(types::Fd(source.file.as_raw_fd()), dst, len)
+                        .offset(read.offset + read.done)
+                        .build()
+                        .user_data(u64::from(r));
+                    // SAFETY: as above for the buffer; the descriptor stays open for as
+                    // long as `sources` lives, which outlives this call.
+                    if unsafe { sq.push(&entry) }.is_err() {
+                        break;
+                    }
+                    self.queue.pop();
+                    in_flight += 1;
+                }
+            }
+            if in_flight == 0 {
+                break;
+            }
+            if let Err(e) = self.ring.submit_and_wait(1) {
+                if matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EBUSY)) {
+                    continue;
+                }
+                // The kernel may still write into the buffer: it must outlive those
+                // writes, so it is leaked, and this reader is done for.
+                std::mem::forget(self.buf.take());
+                return Err(Error::io("<io_uring>", e));
+            }
+            for cqe in self.ring.completion() {
+                in_flight -= 1;
+                let r = cqe.user_data() as u32;
+                let read = &mut self.reads[r as usize];
+                let res = cqe.result();
+                let file = files[read.file as usize];
+                if res == -libc::EINTR || res == -libc::EAGAIN {
+                    self.queue.push(r);
+                } else if res < 0 {
+                    let e = std::io::Error::from_raw_os_error(-res);
+                    failed.get_or_insert(Error::io(file.path(), e));
+                } else {
+                    read.done += res as u64;
+                    let align = sources[read.file as usize].align;
+                    if read.done >= read.wanted {
+                        continue;
+                    }
+                    if res > 0 && read.done % align == 0 {
+                        self.queue.push(r);
+                        continue;
+                    }
+                    let short = match file.watched() {
+                        Some(w) => {
+                            w.short_read(read.offset, read.wanted as usize, read.done as usize)
+                        }
+                        None => Error::dataset(file.path(), "a read came back short"),
+                    };
+                    failed.get_or_insert(short);
+                }
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
