@@ -169,6 +169,12 @@ pub fn storage_read_bytes() -> Option<u64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
+/// The page-cache budget of a loader built without one: half the memory available now
+/// ([`available_memory`]); unlimited where the kernel does not say.
+pub fn default_budget() -> u64 {
+    available_memory().map_or(u64::MAX, |m| m / 2)
+}
+
 /// Memory the kernel reports as available for new work (`MemAvailable` of
 /// `/proc/meminfo`), in bytes; `None` where it does not say.
 pub fn available_memory() -> Option<u64> {
@@ -242,23 +248,38 @@ pub fn read_ahead_file(file: MappedFile<'_>) -> Result<u64> {
     if file.bytes().is_empty() {
         return Ok(0);
     }
+    // Read-around on, whatever a planner set (`MADV_RANDOM` would make every touch
+    // below a one-page read), and the file asked for a window ahead of the touches.
     file.mapping()
-        .advise(Advice::WillNeed)
+        .advise(Advice::Sequential)
         .map_err(|e| Error::io(file.path(), e))?;
+    let piece = file
+        .watched()
+        .map_or(WILL_NEED_PIECE, |w| will_need_piece(w.file()));
     let page = page_size();
     let bytes = file.bytes();
     let touched = guarded(bytes, || {
         let mut sum = 0u8;
+        let mut asked = 0;
         for i in (0..bytes.len()).step_by(page) {
+            if asked < bytes.len() && asked < i + READ_AHEAD {
+                let n = READ_AHEAD.min(bytes.len() - asked);
+                will_need(file, asked, n, piece);
+                asked += n;
+            }
             // Volatile so the touch is not optimised away.
             // SAFETY: `i < len`, inside the mapping.
             sum ^= unsafe { std::ptr::read_volatile(bytes.as_ptr().add(i)) };
         }
         std::hint::black_box(sum);
     });
+    let _ = file.mapping().advise(Advice::Normal);
     touched.ok_or_else(|| Error::dataset(file.path(), VANISHED))?;
     Ok(bytes.len() as u64)
 }
+
+/// How far [`read_ahead_file`] asks for the file ahead of its touches.
+const READ_AHEAD: usize = 64 << 20;
 
 /// Reads every file of a dataset into the page cache (see [`read_ahead_file`]).
 ///

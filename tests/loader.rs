@@ -189,6 +189,13 @@ proptest! {
         prop_assert_eq!((resumed.state().epoch, resumed.state().batch), (s.epoch + 1, 0));
         // The next epoch is whole again.
         prop_assert_eq!(resumed.epoch(s.epoch + 1).unwrap().len(), expected.len());
+        // The same through `Loader::resume` on a loader already built (and used).
+        let mut later = build(&s, rank, s.workers).unwrap();
+        drop(later.epoch(s.epoch + 3).unwrap());
+        later.resume(state).unwrap();
+        prop_assert_eq!(later.state(), state);
+        let rest: Vec<Vec<u64>> = later.epoch(s.epoch).unwrap().map(|b| b.unwrap().indices().to_vec()).collect();
+        prop_assert_eq!(&rest[..], &expected[k..]);
     }
 }
 

@@ -240,23 +240,7 @@ impl LoaderBuilder {
             self.drop_last,
         )?;
         if let Some(r) = self.resume {
-            if r.order != 0 && r.order != order.fingerprint() {
-                return Err(Error::Config(format!(
-                    "the resume state was saved by a loader with another order (dataset \
-                     length, shuffle, seed, shard, batch size or drop_last differ): \
-                     fingerprint {:#x}, this loader's is {:#x}",
-                    r.order,
-                    order.fingerprint()
-                )));
-            }
-            if r.batch > order.batches() {
-                return Err(Error::Config(format!(
-                    "resume state is at batch {} of epoch {}, which has {} batches",
-                    r.batch,
-                    r.epoch,
-                    order.batches()
-                )));
-            }
+            check_resume(&order, r)?;
         }
         // Buffers hold the rows a batch can have; capped by usize::MAX, `batches` fits.
         let rows = (self.batch_size as u64).min(order.samples()) as usize;
@@ -277,9 +261,7 @@ impl LoaderBuilder {
             .ok_or_else(|| Error::Config("prefetch + held overflows".into()))?;
         check_pool_fits(buffers, layout.bytes())?;
         let pool = Pool::new(self.allocator.as_ref(), buffers, layout.bytes(), rows)?;
-        let budget = self
-            .budget
-            .unwrap_or_else(|| crate::pagecache::available_memory().map_or(u64::MAX, |m| m / 2));
+        let budget = self.budget.unwrap_or_else(crate::pagecache::default_budget);
         let threads_start = Instant::now();
         let planner = match self.plan && !self.dataset.files().is_empty() {
             true => {
@@ -374,6 +356,28 @@ fn direct_sources(
 
 /// The shortest row a streamed file is read directly for: a quarter of a page.
 const DIRECT_ROW: usize = 1024;
+
+/// Refuses a resume state saved under another order, or past the end of its epoch.
+fn check_resume(order: &Order, r: LoaderState) -> Result<()> {
+    if r.order != 0 && r.order != order.fingerprint() {
+        return Err(Error::Config(format!(
+            "the resume state was saved by a loader with another order (dataset \
+             length, shuffle, seed, shard, batch size or drop_last differ): \
+             fingerprint {:#x}, this loader's is {:#x}",
+            r.order,
+            order.fingerprint()
+        )));
+    }
+    if r.batch > order.batches() {
+        return Err(Error::Config(format!(
+            "resume state is at batch {} of epoch {}, which has {} batches",
+            r.batch,
+            r.epoch,
+            order.batches()
+        )));
+    }
+    Ok(())
+}
 
 /// Refuses a pool of `buffers` buffers of `bytes` that the machine's memory cannot
 /// hold (allocating it would end in the out-of-memory killer, not an error).
@@ -637,6 +641,23 @@ impl Loader {
     /// The allocator's name.
     pub fn allocator(&self) -> &'static str {
         self.pool.allocator()
+    }
+
+    /// Resumes from a saved state, as [`LoaderBuilder::resume`] does for a new loader:
+    /// the next [`epoch`](Loader::epoch) call for `state.epoch` yields only the batches
+    /// after `state.batch`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a state saved by a loader with another order (its
+    /// fingerprint differs) or past the end of its epoch; the loader is unchanged.
+    pub fn resume(&mut self, state: LoaderState) -> Result<()> {
+        check_resume(&self.order, state)?;
+        self.resume = Some(state);
+        self.state = LoaderState {
+            order: self.order.fingerprint(),
+            ..state
+        };
+        Ok(())
     }
 
     /// Bytes of page cache the loader may fill (see

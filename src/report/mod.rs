@@ -128,6 +128,9 @@ pub struct Warmup {
     /// Extra time the pipeline waited for data in epoch 1 (cold page cache), over the
     /// steady median.
     pub cold_cache_s: f64,
+    /// Bytes epoch 1 read from storage beyond the steady median (`/proc/self/io`): what
+    /// the cold cache cost in reads.
+    pub cold_read_bytes: u64,
     /// Extra time in the training step (first launches, cold caches).
     pub compute_s: f64,
     /// Extra copy time.
@@ -148,6 +151,8 @@ impl Warmup {
         let steady = m(|r| r.wall_s);
         let excess = first.wall_s - steady;
         let cold = first.wait_data_s - m(|r| r.wait_data_s);
+        let steady_read = m(|r| r.bytes_read as f64);
+        let cold_read_bytes = (first.bytes_read as f64 - steady_read).max(0.0) as u64;
         let compute = first.compute_s - m(|r| r.compute_s);
         let copy = first.copy_s - m(|r| r.copy_s);
         Some(Warmup {
@@ -156,6 +161,7 @@ impl Warmup {
             excess_s: excess,
             ratio: first.wall_s / steady.max(1e-12),
             cold_cache_s: cold,
+            cold_read_bytes,
             compute_s: compute,
             copy_s: copy,
             unexplained_s: excess - cold - compute - copy,
@@ -338,11 +344,20 @@ impl TrainReport {
             w.first_s, w.steady_s, w.excess_s, w.ratio
         );
         s += &format!(
-            "  cold page cache (waiting for data): {:+.3} s  (resident {} -> {})\n",
+            "  cold page cache (waiting for data): {:+.3} s  (resident {} -> {}, {}",
             w.cold_cache_s,
             pct(first.residency_start),
-            pct(first.residency_end)
+            pct(first.residency_end),
+            first.storage.name(),
         );
+        if w.cold_read_bytes > 0 {
+            s += &format!(
+                ": {} more read from storage than a steady epoch, {:.2}x the rows",
+                megabytes(w.cold_read_bytes),
+                first.read_amplification
+            );
+        }
+        s += ")\n";
         s += &format!(
             "  slower training step:              {:+.3} s\n",
             w.compute_s

@@ -1,0 +1,346 @@
+"""stokehold: a loader that keeps a GPU fed, from Python.
+
+Batches are dicts of NumPy arrays that view the loader's own host buffers (no copy);
+``torch.from_dlpack(batch["x"])`` and ``jax.dlpack.from_dlpack`` share that memory too.
+A buffer goes back to the loader when its batch and every array viewing it are gone.
+
+    import stokehold
+    loader = stokehold.Loader("data/cifar", batch_size=256, shuffle="full", seed=0, workers=2)
+    for batch in loader.epoch(0):
+        x, y = batch["x"], batch["y"]          # (256, 3, 32, 32) uint8, (256,) int64
+    state = loader.state_dict()                # mid-epoch too: resume exactly
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _stokehold
+from ._stokehold import Error, __version__
+
+__all__ = [
+    "Batch",
+    "Epoch",
+    "EpochTimer",
+    "Error",
+    "Loader",
+    "TokenLoader",
+    "TrainReport",
+    "__version__",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class Batch:
+    """One batch: ``batch[name]`` is column ``name`` (a file stem, ``"x"`` for ``x.npy``)
+    as a NumPy array of shape ``(len(batch), *sample_shape)``, viewing the loader's
+    buffer. ``batch.indices`` are the samples (``uint64``)."""
+
+    __slots__ = ("_raw", "_columns", "_cache")
+
+    def __init__(self, raw: Any, columns: Dict[str, Tuple[np.dtype, Tuple[int, ...]]]):
+        self._raw = raw
+        self._columns = columns
+        self._cache: Dict[str, np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        array = self._cache.get(name)
+        if array is None:
+            if name not in self._columns:
+                raise KeyError(f"no column {name!r}; the columns are {list(self._columns)}")
+            dtype, shape = self._columns[name]
+            array = self._raw.raw(name).view(dtype).reshape((len(self._raw),) + shape)
+            self._cache[name] = array
+        return array
+
+    def keys(self) -> List[str]:
+        return list(self._columns)
+
+    def items(self) -> Iterator[Tuple[str, np.ndarray]]:
+        return ((name, self[name]) for name in self._columns)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._columns
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._columns)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    @property
+    def indices(self) -> np.ndarray:
+        return self._raw.indices
+
+    @property
+    def epoch(self) -> int:
+        return self._raw.epoch
+
+    @property
+    def number(self) -> int:
+        """The batch's number in its epoch."""
+        return self._raw.number
+
+    def __repr__(self) -> str:
+        cols = ", ".join(f"{n}: {d}{list(s)}" for n, (d, s) in self._columns.items())
+        return f"<stokehold.Batch epoch {self.epoch} #{self.number}, {len(self)} samples: {cols}>"
+
+
+class Epoch:
+    """One epoch's batches, in order (an iterator). Starting another epoch of the same
+    loader, or resuming it, ends this one."""
+
+    __slots__ = ("_raw", "_loader")
+
+    def __init__(self, raw: Any, loader: "Loader"):
+        self._raw = raw
+        self._loader = loader
+
+    def __iter__(self) -> "Epoch":
+        return self
+
+    def __next__(self) -> Batch:
+        raw = self._raw.__next__()
+        if raw is None:
+            raise StopIteration
+        return Batch(raw, self._loader._columns)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def stats(self) -> Dict[str, Any]:
+        """The loader's figures of this epoch so far: batches, samples, gather_s,
+        waited_s, stalls, first_batch_s, storage (warm, warming, streaming),
+        bytes_read."""
+        return self._raw.stats()
+
+    def state_dict(self) -> Dict[str, int]:
+        """The loader's state (see ``Loader.state_dict``)."""
+        return self._loader.state_dict()
+
+
+class Loader:
+    """A prefetching, shuffling, multi-threaded loader over ``.npy`` columns.
+
+    ``path`` is a directory (every ``.npy`` in it becomes a column named by its stem,
+    ``x`` and ``y`` first), or give ``columns``, a list of ``.npy`` paths.
+    ``shuffle`` is ``"full"``, ``"block"`` or ``"none"``. ``rank``/``world_size``
+    default from torchrun, Slurm or Open MPI variables. ``held`` is how many batches
+    the loop may keep alive at once beyond the prefetched ones (default 2): a loop that
+    keeps more (a list, a queue) needs a larger ``held``, or the loader reports that
+    every buffer is held. ``progress`` draws a per-epoch bar on stderr (default: when
+    stderr is a terminal).
+
+    Raises ``stokehold.Error`` naming the file and the problem for bad input.
+    """
+
+    def __init__(
+        self,
+        path: Optional[PathLike] = None,
+        batch_size: int = 256,
+        shuffle: str = "full",
+        seed: int = 0,
+        workers: Optional[int] = None,
+        drop_last: bool = False,
+        prefetch: Optional[int] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        columns: Optional[Sequence[PathLike]] = None,
+        page_cache_budget: Optional[int] = None,
+        held: Optional[int] = None,
+        progress: Optional[bool] = None,
+    ):
+        cols = None if columns is None else [str(c) for c in columns]
+        dataset = _stokehold._Dataset.npy(None if path is None else str(path), cols)
+        self._build(
+            dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
+            rank, world_size, page_cache_budget, progress,
+        )
+
+    def _build(self, dataset: Any, *options: Any) -> None:
+        self._raw = _stokehold._Loader(dataset, *options)
+        self._columns = {
+            name: (np.dtype(descr), tuple(int(d) for d in shape))
+            for name, descr, shape in self._raw.columns()
+        }
+
+    def __len__(self) -> int:
+        """Batches per epoch for this rank."""
+        return len(self._raw)
+
+    @property
+    def columns(self) -> Dict[str, Tuple[np.dtype, Tuple[int, ...]]]:
+        """Column name -> (dtype, shape of one sample)."""
+        return dict(self._columns)
+
+    def epoch(self, epoch: int) -> Epoch:
+        """The batches of ``epoch``, in order: a pure function of the seed, the epoch
+        and the shard. After ``load_state_dict``, the saved epoch yields only the batches
+        after the saved one."""
+        return Epoch(self._raw.epoch(epoch), self)
+
+    def state_dict(self) -> Dict[str, int]:
+        """Where the loader is, as a plain JSON-serialisable dict: ``epoch``, ``batch``
+        (batches consumed) and ``order`` (a fingerprint of the configuration)."""
+        return json.loads(self._raw.state_json())
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        """Resume: the next ``epoch(e)`` for the saved epoch yields exactly the rest of
+        it. A state from a differently configured loader raises ``stokehold.Error``."""
+        if not isinstance(state, dict):
+            raise Error(f"a loader state is a dict, not {type(state).__name__}")
+        self._raw.resume_json(json.dumps(state))
+
+    def info(self) -> Dict[str, Any]:
+        """What the loader runs with: workers, prefetch, buffers, pool_bytes,
+        page_cache_budget, direct_reads. Ends the running epoch."""
+        return self._raw.info()
+
+
+class TokenLoader(Loader):
+    """A loader over a token file: an llm.c / modded-nanogpt ``.bin`` (header and
+    ``uint16`` or ``uint32`` tokens), a raw stream of ``dtype`` tokens, or a 1-d ``.npy``.
+    Each sample is a window of ``seq_len + 1`` tokens (inputs and shifted targets), the
+    column ``"tokens"``. ``windows="random"`` starts each window at a random offset per
+    epoch (from ``seed``); ``"consecutive"`` cuts the stream in order."""
+
+    def __init__(
+        self,
+        path: PathLike,
+        seq_len: int,
+        batch_size: int = 32,
+        windows: str = "random",
+        seed: int = 0,
+        dtype: str = "uint16",
+        shuffle: str = "full",
+        workers: Optional[int] = None,
+        drop_last: bool = False,
+        prefetch: Optional[int] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        page_cache_budget: Optional[int] = None,
+        held: Optional[int] = None,
+        progress: Optional[bool] = None,
+    ):
+        dataset = _stokehold._Dataset.tokens(str(path), seq_len, windows, seed, dtype)
+        self._build(
+            dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
+            rank, world_size, page_cache_budget, progress,
+        )
+
+
+class EpochTimer:
+    """Times one epoch of your loop as ``stokehold train`` times its own: the wait for
+    each batch, your copies and your step, the residency of the data, and the loss and
+    accuracy you record. ``finish()`` gives the epoch's row for a ``TrainReport``.
+
+        report = stokehold.TrainReport(loader)
+        for e in range(3):
+            timer = stokehold.EpochTimer(loader.epoch(e))
+            for batch in timer:
+                loss_sum, correct = timer.step(train_step, batch)
+                timer.record(loss_sum, correct, len(batch))
+            report.push(timer.finish())
+        report.print()
+    """
+
+    def __init__(self, epoch: Epoch):
+        self._epoch = epoch
+        self._residency = epoch._loader._raw.residency()
+        self._wait = self._copy = self._compute = 0.0
+        self._loss_sum, self._correct, self._samples = 0.0, 0, 0
+        self._start = time.perf_counter()
+
+    def __iter__(self) -> "EpochTimer":
+        return self
+
+    def __next__(self) -> Batch:
+        return self._timed("_wait", next, self._epoch)
+
+    def step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Runs ``fn(*args, **kwargs)``, your training step, counted as compute."""
+        return self._timed("_compute", fn, *args, **kwargs)
+
+    def copy(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Runs ``fn(*args, **kwargs)``, a copy to a device, counted as copy."""
+        return self._timed("_copy", fn, *args, **kwargs)
+
+    def _timed(self, counter: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            setattr(self, counter, getattr(self, counter) + time.perf_counter() - t)
+
+    def record(self, loss_sum: float, correct: int, samples: int) -> None:
+        """Adds a batch's summed loss, its correct predictions and its sample count."""
+        self._loss_sum += float(loss_sum)
+        self._correct += int(correct)
+        self._samples += int(samples)
+
+    def finish(self) -> "EpochRow":
+        """Ends the epoch (batches not taken go back to the loader) and returns its row."""
+        wall = time.perf_counter() - self._start
+        raw = self._epoch._raw.row(
+            wall,
+            self._wait,
+            self._copy,
+            self._compute,
+            self._loss_sum,
+            self._correct,
+            self._samples,
+            self._residency,
+        )
+        return EpochRow(raw)
+
+
+class EpochRow:
+    """One epoch's figures, as a row of ``stokehold train``'s table."""
+
+    __slots__ = ("_raw", "_dict")
+
+    def __init__(self, raw: Any):
+        self._raw = raw
+        self._dict = json.loads(raw.json())
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dict(self._dict)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._dict[key]
+
+    def __repr__(self) -> str:
+        return f"<stokehold.EpochRow {self._dict}>"
+
+
+class TrainReport:
+    """The epochs of a loop and why the first was slower: the table and warm-up split of
+    ``stokehold train``, and its JSON."""
+
+    def __init__(self, loader: Loader, device: str = "python"):
+        self._raw = loader._raw.report(device)
+
+    def push(self, row: EpochRow) -> None:
+        self._raw.push(row._raw)
+
+    def table(self) -> str:
+        return self._raw.table()
+
+    def warmup_text(self) -> str:
+        return self._raw.warmup_text()
+
+    def json(self) -> Dict[str, Any]:
+        """The report as a dict (the keys of ``stokehold train --json``)."""
+        return json.loads(self._raw.json())
+
+    def print(self, file: Any = None) -> None:
+        print(self.table() + self.warmup_text(), end="", file=file or sys.stdout)
+
+    def __str__(self) -> str:
+        return self.table() + self.warmup_text()

@@ -1,0 +1,776 @@
+//! `stokehold._stokehold`: the Python face of the stokehold loader.
+//!
+//! The Rust core knows nothing of Python; this crate wraps its public API. Batches are
+//! NumPy arrays viewing the loader's own host buffers (no copy): each view holds its
+//! batch, and the buffer returns to the loader's pool when the batch and every view of
+//! it are gone. The GIL is released while a batch is awaited.
+
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use numpy::ndarray::{ArrayView1, ArrayView2};
+use numpy::{PyArray1, PyArray2};
+use pyo3::exceptions::{PyException, PyIndexError, PyKeyError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+
+use stokehold::model::Metrics;
+use stokehold::pagecache::{self, Residency};
+use stokehold::report::{EpochProgress, EpochRow, Setup, TrainReport};
+use stokehold::telemetry::EpochOutcome;
+use stokehold::{
+    Column, DType, Dataset, HostBatch, LoaderState, NpyDataset, Shard, Shuffle, TokenDataset,
+    Windows,
+};
+
+pyo3::create_exception!(
+    _stokehold,
+    Error,
+    PyException,
+    "A stokehold error: the message names the file and the problem."
+);
+
+fn error(e: stokehold::Error) -> PyErr {
+    Error::new_err(e.to_string())
+}
+
+/// The epoch a loader is running, shared by the loader and the epoch's Python object.
+struct Running {
+    /// Bumped each time an epoch starts or the loader is resumed: an older epoch
+    /// object then finds it ended.
+    generation: u64,
+    /// Borrows the loader it came from (see [`Loader`] for why that is sound).
+    epoch: Option<stokehold::Epoch<'static>>,
+}
+
+type Slot = Arc<Mutex<Running>>;
+
+/// The loader's pointer, sent to a thread without the GIL for one call.
+struct SendPtr(*mut stokehold::Loader);
+
+// SAFETY: `stokehold::Loader` is `Send`; the pointer is used by one thread at a time
+// (the caller waits for the closure it is sent to).
+unsafe impl Send for SendPtr {}
+
+impl SendPtr {
+    fn get(&self) -> *mut stokehold::Loader {
+        self.0
+    }
+}
+
+fn lock(slot: &Slot) -> MutexGuard<'_, Running> {
+    slot.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What a loader's batches look like, kept apart from the loader so that it can be read
+/// while an epoch runs.
+struct Shape {
+    batches: u64,
+    columns: Vec<Column>,
+    dataset: Arc<dyn Dataset>,
+    /// An empty report of this loader (its setup included), for `_Report`.
+    report: TrainReport,
+    /// Bytes of one sample, all columns.
+    bytes_per_sample: u64,
+    /// Samples per epoch on this rank.
+    samples: u64,
+    /// Whether epochs draw a progress bar (`None`: on a terminal only).
+    progress: Option<bool>,
+}
+
+/// An opened dataset, for a loader to be built over.
+#[pyclass(module = "stokehold._stokehold", name = "_Dataset")]
+struct OpenDataset {
+    dataset: Arc<dyn Dataset>,
+    /// Where it came from, for the report.
+    data: String,
+    /// Seconds opening it took.
+    open_s: f64,
+}
+
+impl OpenDataset {
+    fn opened(
+        py: Python<'_>,
+        data: String,
+        open: impl FnOnce() -> stokehold::Result<Arc<dyn Dataset>> + Send,
+    ) -> PyResult<OpenDataset> {
+        let start = std::time::Instant::now();
+        let dataset = py.detach(open).map_err(error)?;
+        Ok(OpenDataset {
+            dataset,
+            data,
+            open_s: start.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+#[pymethods]
+impl OpenDataset {
+    /// `.npy` columns: a directory (every `.npy` in it, `x` and `y` first) or
+    /// `columns`, a list of paths.
+    #[staticmethod]
+    #[pyo3(signature = (path, columns))]
+    fn npy(
+        py: Python<'_>,
+        path: Option<std::path::PathBuf>,
+        columns: Option<Vec<std::path::PathBuf>>,
+    ) -> PyResult<OpenDataset> {
+        let data = match (&columns, &path) {
+            (Some(c), _) => c
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(","),
+            (None, Some(p)) => p.display().to_string(),
+            (None, None) => String::new(),
+        };
+        Self::opened(py, data, move || {
+            let ds = match (columns, path) {
+                (Some(c), _) => NpyDataset::open_columns(c)?,
+                (None, Some(p)) => NpyDataset::open(p)?,
+                (None, None) => {
+                    return Err(stokehold::Error::Config(
+                        "give a directory or a list of column files".into(),
+                    ))
+                }
+            };
+            Ok(Arc::new(ds))
+        })
+    }
+
+    /// A token file (llm.c `.bin`, a raw stream of `dtype`, or a 1-d `.npy`), cut into
+    /// windows of `seq_len + 1` tokens.
+    #[staticmethod]
+    #[pyo3(signature = (path, seq_len, windows, seed, dtype))]
+    fn tokens(
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        seq_len: usize,
+        windows: &str,
+        seed: u64,
+        dtype: &str,
+    ) -> PyResult<OpenDataset> {
+        let windows = match windows {
+            "random" => Windows::Random { seed },
+            "consecutive" => Windows::Consecutive,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "windows {other:?}: expected \"random\" or \"consecutive\""
+                )))
+            }
+        };
+        let dtype = match dtype {
+            "uint16" => DType::U16,
+            "uint32" => DType::U32,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "dtype {other:?}: token files hold \"uint16\" or \"uint32\""
+                )))
+            }
+        };
+        let data = path.display().to_string();
+        Self::opened(py, data, move || {
+            let ds = match path.extension().is_some_and(|e| e == "npy") {
+                true => TokenDataset::open_npy(&path, seq_len, windows)?,
+                false => TokenDataset::open_bin(&path, dtype, seq_len, windows)?,
+            };
+            Ok(Arc::new(ds))
+        })
+    }
+}
+
+/// A loader over `.npy` columns or a token file.
+///
+/// The Rust loader lives on the heap behind `loader` and is reached only through this
+/// pointer: an epoch (`stokehold::Epoch<'static>` in `slot`) borrows it mutably, so the
+/// loader itself is touched only while no epoch is held (each method that needs it ends
+/// the running epoch first), and it is freed only after the slot is emptied (`Drop`).
+/// Every epoch object holds a reference to this object, which therefore outlives them.
+#[pyclass(module = "stokehold._stokehold", name = "_Loader")]
+struct Loader {
+    slot: Slot,
+    loader: NonNull<stokehold::Loader>,
+    shape: Shape,
+}
+
+// SAFETY: `stokehold::Loader` is `Send` and `Sync`; the pointer is owned (a leaked Box)
+// and reached only under the rules above, which pyo3's borrow flag on `&mut self`
+// enforces for the loader and the slot's mutex for the epoch.
+unsafe impl Send for Loader {}
+// SAFETY: as for `Send`: shared access reads only `shape` and locks `slot`.
+unsafe impl Sync for Loader {}
+
+impl Drop for Loader {
+    fn drop(&mut self) {
+        // The epoch borrows the loader: it goes first.
+        lock(&self.slot).epoch = None;
+        // SAFETY: the pointer came from `Box::into_raw` in `new` and nothing borrows the
+        // loader any more (the slot is empty and every epoch object is gone, since each
+        // holds a reference to this one).
+        drop(unsafe { Box::from_raw(self.loader.as_ptr()) });
+    }
+}
+
+fn shuffle_named(name: &str, seed: u64) -> PyResult<Shuffle> {
+    Shuffle::named(name, seed).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+fn shard(rank: Option<u64>, world_size: Option<u64>) -> PyResult<Shard> {
+    match (rank, world_size) {
+        (None, None) => Shard::from_env().map_err(error),
+        (Some(r), Some(w)) => Shard::new(r, w).map_err(error),
+        _ => Err(PyValueError::new_err(
+            "rank and world_size go together: give both or neither",
+        )),
+    }
+}
+
+/// What a loader is built from, besides its dataset.
+struct Options {
+    batch_size: usize,
+    shuffle: Shuffle,
+    workers: Option<usize>,
+    drop_last: bool,
+    prefetch: Option<usize>,
+    held: Option<usize>,
+    shard: Shard,
+    page_cache_budget: Option<u64>,
+    progress: Option<bool>,
+    data: String,
+    /// Seconds opening the dataset took.
+    open_s: f64,
+}
+
+fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
+    let Options {
+        batch_size,
+        shuffle,
+        workers,
+        drop_last,
+        prefetch,
+        held,
+        shard,
+        page_cache_budget,
+        progress,
+        data,
+        open_s,
+    } = o;
+    let mut b = stokehold::Loader::builder_shared(Arc::clone(&dataset))
+        .batch_size(batch_size)
+        .shuffle(shuffle)
+        .shard(shard)
+        .drop_last(drop_last);
+    if let Some(w) = workers {
+        b = b.workers(w);
+    }
+    if let Some(p) = prefetch {
+        b = b.prefetch(p);
+    }
+    if let Some(h) = held {
+        b = b.held(h);
+    }
+    if let Some(bytes) = page_cache_budget {
+        b = b.page_cache_budget(bytes);
+    }
+    let loader = b.build().map_err(error)?;
+    let mut report = TrainReport::new("python", data, &loader);
+    report.setup = Setup::of_loader(&loader);
+    report.setup.dataset_open_s = open_s;
+    let shape = Shape {
+        batches: loader.batches(),
+        columns: loader.layout().columns().to_vec(),
+        bytes_per_sample: loader.layout().data_bytes(1) as u64,
+        samples: loader.order().samples(),
+        dataset,
+        report,
+        progress,
+    };
+    Ok(Loader {
+        slot: Arc::new(Mutex::new(Running {
+            generation: 0,
+            epoch: None,
+        })),
+        loader: NonNull::from(Box::leak(Box::new(loader))),
+        shape,
+    })
+}
+
+impl Loader {
+    /// Ends the running epoch, if any, and returns the loader. The slot is locked with
+    /// the GIL released: a thread waiting for a batch holds the lock without the GIL.
+    fn idle(&mut self, py: Python<'_>) -> &mut stokehold::Loader {
+        let slot = Arc::clone(&self.slot);
+        py.detach(move || {
+            let mut running = lock(&slot);
+            running.epoch = None;
+            running.generation += 1;
+        });
+        // SAFETY: the slot is empty, so nothing else borrows the loader, and `&mut self`
+        // keeps it so for the returned borrow's life.
+        unsafe { self.loader.as_mut() }
+    }
+}
+
+#[pymethods]
+impl Loader {
+    /// Builds a loader over `dataset` (from `_Dataset.npy` or `_Dataset.tokens`).
+    #[new]
+    #[pyo3(signature = (dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held, rank, world_size, page_cache_budget, progress))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        dataset: PyRef<'_, OpenDataset>,
+        batch_size: usize,
+        shuffle: &str,
+        seed: u64,
+        workers: Option<usize>,
+        drop_last: bool,
+        prefetch: Option<usize>,
+        held: Option<usize>,
+        rank: Option<u64>,
+        world_size: Option<u64>,
+        page_cache_budget: Option<u64>,
+        progress: Option<bool>,
+    ) -> PyResult<Loader> {
+        let options = Options {
+            batch_size,
+            shuffle: shuffle_named(shuffle, seed)?,
+            workers,
+            drop_last,
+            prefetch,
+            held,
+            shard: shard(rank, world_size)?,
+            page_cache_budget,
+            progress,
+            data: dataset.data.clone(),
+            open_s: dataset.open_s,
+        };
+        build(Arc::clone(&dataset.dataset), options)
+    }
+
+    /// Batches per epoch for this rank.
+    fn __len__(&self) -> usize {
+        self.shape.batches as usize
+    }
+
+    /// The columns: a list of `(name, numpy dtype string, shape of one sample)`.
+    fn columns<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let items: Vec<Bound<'py, PyTuple>> = self
+            .shape
+            .columns
+            .iter()
+            .map(|c| (c.name.clone(), c.dtype.descr(), c.shape.clone()).into_pyobject(py))
+            .collect::<PyResult<_>>()?;
+        PyList::new(py, items)
+    }
+
+    /// Starts epoch `epoch` (ending the one running, if any) and returns its batches.
+    fn epoch(mut slf: PyRefMut<'_, Self>, py: Python<'_>, epoch: u64) -> PyResult<Epoch> {
+        let slot = Arc::clone(&slf.slot);
+        let loader: *mut stokehold::Loader = slf.idle(py);
+        let loader = SendPtr(loader);
+        // SAFETY: `idle` emptied the slot, so this is the only borrow of the loader; it
+        // is stored in the slot, which `Drop` empties before freeing the loader, and
+        // the epoch object holds a reference to this object, so the loader outlives
+        // every use of the borrow.
+        let started = py.detach(move || unsafe { (*loader.get()).epoch(epoch) });
+        let started: stokehold::Epoch<'static> = started.map_err(error)?;
+        let len = started.len();
+        let generation = {
+            let slot = Arc::clone(&slot);
+            // Nobody else can hold the lock now (this thread holds the only `&mut`), but
+            // it is taken without the GIL all the same, as everywhere.
+            py.detach(move || {
+                let mut running = lock(&slot);
+                running.epoch = Some(started);
+                running.generation
+            })
+        };
+        let columns = slf.shape.columns.clone();
+        let samples = slf.shape.samples;
+        let quiet = match slf.shape.progress {
+            Some(on) => !on,
+            None => !std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        };
+        let progress = (!quiet).then(|| {
+            Mutex::new(EpochProgress::new(
+                epoch,
+                samples,
+                slf.shape.bytes_per_sample,
+                false,
+            ))
+        });
+        Ok(Epoch {
+            _loader: slf.into(),
+            slot,
+            generation,
+            number: epoch,
+            len,
+            columns: columns.into(),
+            progress: Mutex::new(progress),
+        })
+    }
+
+    /// Where the loader is: a JSON string of `{epoch, batch, order}`; mid-epoch, the
+    /// batches delivered so far.
+    fn state_json(&self, py: Python<'_>) -> PyResult<String> {
+        let slot = Arc::clone(&self.slot);
+        let running = py.detach(move || lock(&slot).epoch.as_ref().map(|e| e.state()));
+        // SAFETY: no epoch borrows the loader (the slot was empty), and none can start
+        // while `&self` is held (starting one takes `&mut self`); `state` only reads.
+        let state = running.unwrap_or_else(|| unsafe { self.loader.as_ref() }.state());
+        serde_json::to_string(&state).map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    /// Resumes from a state saved by `state_json` (ending the running epoch): the next
+    /// `epoch(e)` for the saved epoch yields exactly the rest of it.
+    fn resume_json(&mut self, py: Python<'_>, json: &str) -> PyResult<()> {
+        let state: LoaderState = serde_json::from_str(json)
+            .map_err(|e| Error::new_err(format!("a loader state: {e}")))?;
+        self.idle(py).resume(state).map_err(error)
+    }
+
+    /// Runs epoch `epoch` in Rust, taking every batch and dropping it, with the GIL
+    /// released: `(samples, seconds)`, the loader's own speed without Python, for
+    /// benchmarks. Ends the running epoch.
+    fn drain(&mut self, py: Python<'_>, epoch: u64) -> PyResult<(u64, f64)> {
+        let loader = SendPtr(self.idle(py));
+        py.detach(move || {
+            let start = std::time::Instant::now();
+            // SAFETY: `idle` emptied the slot and `&mut self` is held for this call:
+            // this is the only borrow of the loader.
+            let loader = unsafe { &mut *loader.get() };
+            let mut samples = 0u64;
+            for batch in loader.epoch(epoch)? {
+                samples += batch?.len() as u64;
+            }
+            Ok((samples, start.elapsed().as_secs_f64()))
+        })
+        .map_err(error)
+    }
+
+    /// The page-cache residency of the dataset's files: `(resident pages, pages)`.
+    fn residency(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
+        let dataset = Arc::clone(&self.shape.dataset);
+        let r = py
+            .detach(move || pagecache::residency(dataset.as_ref()))
+            .map_err(error)?;
+        Ok((r.resident, r.pages))
+    }
+
+    /// An empty report of this loader's epochs (its setup included).
+    fn report(&self, device: &str) -> Report {
+        let mut report = self.shape.report.clone();
+        report.device = device.to_string();
+        Report { report }
+    }
+
+    /// The epoch report's figures of the loader (workers, prefetch, buffers, pool).
+    fn info<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        let loader = self.idle(py);
+        d.set_item("workers", loader.workers())?;
+        d.set_item("prefetch", loader.prefetch())?;
+        d.set_item("buffers", loader.buffers())?;
+        d.set_item("pool_bytes", loader.pool_bytes())?;
+        d.set_item("page_cache_budget", loader.page_cache_budget())?;
+        d.set_item("direct_reads", loader.direct_reads())?;
+        Ok(d)
+    }
+}
+
+/// One epoch's batches, in order.
+#[pyclass(module = "stokehold._stokehold", name = "_Epoch")]
+struct Epoch {
+    _loader: Py<Loader>,
+    slot: Slot,
+    generation: u64,
+    number: u64,
+    len: usize,
+    columns: Arc<[Column]>,
+    progress: Mutex<Option<Mutex<EpochProgress>>>,
+}
+
+impl Epoch {
+    /// The loader's figures of this epoch so far; `None` once it was ended.
+    fn loader_stats(&self, py: Python<'_>) -> Option<stokehold::EpochStats> {
+        let slot = Arc::clone(&self.slot);
+        let generation = self.generation;
+        py.detach(move || {
+            let running = lock(&slot);
+            match running.generation == generation {
+                true => running.epoch.as_ref().map(|e| e.stats()),
+                false => None,
+            }
+        })
+    }
+
+    /// Ends the progress bar, if any.
+    fn end_progress(&self) {
+        let bar = self
+            .progress
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(bar) = bar {
+            bar.into_inner().unwrap_or_else(|e| e.into_inner()).finish();
+        }
+    }
+}
+
+#[pymethods]
+impl Epoch {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    /// The next batch; `None` at the end.
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<Batch>> {
+        let slot = Arc::clone(&self.slot);
+        let generation = self.generation;
+        let next = py.detach(move || {
+            let mut running = lock(&slot);
+            if running.generation != generation {
+                return Err(());
+            }
+            Ok(running.epoch.as_mut().and_then(|e| e.next()))
+        });
+        match next {
+            Err(()) => Err(Error::new_err(
+                "this epoch was ended: the loader started another epoch or was resumed",
+            )),
+            Ok(None) => {
+                self.end_progress();
+                Ok(None)
+            }
+            Ok(Some(Err(e))) => {
+                self.end_progress();
+                Err(error(e))
+            }
+            Ok(Some(Ok(batch))) => {
+                if let Some(bar) = &*self.progress.lock().unwrap_or_else(|e| e.into_inner()) {
+                    let mut bar = bar.lock().unwrap_or_else(|e| e.into_inner());
+                    bar.advance(batch.len() as u64, 0.0);
+                }
+                Ok(Some(Batch {
+                    batch,
+                    columns: Arc::clone(&self.columns),
+                }))
+            }
+        }
+    }
+
+    /// Batches this epoch yields in all (from its first, or from the resumed batch).
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    /// The epoch's figures so far, as a dict: batches, samples, gather_s, waited_s,
+    /// stalls, first_batch_s, storage, bytes_read.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let Some(s) = self.loader_stats(py) else {
+            return Err(Error::new_err("this epoch was ended"));
+        };
+        let d = PyDict::new(py);
+        d.set_item("batches", s.batches)?;
+        d.set_item("samples", s.samples)?;
+        d.set_item("gather_s", s.gather.as_secs_f64())?;
+        d.set_item("waited_s", s.waited.as_secs_f64())?;
+        d.set_item("stalls", s.stalls)?;
+        d.set_item("first_batch_s", s.first_batch.map(|d| d.as_secs_f64()))?;
+        d.set_item("storage", s.storage.name())?;
+        d.set_item("bytes_read", s.bytes_read)?;
+        Ok(d)
+    }
+
+    /// The epoch's row, as `stokehold train` reports it, from the times an
+    /// `EpochTimer` measured around it (seconds), the metrics recorded, and the
+    /// residency at the start (`(resident pages, pages)`, from `_Loader.residency`).
+    /// Ends the epoch: batches not taken go back to the loader.
+    #[pyo3(signature = (wall_s, wait_s, copy_s, compute_s, loss_sum, correct, samples, residency_start))]
+    #[allow(clippy::too_many_arguments)]
+    fn row(
+        &self,
+        py: Python<'_>,
+        wall_s: f64,
+        wait_s: f64,
+        copy_s: f64,
+        compute_s: f64,
+        loss_sum: f64,
+        correct: u64,
+        samples: u64,
+        residency_start: (u64, u64),
+    ) -> PyResult<Row> {
+        let Some(loader) = self.loader_stats(py) else {
+            return Err(Error::new_err(
+                "this epoch was ended before its row was taken",
+            ));
+        };
+        self.end_progress();
+        {
+            let slot = Arc::clone(&self.slot);
+            let generation = self.generation;
+            py.detach(move || {
+                let mut running = lock(&slot);
+                if running.generation == generation {
+                    running.epoch = None;
+                }
+            });
+        }
+        let secs = |s: f64| std::time::Duration::from_secs_f64(s.max(0.0));
+        let mut out = EpochOutcome {
+            metrics: Metrics {
+                loss_sum,
+                correct,
+                samples,
+            },
+            batches: loader.batches,
+            ..EpochOutcome::default()
+        };
+        if out.metrics.samples == 0 {
+            out.metrics.samples = loader.samples;
+        }
+        out.close(loader, secs(wall_s));
+        out.stages.wait_data = secs(wait_s);
+        out.stages.copy = secs(copy_s);
+        out.stages.compute = secs(compute_s);
+        let bytes_per_sample = self.columns.iter().map(|c| c.row_bytes as u64).sum();
+        let loader_ref = self._loader.borrow(py);
+        let dataset = Arc::clone(&loader_ref.shape.dataset);
+        drop(loader_ref);
+        let end = py
+            .detach(move || pagecache::residency(dataset.as_ref()))
+            .map_err(error)?;
+        let start = Residency {
+            resident: residency_start.0,
+            pages: residency_start.1,
+        };
+        Ok(Row {
+            row: EpochRow::new(self.number, &out, bytes_per_sample, (start, end)),
+        })
+    }
+}
+
+/// One epoch's row of the report.
+#[pyclass(module = "stokehold._stokehold", name = "_Row")]
+struct Row {
+    row: EpochRow,
+}
+
+#[pymethods]
+impl Row {
+    /// The row as JSON (the keys of `stokehold train --json`'s `epochs`).
+    fn json(&self) -> PyResult<String> {
+        serde_json::to_string(&self.row).map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+}
+
+/// The epochs of a loop and why the first was slower: `stokehold train`'s table and
+/// warm-up split.
+#[pyclass(module = "stokehold._stokehold", name = "_Report")]
+struct Report {
+    report: TrainReport,
+}
+
+#[pymethods]
+impl Report {
+    /// Adds an epoch's row.
+    fn push(&mut self, row: PyRef<'_, Row>) {
+        self.report.push(row.row.clone());
+    }
+
+    /// The epoch table.
+    fn table(&self) -> String {
+        self.report.table()
+    }
+
+    /// The setup costs and the warm-up split.
+    fn warmup_text(&self) -> String {
+        self.report.warmup_text()
+    }
+
+    /// The whole report as JSON (the format of `stokehold train --json`).
+    fn json(&self) -> PyResult<String> {
+        serde_json::to_string(&self.report).map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+}
+
+/// One batch: a view per column of the loader's host buffer.
+#[pyclass(module = "stokehold._stokehold", name = "_Batch")]
+struct Batch {
+    batch: HostBatch,
+    columns: Arc<[Column]>,
+}
+
+impl Batch {
+    fn column(&self, key: &str) -> PyResult<usize> {
+        self.columns
+            .iter()
+            .position(|c| c.name == key)
+            .ok_or_else(|| {
+                let names: Vec<&str> = self.columns.iter().map(|c| c.name.as_str()).collect();
+                PyKeyError::new_err(format!("no column {key:?}; the columns are {names:?}"))
+            })
+    }
+}
+
+#[pymethods]
+impl Batch {
+    /// Column `key`'s rows as a 2-d `uint8` array (samples × bytes per sample) viewing
+    /// the batch's buffer; the Python layer views it as the column's dtype and shape.
+    fn raw<'py>(slf: Bound<'py, Self>, key: &str) -> PyResult<Bound<'py, PyArray2<u8>>> {
+        let this = slf.borrow();
+        let c = this.column(key)?;
+        let rows = this.batch.len();
+        let row_bytes = this.columns[c].row_bytes;
+        let bytes = this.batch.bytes(c);
+        let view = ArrayView2::from_shape((rows, row_bytes), bytes)
+            .map_err(|e| PyIndexError::new_err(e.to_string()))?;
+        // SAFETY: the array views the batch's buffer and holds `slf` (the batch) as its
+        // base object: the buffer is neither freed nor reused while the array lives.
+        let array = unsafe { PyArray2::borrow_from_array(&view, slf.clone().into_any()) };
+        drop(this);
+        Ok(array)
+    }
+
+    /// The samples of the batch (global indices), a `uint64` array viewing the batch.
+    #[getter]
+    fn indices<'py>(slf: Bound<'py, Self>) -> Bound<'py, PyArray1<u64>> {
+        let this = slf.borrow();
+        let view = ArrayView1::from(this.batch.indices());
+        // SAFETY: as in `raw`: the indices live in the batch, the array's base.
+        let array = unsafe { PyArray1::borrow_from_array(&view, slf.clone().into_any()) };
+        drop(this);
+        array
+    }
+
+    /// Samples in the batch.
+    fn __len__(&self) -> usize {
+        self.batch.len()
+    }
+
+    /// The epoch the batch belongs to.
+    #[getter]
+    fn epoch(&self) -> u64 {
+        self.batch.epoch()
+    }
+
+    /// The batch's number in its epoch.
+    #[getter]
+    fn number(&self) -> u64 {
+        self.batch.number()
+    }
+}
+
+/// The extension module.
+#[pymodule]
+fn _stokehold(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("Error", m.py().get_type::<Error>())?;
+    m.add_class::<OpenDataset>()?;
+    m.add_class::<Loader>()?;
+    m.add_class::<Epoch>()?;
+    m.add_class::<Batch>()?;
+    m.add_class::<Row>()?;
+    m.add_class::<Report>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

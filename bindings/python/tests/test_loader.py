@@ -1,0 +1,318 @@
+"""The Python package against the files it reads: every column type, each sample once
+per epoch, exact resume, errors, views that keep their buffers, DLPack, tokens, the
+report."""
+
+import gc
+import json
+import os
+import queue
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import stokehold
+
+N = 1000
+DTYPES = [
+    np.uint8,
+    np.int8,
+    np.uint16,
+    np.int16,
+    np.uint32,
+    np.int32,
+    np.uint64,
+    np.int64,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.bool_,
+]
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def cols(tmp_path_factory):
+    """A directory of columns: x (N, 3, 4, 4) uint8, y (N,) int64, and one (N, 2) column
+    of every other dtype, each row derived from its index."""
+    d = tmp_path_factory.mktemp("cols")
+    i = np.arange(N)
+    np.save(d / "x.npy", (i[:, None] * 7 + np.arange(48)[None, :]).astype(np.uint8).reshape(N, 3, 4, 4))
+    np.save(d / "y.npy", (i * 3 % 10).astype(np.int64))
+    for t in DTYPES:
+        name = np.dtype(t).name
+        v = np.stack([i, i + 1], axis=1)
+        np.save(d / f"c_{name}.npy", (v % 2 == 0) if t is np.bool_ else (v % 100).astype(t))
+    return d
+
+
+def expected(d, name):
+    return np.load(d / f"{name}.npy")
+
+
+def all_indices(loader, epoch):
+    return np.concatenate([b.indices.copy() for b in loader.epoch(epoch)])
+
+
+def test_every_column_and_dtype_equals_the_files(cols):
+    loader = stokehold.Loader(cols, batch_size=64, shuffle="full", seed=1, workers=2)
+    names = ["x", "y"] + sorted(f"c_{np.dtype(t).name}" for t in DTYPES)
+    assert list(loader.columns) == names
+    files = {n: expected(cols, n) for n in names}
+    seen = 0
+    for batch in loader.epoch(0):
+        idx = batch.indices
+        assert idx.dtype == np.uint64
+        for n in names:
+            a = batch[n]
+            assert a.dtype == files[n].dtype, n
+            assert a.shape == (len(batch),) + files[n].shape[1:], n
+            np.testing.assert_array_equal(a, files[n][idx])
+        seen += len(batch)
+    assert seen == N
+    assert len(loader) == (N + 63) // 64
+
+
+def test_each_sample_once_per_epoch_and_epochs_differ(cols):
+    loader = stokehold.Loader(cols, batch_size=37, seed=5, workers=2)
+    e0, e1 = all_indices(loader, 0), all_indices(loader, 1)
+    assert sorted(e0.tolist()) == list(range(N))
+    assert sorted(e1.tolist()) == list(range(N))
+    assert not np.array_equal(e0, e1)
+    np.testing.assert_array_equal(e0, all_indices(loader, 0))
+
+
+def test_order_does_not_depend_on_workers(cols):
+    a = all_indices(stokehold.Loader(cols, batch_size=50, seed=2, workers=1), 3)
+    b = all_indices(stokehold.Loader(cols, batch_size=50, seed=2, workers=4), 3)
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("shuffle", ["full", "block", "none"])
+def test_shuffles_and_drop_last(cols, shuffle):
+    loader = stokehold.Loader(cols, batch_size=300, shuffle=shuffle, drop_last=True)
+    sizes = [len(b) for b in loader.epoch(0)]
+    assert sizes == [300, 300, 300]
+    if shuffle == "none":
+        np.testing.assert_array_equal(all_indices(loader, 0), np.arange(900))
+
+
+def test_resume_exactly_through_json(cols):
+    whole = all_indices(stokehold.Loader(cols, batch_size=40, seed=9), 2)
+    loader = stokehold.Loader(cols, batch_size=40, seed=9)
+    it = loader.epoch(2)
+    head = [next(it).indices.copy() for _ in range(7)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert state["epoch"] == 2 and state["batch"] == 7
+    assert it.state_dict() == state
+    del it
+    restarted = stokehold.Loader(cols, batch_size=40, seed=9)
+    restarted.load_state_dict(state)
+    rest = all_indices(restarted, 2)
+    np.testing.assert_array_equal(np.concatenate(head + [rest]), whole)
+    # The next epoch is whole again.
+    assert len(all_indices(restarted, 3)) == N
+
+
+def test_a_state_from_another_configuration_raises(cols):
+    loader = stokehold.Loader(cols, batch_size=40, seed=9)
+    state = loader.state_dict()
+    other = stokehold.Loader(cols, batch_size=40, seed=10)
+    with pytest.raises(stokehold.Error, match="another order"):
+        other.load_state_dict(state)
+    with pytest.raises(stokehold.Error):
+        other.load_state_dict({"epoch": "zero"})
+    with pytest.raises(stokehold.Error):
+        other.load_state_dict([1, 2])
+
+
+def test_bad_input_raises_naming_the_file(tmp_path):
+    assert issubclass(stokehold.Error, Exception)
+    with pytest.raises(stokehold.Error, match="nowhere"):
+        stokehold.Loader(tmp_path / "nowhere")
+    (tmp_path / "x.npy").write_bytes(b"\x93NUMPY\x01\x00garbage")
+    with pytest.raises(stokehold.Error, match="x.npy"):
+        stokehold.Loader(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(stokehold.Error, match="empty"):
+        stokehold.Loader(empty)
+    d = tmp_path / "mismatch"
+    d.mkdir()
+    np.save(d / "x.npy", np.zeros((10, 2), np.float32))
+    np.save(d / "y.npy", np.zeros(11, np.int64))
+    with pytest.raises(stokehold.Error, match="y.npy: has 11 rows"):
+        stokehold.Loader(d)
+    np.save(d / "y.npy", np.zeros(10, np.int64))
+    with pytest.raises(ValueError, match="shuffle"):
+        stokehold.Loader(d, shuffle="sideways")
+    with pytest.raises(ValueError, match="rank"):
+        stokehold.Loader(d, rank=0)
+    with pytest.raises(ValueError, match="windows"):
+        stokehold.TokenLoader(d / "x.npy", seq_len=2, windows="sometimes")
+    with pytest.raises(stokehold.Error, match="batch"):
+        stokehold.Loader(d, batch_size=0)
+
+
+def test_views_keep_their_buffer_and_the_pool_refills(cols):
+    loader = stokehold.Loader(cols, batch_size=100, workers=2, prefetch=2, held=2, seed=0)
+    x_file = expected(cols, "x")
+    it = loader.epoch(0)
+    batch = next(it)
+    x, idx = batch["x"], batch.indices.copy()
+    del batch
+    # The view alone holds the buffer: other batches do not overwrite it.
+    others = [next(it) for _ in range(2)]
+    del others
+    for _ in it:
+        pass
+    np.testing.assert_array_equal(x, x_file[idx])
+    del x
+    gc.collect()
+    # Every buffer is back: another epoch runs whole.
+    assert len(all_indices(loader, 1)) == N
+
+
+def test_a_loop_that_keeps_batches_sizes_held(cols):
+    loader = stokehold.Loader(cols, batch_size=50, workers=2, prefetch=2, held=8)
+    kept = []
+    for batch in loader.epoch(0):
+        kept.append(batch)
+        if len(kept) > 8:
+            kept.pop(0)
+    assert len(kept) == 8
+
+
+def test_batches_consumed_on_another_thread(cols):
+    loader = stokehold.Loader(cols, batch_size=50, workers=2, prefetch=2)
+    q = queue.Queue(maxsize=2)
+    got = []
+
+    def consume():
+        while (b := q.get()) is not None:
+            got.append(int(b["y"].sum()))
+
+    t = threading.Thread(target=consume)
+    t.start()
+    for batch in loader.epoch(0):
+        q.put(batch)
+    q.put(None)
+    t.join()
+    assert len(got) == 20
+
+
+def test_the_gil_is_released_while_waiting(cols):
+    # A Python thread counts while the loader's epochs run: it must get the GIL.
+    stop = threading.Event()
+    ticks = [0]
+
+    def count():
+        while not stop.is_set():
+            ticks[0] += 1
+
+    t = threading.Thread(target=count)
+    t.start()
+    loader = stokehold.Loader(cols, batch_size=10, workers=1)
+    for e in range(3):
+        for _ in loader.epoch(e):
+            pass
+    stop.set()
+    t.join()
+    assert ticks[0] > 0
+
+
+def test_starting_an_epoch_ends_the_last(cols):
+    loader = stokehold.Loader(cols, batch_size=100)
+    old = loader.epoch(0)
+    next(old)
+    new = loader.epoch(1)
+    with pytest.raises(stokehold.Error, match="ended"):
+        next(old)
+    assert sum(len(b) for b in new) == N
+
+
+def test_sharding_splits_the_samples(cols):
+    parts = [all_indices(stokehold.Loader(cols, batch_size=32, rank=r, world_size=3), 0) for r in range(3)]
+    joined = np.concatenate(parts)
+    assert len(set(joined.tolist())) == N
+    assert all(len(p) > 0 for p in parts)
+
+
+def test_rank_from_the_environment(cols, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    mine = all_indices(stokehold.Loader(cols, batch_size=32), 0)
+    explicit = all_indices(stokehold.Loader(cols, batch_size=32, rank=1, world_size=2), 0)
+    np.testing.assert_array_equal(mine, explicit)
+
+
+def test_torch_from_dlpack_shares_memory(cols):
+    torch = pytest.importorskip("torch")
+    loader = stokehold.Loader(cols, batch_size=100)
+    batch = next(loader.epoch(0))
+    x = batch["x"]
+    t = torch.from_dlpack(x)
+    assert t.shape == x.shape and t.dtype == torch.uint8
+    assert t.data_ptr() == x.__array_interface__["data"][0]
+    y = torch.from_dlpack(batch["y"])
+    assert y.dtype == torch.int64
+    np.testing.assert_array_equal(y.numpy(), batch["y"])
+
+
+def test_numpy_from_dlpack_shares_memory(cols):
+    loader = stokehold.Loader(cols, batch_size=100)
+    batch = next(loader.epoch(0))
+    x = batch["c_float32"]
+    y = np.from_dlpack(x)
+    assert y.__array_interface__["data"][0] == x.__array_interface__["data"][0]
+
+
+def test_token_loader(tmp_path):
+    tokens = (np.arange(20_000) % 50_000).astype(np.uint16)
+    raw = tmp_path / "train.bin"
+    tokens.tofile(raw)
+    loader = stokehold.TokenLoader(raw, seq_len=64, batch_size=8, windows="consecutive", shuffle="none")
+    assert list(loader.columns) == ["tokens"]
+    first = next(loader.epoch(0))["tokens"]
+    assert first.shape == (8, 65) and first.dtype == np.uint16
+    np.testing.assert_array_equal(first[1], tokens[64:129])
+    rnd = stokehold.TokenLoader(raw, seq_len=64, batch_size=8, windows="random", seed=3)
+    for b in rnd.epoch(0):
+        t = b["tokens"]
+        # Each window is a run of consecutive tokens of the stream.
+        assert np.all(np.diff(t.astype(np.int64), axis=1) == 1)
+    npy = tmp_path / "tokens.npy"
+    np.save(npy, tokens.astype(np.uint32))
+    n = stokehold.TokenLoader(npy, seq_len=64, batch_size=8, windows="consecutive", shuffle="none")
+    np.testing.assert_array_equal(next(n.epoch(0))["tokens"][0], tokens[:65])
+    with pytest.raises(stokehold.Error, match="train.bin"):
+        stokehold.TokenLoader(raw, seq_len=100_000)
+
+
+def test_the_report(cols):
+    loader = stokehold.Loader(cols, batch_size=100, workers=2)
+    report = stokehold.TrainReport(loader)
+    for e in range(3):
+        timer = stokehold.EpochTimer(loader.epoch(e))
+        for batch in timer:
+            loss_sum, correct = timer.step(lambda b: (0.5 * len(b), len(b) // 2), batch)
+            timer.record(loss_sum, correct, len(batch))
+        row = timer.finish()
+        assert row["samples"] == N
+        assert abs(row["loss"] - 0.5) < 1e-9
+        report.push(row)
+    text = str(report)
+    assert "samples/s" in text and "epoch 0 took" in text
+    j = report.json()
+    assert len(j["epochs"]) == 3
+    assert "warmup" in j and "cold_cache_s" in j["warmup"]
+    json.dumps(j)
+
+
+def test_digits_ships_and_loads():
+    digits = REPO / "datasets" / "digits"
+    if not digits.exists():
+        pytest.skip("no datasets/digits")
+    loader = stokehold.Loader(digits, batch_size=128)
+    assert sum(len(b) for b in loader.epoch(0)) == 1797
