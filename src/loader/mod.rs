@@ -510,6 +510,11 @@ impl Loader {
             true => direct_sources(self.dataset.as_ref(), &mut plans),
             false => None,
         };
+        // The planner joins only an epoch with files to read through the page cache: in a
+        // warm one it would be woken for every batch claimed, for nothing.
+        let planned = plans
+            .iter()
+            .any(|p| matches!(p.mode, plan::Mode::Keep | plan::Mode::Stream));
         let (results_tx, results_rx) = crossbeam_channel::unbounded();
         let (finished_tx, finished_rx) = crossbeam_channel::bounded(0);
         let job = Arc::new(Job {
@@ -529,6 +534,7 @@ impl Loader {
             planner: self
                 .planner
                 .as_ref()
+                .filter(|_| planned)
                 .and_then(|p| p.handle.as_ref())
                 .map(|h| h.thread().clone()),
         });
@@ -542,7 +548,8 @@ impl Loader {
         // The planner holds the job (and so the dataset) for as long as it works on it,
         // and leaves within a millisecond of the epoch's end or drop: nothing waits
         // for it, so its own finished channel goes nowhere.
-        if let Some(jobs) = self.planner.as_ref().and_then(|p| p.jobs.as_ref()) {
+        let jobs = self.planner.as_ref().filter(|_| planned);
+        if let Some(jobs) = jobs.and_then(|p| p.jobs.as_ref()) {
             let _ = jobs.send((Arc::clone(&job), crossbeam_channel::bounded(0).0));
         }
         drop(finished_tx);
