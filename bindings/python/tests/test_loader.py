@@ -260,6 +260,20 @@ def test_torch_from_dlpack_shares_memory(cols):
     np.testing.assert_array_equal(y.numpy(), batch["y"])
 
 
+def test_jax_from_dlpack_shares_memory(cols):
+    jax = pytest.importorskip("jax")
+    # Without x64, JAX turns int64 into int32, which is a copy; with it, none is.
+    jax.config.update("jax_enable_x64", True)
+    loader = stokehold.Loader(cols, batch_size=100)
+    batch = next(loader.epoch(0))
+    for name in ("x", "y", "c_float32"):
+        a = batch[name]
+        j = jax.dlpack.from_dlpack(a)
+        assert j.shape == a.shape and j.dtype == a.dtype, name
+        assert j.unsafe_buffer_pointer() == a.__array_interface__["data"][0], name
+        np.testing.assert_array_equal(np.asarray(j), a)
+
+
 def test_numpy_from_dlpack_shares_memory(cols):
     loader = stokehold.Loader(cols, batch_size=100)
     batch = next(loader.epoch(0))
