@@ -90,7 +90,7 @@ pub(crate) fn resident_range(file: MappedFile<'_>, offset: usize, len: usize) ->
 /// Bytes per `MADV_WILLNEED` call where the device does not say: the kernel reads at
 /// most `max(read_ahead_kb, max_sectors_kb)` of its device per call and silently drops
 /// the rest, and 128 KiB is within both on every machine.
-const WILL_NEED_PIECE: usize = 128 << 10;
+pub(crate) const WILL_NEED_PIECE: usize = 128 << 10;
 
 /// The most one `MADV_WILLNEED` call reads of `file`: the larger of its block device's
 /// `read_ahead_kb` and `max_sectors_kb` (`/sys/dev/block/MAJ:MIN`, or the disk of a

@@ -77,6 +77,23 @@ proptest! {
     }
 }
 
+/// Runs one epoch of `loader`, checks it delivered `samples` and streamed, and returns
+/// the share of `file` left in the page cache.
+fn streamed_then_resident(
+    loader: &mut Loader,
+    samples: usize,
+    file: stokehold::MappedFile<'_>,
+) -> f64 {
+    let mut it = loader.epoch(0).unwrap();
+    let n = it.by_ref().map(|b| b.unwrap().len()).sum::<usize>();
+    assert_eq!(n, samples);
+    assert_eq!(it.stats().storage, Storage::Streaming);
+    drop(it);
+    let resident = pagecache::file_residency(file).unwrap();
+    eprintln!("{} of {} pages resident", resident.resident, resident.pages);
+    resident.fraction()
+}
+
 #[test]
 fn streaming_keeps_the_page_cache_it_fills_small() {
     let _turn = turn();
@@ -92,20 +109,9 @@ fn streaming_keeps_the_page_cache_it_fills_small() {
         .page_cache_budget(0)
         .build()
         .unwrap();
-    let mut it = loader.epoch(0).unwrap();
-    let n = it.by_ref().map(|b| b.unwrap().len()).sum::<usize>();
-    assert_eq!(n, 20_000);
-    assert_eq!(it.stats().storage, Storage::Streaming);
-    drop(it);
     // The planned window is 64 batches of 16 rows, two or three pages each: a few MB of
-    // a 62 MB set stay behind.
-    let resident = pagecache::residency(ds.as_ref()).unwrap();
-    assert!(
-        resident.fraction() < 0.25,
-        "{} of {} pages resident",
-        resident.resident,
-        resident.pages
-    );
+    // a 62 MB set stay behind (of x.npy, with the direct reads none at all).
+    assert!(streamed_then_resident(&mut loader, 20_000, ds.files()[0]) < 0.25);
 }
 
 #[test]
@@ -222,4 +228,28 @@ fn a_file_truncated_under_direct_reads_is_an_error_naming_it() {
     let err = loader.epoch(0).unwrap().find_map(|b| b.err()).unwrap();
     let msg = err.to_string();
     assert!(msg.contains("x.npy: changed while it was mapped"), "{msg}");
+}
+
+#[test]
+fn a_streamed_block_shuffle_drops_the_pages_between_its_rows() {
+    // Rank 0 of 2 takes every other row of each window: a block shuffle reads the
+    // window's blocks whole, the other rank's rows with them, and must drop those too.
+    let _turn = turn();
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path(), 40_000);
+    if !evicts(ds.as_ref()) {
+        eprintln!("skipped: the page cache cannot be evicted on this file system");
+        return;
+    }
+    let mut loader = Loader::builder_shared(Arc::clone(&ds))
+        .batch_size(64)
+        .workers(2)
+        .shuffle(Shuffle::block(5))
+        .shard(stokehold::Shard::new(0, 2).unwrap())
+        .page_cache_budget(0)
+        .build()
+        .unwrap();
+    // What stays is the last planned window (64 batches) with its blocks: a fraction of
+    // the 123 MB set, not the half the other rank's rows make up.
+    assert!(streamed_then_resident(&mut loader, 20_000, ds.files()[0]) < 0.3);
 }

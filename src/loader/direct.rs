@@ -20,13 +20,15 @@ use std::os::unix::fs::OpenOptionsExt;
 
 use io_uring::{opcode, types, IoUring};
 
-use super::pool::{HostAlloc, HostMemory, PlainAlloc};
+use super::pool::{HostAlloc, HostMemory, PlainAlloc, BUFFER_ALIGN};
 use crate::dataset::{check_out, Dataset, MappedFile};
 use crate::error::{Error, Result};
 use crate::util::page_size;
 
-/// The longest single read, in bytes.
+/// The longest single read, in bytes (a longer row is read alone).
 const MAX_READ: u64 = 1 << 20;
+/// The longest row read directly; longer ones are gathered through the mapping.
+const MAX_ROW: usize = 1 << 30;
 /// Reads in flight per worker, at most (the ring's size).
 const DEPTH: u32 = 32;
 
@@ -70,8 +72,8 @@ impl Source {
 
 /// The alignment direct reads of `file` need (offset, length and memory), from
 /// `statx(STATX_DIOALIGN)`; the page size where the kernel does not say; `None` where
-/// the file system does not do direct I/O, or needs more than a page of memory
-/// alignment (the buffers are page-aligned).
+/// the file system does not do direct I/O, or needs more memory alignment than the
+/// staging buffers have ([`BUFFER_ALIGN`]).
 fn direct_align(file: &File) -> Option<u64> {
     let page = page_size() as u64;
     // SAFETY: `statx` is plain old data, for which all zeroes is a valid value.
@@ -88,13 +90,13 @@ fn direct_align(file: &File) -> Option<u64> {
         )
     };
     if rc != 0 || stx.stx_mask & libc::STATX_DIOALIGN == 0 {
-        return Some(page);
+        return (page <= BUFFER_ALIGN as u64).then_some(page);
     }
     let (offset, memory) = (
         u64::from(stx.stx_dio_offset_align),
         u64::from(stx.stx_dio_mem_align),
     );
-    if offset == 0 || memory > page {
+    if offset == 0 || memory > BUFFER_ALIGN as u64 {
         return None;
     }
     Some(offset.max(memory).max(1))
@@ -125,9 +127,18 @@ struct Read {
 }
 
 /// A worker's ring, staging buffer and scratch lists, kept from batch to batch.
+///
+/// The staging buffer may be written by the kernel while reads are in flight: it is
+/// freed or replaced only once `in_flight` is 0. Whatever interrupts a batch (an error
+/// of the ring, a panic that unwinds through the worker), the reads still in flight are
+/// waited for before the buffer is touched again ([`Reader::settle`], and `Drop`); if
+/// they cannot be, the buffer is leaked and the reader is `broken`: the worker gathers
+/// through the mapping from then on.
 pub(crate) struct Reader {
     ring: IoUring,
     buf: Option<Box<dyn HostMemory>>,
+    in_flight: u32,
+    broken: bool,
     rows: Vec<Row>,
     reads: Vec<Read>,
     order: Vec<u32>,
@@ -151,6 +162,8 @@ impl Reader {
         Ok(Reader {
             ring,
             buf: None,
+            in_flight: 0,
+            broken: false,
             rows: Vec::new(),
             reads: Vec::new(),
             order: Vec::new(),
@@ -158,9 +171,43 @@ impl Reader {
         })
     }
 
-    /// Whether io_uring works here (a ring can be made).
+    /// Whether io_uring works here: a ring can be made, and it knows the read opcode
+    /// (kernels before 5.6 do not).
     pub(crate) fn available() -> bool {
-        IoUring::new(2).is_ok()
+        let Ok(ring) = IoUring::new(2) else {
+            return false;
+        };
+        let mut probe = io_uring::Probe::new();
+        ring.submitter().register_probe(&mut probe).is_ok()
+            && probe.is_supported(opcode::Read::CODE)
+    }
+
+    /// Waits for every read still in flight from an interrupted batch, discarding them;
+    /// if the ring will not say, leaks the buffer and marks the reader broken.
+    fn settle(&mut self) {
+        while self.in_flight > 0 && !self.broken {
+            match self.ring.submit_and_wait(self.in_flight as usize) {
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
+                    ) => {}
+                Err(_) => {
+                    self.abandon();
+                    return;
+                }
+            }
+            let done = self.ring.completion().count() as u32;
+            self.in_flight = self.in_flight.saturating_sub(done);
+        }
+    }
+
+    /// Gives up on the reads in flight: the buffer they may still write is leaked, and
+    /// the reader reads no more.
+    fn abandon(&mut self) {
+        std::mem::forget(self.buf.take());
+        self.broken = true;
     }
 
     /// Copies the samples `indices` of `epoch` into `out`, as [`Dataset::gather`] does,
@@ -182,7 +229,8 @@ impl Reader {
     ) -> Result<bool> {
         let columns = dataset.columns();
         check_out(columns, indices.len(), out)?;
-        if !self.locate(dataset, sources, epoch, indices) {
+        self.settle();
+        if self.broken || !self.locate(dataset, sources, epoch, indices) {
             return Ok(false);
         }
         let files = dataset.files();
@@ -230,7 +278,7 @@ impl Reader {
                 fits &= column < columns.len()
                     && columns[column].row_bytes == len
                     && file < sources.len()
-                    && len <= u32::MAX as usize;
+                    && len <= MAX_ROW;
                 if fits && len > 0 {
                     rows.push(Row {
                         file: file as u32,
@@ -265,6 +313,16 @@ impl Reader {
         self.reads.clear();
         for &r in &self.order {
             let row = &mut rows[r as usize];
+            let file = files[row.file as usize];
+            if row.offset + u64::from(row.len) > file.bytes().len() as u64 {
+                return Err(Error::dataset(
+                    file.path(),
+                    format!(
+                        "a row of {} bytes at offset {} runs past its end",
+                        row.len, row.offset
+                    ),
+                ));
+            }
             let a = sources[row.file as usize].align;
             let start = row.offset / a * a;
             let end = (row.offset + u64::from(row.len)).div_ceil(a) * a;
@@ -298,15 +356,11 @@ impl Reader {
             read.at = total.div_ceil(a) * a;
             total = read.at + read.len as usize;
             let file_len = files[f].bytes().len() as u64;
-            if read.offset >= file_len {
-                return Err(Error::dataset(
-                    files[f].path(),
-                    format!("a row at offset {} is beyond its end", read.offset),
-                ));
-            }
             read.wanted = read.len.min(file_len - read.offset);
         }
         if self.buf.as_ref().map_or(0, |b| b.len()) < total {
+            // No read is in flight: `gather` settled the last batch's first.
+            debug_assert_eq!(self.in_flight, 0);
             self.buf = None;
             self.buf = Some(PlainAlloc.alloc(total.next_power_of_two())?);
         }
@@ -316,7 +370,9 @@ impl Reader {
     /// Puts every read in flight, [`DEPTH`] at a time, and waits for all of them. Reads
     /// cut short by a signal or a full queue are submitted again for the rest; a read
     /// that ends before the file does is an error. Every read has completed when this
-    /// returns, error or not: none may land in the buffer afterwards.
+    /// returns, error or not, unless the ring itself fails: the buffer is then leaked
+    /// (the kernel may still write it) and the reader is broken. A panic out of here
+    /// leaves `in_flight` counted, for [`settle`](Reader::settle) or `Drop`.
     fn read_all(&mut self, sources: &[Source], files: &[MappedFile<'_>]) -> Result<()> {
         let base = match &self.buf {
             Some(b) => b.as_ptr(),
@@ -324,20 +380,21 @@ impl Reader {
         };
         self.queue.clear();
         self.queue.extend((0..self.reads.len() as u32).rev());
-        let (mut in_flight, mut failed) = (0u32, None::<Error>);
+        let mut failed = None::<Error>;
         loop {
             if failed.is_none() {
                 let mut sq = self.ring.submission();
-                while in_flight < DEPTH {
+                while self.in_flight < DEPTH {
                     let Some(&r) = self.queue.last() else { break };
                     let read = &self.reads[r as usize];
                     let source = &sources[read.file as usize];
+                    // At most a merged read (1 MiB) or one row (1 GiB), aligned up.
                     let len = (read.len - read.done) as u32;
                     // SAFETY: `at + done .. at + len` lies within the staging buffer
-                    // (`merge` sized it), which stays allocated and untouched by us until
-                    // this read completes: this function drains the ring before it
-                    // returns, and a buffer the kernel might still write is leaked, not
-                    // freed (see below).
+                    // (`merge` sized it). The buffer stays allocated and is neither
+                    // replaced nor freed while `in_flight` counts this read: the read
+                    // is waited for here, by `settle` before the next batch, or in
+                    // `Drop`, or else the buffer is leaked (`abandon`).
                     let dst = unsafe { base.add(read.at + read.done as usize) };
                     let entry = opcode::Read::new(types::Fd(source.file.as_raw_fd()), dst, len)
                         .offset(read.offset + read.done)
@@ -349,25 +406,29 @@ impl Reader {
                         break;
                     }
                     self.queue.pop();
-                    in_flight += 1;
+                    self.in_flight += 1;
                 }
             }
-            if in_flight == 0 {
+            if self.in_flight == 0 {
                 break;
             }
             if let Err(e) = self.ring.submit_and_wait(1) {
-                if matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EBUSY)) {
-                    continue;
+                // A signal, or no room to submit or complete for now: reap what has
+                // completed and go on. Anything else leaves the ring's state unknown.
+                if !matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
+                ) {
+                    self.abandon();
+                    return Err(Error::io("<io_uring>", e));
                 }
-                // The kernel may still write into the buffer: it must outlive those
-                // writes, so it is leaked, and this reader is done for.
-                std::mem::forget(self.buf.take());
-                return Err(Error::io("<io_uring>", e));
             }
             for cqe in self.ring.completion() {
-                in_flight -= 1;
+                self.in_flight = self.in_flight.saturating_sub(1);
                 let r = cqe.user_data() as u32;
-                let read = &mut self.reads[r as usize];
+                let Some(read) = self.reads.get_mut(r as usize) else {
+                    continue;
+                };
                 let res = cqe.result();
                 let file = files[read.file as usize];
                 if res == -libc::EINTR || res == -libc::EAGAIN {
@@ -399,5 +460,13 @@ impl Reader {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        // The ring's teardown does not wait for reads in flight; the buffer must
+        // outlive them.
+        self.settle();
     }
 }

@@ -34,6 +34,7 @@ use super::worker::{Assignment, Job};
 use crate::dataset::{Dataset, MappedFile};
 use crate::pagecache::{
     advise_random, drop_range, resident_pages, resident_range, will_need, will_need_piece,
+    WILL_NEED_PIECE,
 };
 use crate::sampler::Shuffle;
 use crate::util::page_size;
@@ -224,7 +225,9 @@ fn plan_epoch(job: &Job, ahead: u64) {
         p.piece = match (p.file.watched(), &p.fd) {
             (Some(w), _) => will_need_piece(w.file()),
             (None, Some(fd)) => will_need_piece(fd),
-            (None, None) => File::open(p.file.path()).map_or(0, |f| will_need_piece(&f)),
+            (None, None) => {
+                File::open(p.file.path()).map_or(WILL_NEED_PIECE, |f| will_need_piece(&f))
+            }
         };
         advise_random(p.file);
     }
@@ -232,6 +235,8 @@ fn plan_epoch(job: &Job, ahead: u64) {
         return;
     }
     let (mut idx, mut runs, mut wanted) = (Vec::new(), Vec::new(), Vec::new());
+    // Pages asked for between rows, with the last batch planned when they were.
+    let mut gaps: std::collections::VecDeque<(u64, Vec<(usize, usize)>)> = Default::default();
     // A block shuffle's window uses every row of its blocks within a few batches, so
     // the pages between two planned rows are asked for with them (up to a block of
     // about 1 MiB): the window's blocks are read in long runs from its first batch on,
@@ -260,13 +265,24 @@ fn plan_epoch(job: &Job, ahead: u64) {
             }
             planned += 1;
         }
-        ask_runs(&mut pages, &mut wanted, gap, page);
+        let mut filled = Vec::new();
+        ask_runs(&mut pages, &mut wanted, gap, page, &mut filled);
+        if !filled.is_empty() {
+            gaps.push_back((planned - 1, filled));
+        }
         if stream {
             let delivered = job.delivered.load(Ordering::Acquire).min(planned);
             while dropped < delivered {
                 batch_pages(job, dropped, page, &mut idx, &mut runs);
                 for &(f, start, end) in &runs {
                     release(&mut pages[f], f, start, end, &mut wanted);
+                }
+                // Pages read between rows, released with the batch they were asked with.
+                while gaps.front().is_some_and(|&(b, _)| b <= dropped) {
+                    let (_, filled) = gaps.pop_front().expect("just seen");
+                    for (f, k) in filled {
+                        release(&mut pages[f], f, k, k + 1, &mut wanted);
+                    }
                 }
                 dropped += 1;
             }
@@ -289,6 +305,7 @@ fn plan_epoch(job: &Job, ahead: u64) {
 /// asked for as asked for, adding them to `wanted`, and counts the row's need for each.
 fn ask(p: &mut Pages<'_>, f: usize, start: usize, end: usize, wanted: &mut Vec<(usize, usize)>) {
     let end = end.min(p.state.len());
+    let start = start.min(end);
     match p.mode {
         Mode::Stream => p.refs[start..end]
             .iter_mut()
@@ -308,11 +325,27 @@ fn ask(p: &mut Pages<'_>, f: usize, start: usize, end: usize, wanted: &mut Vec<(
 }
 
 /// Asks for the pages in `wanted` (`(file, page)`), in runs of pages at most `gap`
-/// apart (the pages between them included), and empties it.
-fn ask_runs(pages: &mut [Pages<'_>], wanted: &mut Vec<(usize, usize)>, gap: usize, page: usize) {
+/// apart (the pages between them included), and empties it. The pages between that no
+/// row asked for are counted as needed, in a streamed file, and added to `filled`, to
+/// be released with the last batch planned now.
+fn ask_runs(
+    pages: &mut [Pages<'_>],
+    wanted: &mut Vec<(usize, usize)>,
+    gap: usize,
+    page: usize,
+    filled: &mut Vec<(usize, usize)>,
+) {
     for (f, first, end) in runs_of(wanted, gap) {
         let p = &mut pages[f];
-        p.state[first..end].iter_mut().for_each(|b| *b |= 1);
+        for k in first..end {
+            if p.state[k] & 1 == 0 {
+                p.state[k] |= 1;
+                if p.mode == Mode::Stream {
+                    p.refs[k] = p.refs[k].saturating_add(1);
+                    filled.push((f, k));
+                }
+            }
+        }
         will_need(p.file, first * page, (end - first) * page, p.piece);
     }
     wanted.clear();
@@ -325,6 +358,7 @@ fn release(p: &mut Pages<'_>, f: usize, start: usize, end: usize, free: &mut Vec
         return;
     }
     let end = end.min(p.state.len());
+    let start = start.min(end);
     for k in start..end {
         p.refs[k] = p.refs[k].saturating_sub(1);
         if p.refs[k] == 0 && p.state[k] & 1 != 0 {
@@ -388,7 +422,8 @@ fn warm(
             *cursor = (cursor.0 + 1, 0);
             continue;
         }
-        let chunk = p.piece;
+        // Never 0: the cursor must move.
+        let chunk = p.piece.max(page);
         if asked.len() * chunk >= WARMING {
             break;
         }

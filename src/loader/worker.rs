@@ -122,10 +122,12 @@ impl Job {
         let rows = indices.len();
         let (mut parts, n) = self.layout.split(bytes, rows);
         let epoch = self.order.epoch();
-        if let (Some(sources), Some(reader)) = (&self.direct, reader.get()) {
-            let dataset = self.dataset.as_ref();
-            if reader.gather(dataset, sources, epoch, indices, &mut parts[..n])? {
-                return Ok(rows);
+        if let Some(sources) = &self.direct {
+            if let Some(reader) = reader.get() {
+                let dataset = self.dataset.as_ref();
+                if reader.gather(dataset, sources, epoch, indices, &mut parts[..n])? {
+                    return Ok(rows);
+                }
             }
         }
         self.dataset

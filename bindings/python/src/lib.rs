@@ -202,12 +202,30 @@ unsafe impl Sync for Loader {}
 
 impl Drop for Loader {
     fn drop(&mut self) {
-        // The epoch borrows the loader: it goes first.
-        lock(&self.slot).epoch = None;
-        // SAFETY: the pointer came from `Box::into_raw` in `new` and nothing borrows the
-        // loader any more (the slot is empty and every epoch object is gone, since each
-        // holds a reference to this one).
-        drop(unsafe { Box::from_raw(self.loader.as_ptr()) });
+        let slot = Arc::clone(&self.slot);
+        let loader = SendPtr(self.loader.as_ptr());
+        let end = move || {
+            // The epoch borrows the loader: it goes first.
+            lock(&slot).epoch = None;
+            // SAFETY: the pointer came from `Box::leak` in `build` and nothing borrows
+            // the loader any more (the slot is empty and every epoch object is gone,
+            // since each holds a reference to this one).
+            drop(unsafe { Box::from_raw(loader.get()) });
+        };
+        // Ending an epoch and joining the threads wait for the workers: without the
+        // GIL, so that other Python threads run meanwhile (with it while the
+        // interpreter shuts down, when it cannot be let go).
+        let mut end = Some(end);
+        Python::try_attach(|py| {
+            py.detach(|| {
+                if let Some(end) = end.take() {
+                    end();
+                }
+            })
+        });
+        if let Some(end) = end {
+            end();
+        }
     }
 }
 
@@ -399,7 +417,9 @@ impl Loader {
                 false,
             ))
         });
+        let dataset = Arc::clone(&slf.shape.dataset);
         Ok(Epoch {
+            dataset,
             _loader: slf.into(),
             slot,
             generation,
@@ -482,6 +502,7 @@ impl Loader {
 #[pyclass(module = "stokehold._stokehold", name = "_Epoch")]
 struct Epoch {
     _loader: Py<Loader>,
+    dataset: Arc<dyn Dataset>,
     slot: Slot,
     generation: u64,
     number: u64,
@@ -634,9 +655,7 @@ impl Epoch {
         out.stages.copy = secs(copy_s);
         out.stages.compute = secs(compute_s);
         let bytes_per_sample = self.columns.iter().map(|c| c.row_bytes as u64).sum();
-        let loader_ref = self._loader.borrow(py);
-        let dataset = Arc::clone(&loader_ref.shape.dataset);
-        drop(loader_ref);
+        let dataset = Arc::clone(&self.dataset);
         let end = py
             .detach(move || pagecache::residency(dataset.as_ref()))
             .map_err(error)?;
@@ -717,6 +736,8 @@ impl Batch {
 impl Batch {
     /// Column `key`'s rows as a 2-d `uint8` array (samples × bytes per sample) viewing
     /// the batch's buffer; the Python layer views it as the column's dtype and shape.
+    /// The array is writeable, as DLPack consumers (torch, JAX) need: the buffer is the
+    /// batch's own until it goes back to the pool, and writing it changes no file.
     fn raw<'py>(slf: Bound<'py, Self>, key: &str) -> PyResult<Bound<'py, PyArray2<u8>>> {
         let this = slf.borrow();
         let c = this.column(key)?;

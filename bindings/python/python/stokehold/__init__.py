@@ -40,7 +40,9 @@ PathLike = Union[str, "os.PathLike[str]"]
 class Batch:
     """One batch: ``batch[name]`` is column ``name`` (a file stem, ``"x"`` for ``x.npy``)
     as a NumPy array of shape ``(len(batch), *sample_shape)``, viewing the loader's
-    buffer. ``batch.indices`` are the samples (``uint64``)."""
+    buffer. ``batch.indices`` are the samples (``uint64``). The arrays are writeable (as
+    DLPack consumers need); the buffer is the batch's own until it returns to the pool,
+    and writing it changes no file."""
 
     __slots__ = ("_raw", "_columns", "_cache")
 
