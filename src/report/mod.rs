@@ -131,6 +131,10 @@ pub struct Warmup {
     /// Bytes epoch 1 read from storage beyond the steady median (`/proc/self/io`): what
     /// the cold cache cost in reads.
     pub cold_read_bytes: u64,
+    /// Extra time the loader's workers spent gathering in epoch 1 over the steady
+    /// median, summed over workers: mostly blocked on storage reads (page faults or
+    /// direct reads) when the data was cold.
+    pub cold_gather_s: f64,
     /// Extra time in the training step (first launches, cold caches).
     pub compute_s: f64,
     /// Extra copy time.
@@ -153,6 +157,7 @@ impl Warmup {
         let cold = first.wait_data_s - m(|r| r.wait_data_s);
         let steady_read = m(|r| r.bytes_read as f64);
         let cold_read_bytes = (first.bytes_read as f64 - steady_read).max(0.0) as u64;
+        let cold_gather_s = first.gather_s - m(|r| r.gather_s);
         let compute = first.compute_s - m(|r| r.compute_s);
         let copy = first.copy_s - m(|r| r.copy_s);
         Some(Warmup {
@@ -162,6 +167,7 @@ impl Warmup {
             ratio: first.wall_s / steady.max(1e-12),
             cold_cache_s: cold,
             cold_read_bytes,
+            cold_gather_s,
             compute_s: compute,
             copy_s: copy,
             unexplained_s: excess - cold - compute - copy,
@@ -352,9 +358,11 @@ impl TrainReport {
         );
         if w.cold_read_bytes > 0 {
             s += &format!(
-                ": {} more read from storage than a steady epoch, {:.2}x the rows",
+                ": {} more read from storage than a steady epoch, {:.2}x the rows; \
+                 the workers gathered {:+.3} s longer, blocked on those reads",
                 megabytes(w.cold_read_bytes),
-                first.read_amplification
+                first.read_amplification,
+                w.cold_gather_s
             );
         }
         s += ")\n";
