@@ -218,7 +218,7 @@ pub fn evict_file(file: MappedFile<'_>) -> Result<()> {
         unsafe { file.mapping().unchecked_advise(UncheckedAdvice::DontNeed) }
             .map_err(|e| Error::io(file.path(), e))?;
     }
-    let f = File::open(file.path()).map_err(|e| Error::io(file.path(), e))?;
+    let f = file.reopen().map_err(|e| Error::io(file.path(), e))?;
     // SAFETY: a valid open descriptor; fadvise reads no memory of ours.
     let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
     if rc != 0 {
@@ -254,8 +254,8 @@ pub fn read_ahead_file(file: MappedFile<'_>) -> Result<u64> {
         .advise(Advice::Sequential)
         .map_err(|e| Error::io(file.path(), e))?;
     let piece = file
-        .watched()
-        .map_or(WILL_NEED_PIECE, |w| will_need_piece(w.file()));
+        .reopen()
+        .map_or(WILL_NEED_PIECE, |f| will_need_piece(&f));
     let page = page_size();
     let bytes = file.bytes();
     let touched = guarded(bytes, || {

@@ -68,6 +68,19 @@ impl<'a> MappedFile<'a> {
         self.watched
     }
 
+    /// The file behind the mapping, open for reading: the dataset's own descriptor,
+    /// duplicated (the inode that was mapped, whatever happened to the path since), or
+    /// the path opened again where the dataset gave none.
+    ///
+    /// # Errors
+    /// The error of `dup` or `open`.
+    pub(crate) fn reopen(&self) -> std::io::Result<std::fs::File> {
+        match self.watched {
+            Some(w) => w.file().try_clone(),
+            None => std::fs::File::open(self.path),
+        }
+    }
+
     /// The file's path.
     pub fn path(&self) -> &'a Path {
         self.path

@@ -44,16 +44,16 @@ pub(crate) struct Source {
 impl Source {
     /// Opens the file behind `mapped` again, the same inode as its mapping (through
     /// `/proc/self/fd`, whatever has happened to its path since), with `O_DIRECT` when
-    /// `direct`. `None` where that cannot be done: a dataset that gave no open file, no
-    /// `/proc`, or a file system without direct I/O (tmpfs).
+    /// `direct`. `None` where that cannot be done: for direct reads, a dataset that gave
+    /// no open file, no `/proc`, or a file system without direct I/O (tmpfs).
     pub(crate) fn open(mapped: MappedFile<'_>, direct: bool) -> Option<Source> {
-        let watched = mapped.watched()?;
         if !direct {
             return Some(Source {
-                file: watched.file().try_clone().ok()?,
+                file: mapped.reopen().ok()?,
                 align: 1,
             });
         }
+        let watched = mapped.watched()?;
         let path = format!("/proc/self/fd/{}", watched.file().as_raw_fd());
         let file = std::fs::OpenOptions::new()
             .read(true)
@@ -188,11 +188,7 @@ impl Reader {
         while self.in_flight > 0 && !self.broken {
             match self.ring.submit_and_wait(self.in_flight as usize) {
                 Ok(_) => {}
-                Err(e)
-                    if matches!(
-                        e.raw_os_error(),
-                        Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
-                    ) => {}
+                Err(e) if transient(&e) => {}
                 Err(_) => {
                     self.abandon();
                     return;
@@ -413,12 +409,8 @@ impl Reader {
                 break;
             }
             if let Err(e) = self.ring.submit_and_wait(1) {
-                // A signal, or no room to submit or complete for now: reap what has
-                // completed and go on. Anything else leaves the ring's state unknown.
-                if !matches!(
-                    e.raw_os_error(),
-                    Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
-                ) {
+                // Anything but a transient error leaves the ring's state unknown.
+                if !transient(&e) {
                     self.abandon();
                     return Err(Error::io("<io_uring>", e));
                 }
@@ -461,6 +453,15 @@ impl Reader {
             None => Ok(()),
         }
     }
+}
+
+/// An error of `io_uring_enter` after which the ring is still sound: a signal, or no
+/// room to submit or complete for now (reap what has completed and go on).
+fn transient(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
+    )
 }
 
 impl Drop for Reader {

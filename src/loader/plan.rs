@@ -155,6 +155,7 @@ struct Pages<'a> {
     mode: Mode,
     state: Vec<u8>,
     refs: Vec<u16>,
+    /// The file, open: for its device's read-ahead piece, and to drop pages.
     fd: Option<File>,
     /// Bytes per read-ahead request ([`will_need_piece`]).
     piece: usize,
@@ -218,17 +219,11 @@ fn plan_epoch(job: &Job, ahead: u64) {
             Mode::Stream => {
                 stream = true;
                 p.refs = vec![0; p.state.len()];
-                p.fd = File::open(p.file.path()).ok();
             }
             Mode::Resident | Mode::Direct => continue,
         }
-        p.piece = match (p.file.watched(), &p.fd) {
-            (Some(w), _) => will_need_piece(w.file()),
-            (None, Some(fd)) => will_need_piece(fd),
-            (None, None) => {
-                File::open(p.file.path()).map_or(WILL_NEED_PIECE, |f| will_need_piece(&f))
-            }
-        };
+        p.fd = p.file.reopen().ok();
+        p.piece = p.fd.as_ref().map_or(WILL_NEED_PIECE, will_need_piece);
         advise_random(p.file);
     }
     if !keep && !stream {

@@ -185,6 +185,40 @@ impl Workspace {
     }
 }
 
+/// One layer's SGD update over the `n` rows of a batch, the update folded into the
+/// weight-gradient product: `w -= lr * input^T grad` and `b -= lr * sum(grad)`, where
+/// `input` is `n x inputs`, `grad` is `n x outputs` and `w` is `inputs x outputs`.
+#[allow(clippy::too_many_arguments)]
+fn sgd(
+    n: usize,
+    inputs: usize,
+    outputs: usize,
+    lr: f32,
+    input: &[f32],
+    grad: &[f32],
+    w: &mut [f32],
+    b: &mut [f32],
+) {
+    gemm(
+        inputs,
+        n,
+        outputs,
+        -lr,
+        input,
+        (1, inputs),
+        grad,
+        (outputs, 1),
+        1.0,
+        w,
+        outputs,
+    );
+    for row in grad[..n * outputs].chunks_exact(outputs) {
+        for (b, &g) in b.iter_mut().zip(row) {
+            *b -= lr * g;
+        }
+    }
+}
+
 /// `c = alpha * a(m x k) b(k x n) + beta * c`, with explicit strides (row, column).
 #[allow(clippy::too_many_arguments)]
 fn gemm(
@@ -384,44 +418,9 @@ pub fn step(
             *g = 0.0;
         }
     }
-    // W2 -= lr h^T dz ; b2 -= lr sum(dz)
-    gemm(
-        h,
-        n,
-        c,
-        -lr,
-        &ws.h,
-        (1, h),
-        &ws.z,
-        (c, 1),
-        1.0,
-        &mut mlp.w2,
-        c,
-    );
-    for row in ws.z[..n * c].chunks_exact(c) {
-        for (b, &g) in mlp.b2.iter_mut().zip(row) {
-            *b -= lr * g;
-        }
-    }
-    // W1 -= lr x^T dh ; b1 -= lr sum(dh)
-    gemm(
-        d,
-        n,
-        h,
-        -lr,
-        &ws.x,
-        (1, d),
-        &ws.dh,
-        (h, 1),
-        1.0,
-        &mut mlp.w1,
-        h,
-    );
-    for row in ws.dh[..n * h].chunks_exact(h) {
-        for (b, &g) in mlp.b1.iter_mut().zip(row) {
-            *b -= lr * g;
-        }
-    }
+    // W2 -= lr h^T dz, b2 -= lr sum(dz); then W1 and b1 from dh (computed with the old W2).
+    sgd(n, h, c, lr, &ws.h, &ws.z, &mut mlp.w2, &mut mlp.b2);
+    sgd(n, d, h, lr, &ws.x, &ws.dh, &mut mlp.w1, &mut mlp.b1);
     Ok(())
 }
 

@@ -6,7 +6,7 @@ mod timer;
 
 pub use inspect::inspect;
 pub use progress::EpochProgress;
-pub use timer::EpochTimer;
+pub use timer::{EpochTimer, LoopTimes};
 
 use crate::loader::{Loader, Storage};
 use crate::pagecache::Residency;

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use crate::dataset::Dataset;
 use crate::error::Result;
-use crate::loader::{Epoch, HostBatch};
+use crate::loader::{Epoch, EpochStats, HostBatch};
 use crate::model::Metrics;
 use crate::pagecache::{self, Residency};
 use crate::telemetry::EpochOutcome;
@@ -50,7 +50,6 @@ pub struct EpochTimer<'a> {
     copy: Duration,
     compute: Duration,
     metrics: Metrics,
-    batches: u64,
 }
 
 impl<'a> EpochTimer<'a> {
@@ -71,7 +70,6 @@ impl<'a> EpochTimer<'a> {
             copy: Duration::ZERO,
             compute: Duration::ZERO,
             metrics: Metrics::default(),
-            batches: 0,
         })
     }
 
@@ -110,30 +108,68 @@ impl<'a> EpochTimer<'a> {
         let loader = self.epoch.stats();
         drop(self.epoch);
         let residency_end = pagecache::residency(self.dataset)?;
-        let mut out = EpochOutcome {
-            metrics: self.metrics,
-            batches: self.batches,
-            ..EpochOutcome::default()
+        let times = LoopTimes {
+            wall,
+            wait: self.wait,
+            copy: self.copy,
+            compute: self.compute,
         };
-        if out.metrics.samples == 0 {
-            out.metrics.samples = loader.samples;
-        }
-        out.close(loader, wall);
-        out.stages.wait_data = self.wait;
-        out.stages.copy = self.copy;
-        out.stages.compute = self.compute;
         let bytes_per_sample = self
             .dataset
             .columns()
             .iter()
             .map(|c| c.row_bytes as u64)
             .sum();
-        Ok(EpochRow::new(
+        Ok(EpochRow::of_loop(
             self.number,
-            &out,
+            loader,
+            self.metrics,
+            times,
             bytes_per_sample,
             (self.residency_start, residency_end),
         ))
+    }
+}
+
+/// What a training loop of yours measured over an epoch (see [`EpochRow::of_loop`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LoopTimes {
+    /// The epoch's wall time.
+    pub wall: Duration,
+    /// Time spent waiting for batches.
+    pub wait: Duration,
+    /// Time spent in your copies.
+    pub copy: Duration,
+    /// Time spent in your step.
+    pub compute: Duration,
+}
+
+impl EpochRow {
+    /// The row of an epoch that a loop of yours ran and timed, as [`EpochTimer`] does
+    /// (or a loop in another language): the loader's `stats` at the epoch's end, the
+    /// `metrics` recorded (with no samples recorded, the loader's count), the loop's
+    /// `times`, the bytes of one sample, and the residency at the start and the end.
+    pub fn of_loop(
+        epoch: u64,
+        stats: EpochStats,
+        metrics: Metrics,
+        times: LoopTimes,
+        bytes_per_sample: u64,
+        residency: (Residency, Residency),
+    ) -> EpochRow {
+        let mut out = EpochOutcome {
+            metrics,
+            batches: stats.batches,
+            ..EpochOutcome::default()
+        };
+        if out.metrics.samples == 0 {
+            out.metrics.samples = stats.samples;
+        }
+        out.close(stats, times.wall);
+        out.stages.wait_data = times.wait;
+        out.stages.copy = times.copy;
+        out.stages.compute = times.compute;
+        EpochRow::new(epoch, &out, bytes_per_sample, residency)
     }
 }
 
@@ -145,9 +181,6 @@ impl Iterator for EpochTimer<'_> {
         let t = Instant::now();
         let b = self.epoch.next();
         self.wait += t.elapsed();
-        if matches!(b, Some(Ok(_))) {
-            self.batches += 1;
-        }
         b
     }
 }

@@ -16,8 +16,7 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 
 use stokehold::model::Metrics;
 use stokehold::pagecache::{self, Residency};
-use stokehold::report::{EpochProgress, EpochRow, Setup, TrainReport};
-use stokehold::telemetry::EpochOutcome;
+use stokehold::report::{EpochProgress, EpochRow, LoopTimes, Setup, TrainReport};
 use stokehold::{
     Column, DType, Dataset, HostBatch, LoaderState, NpyDataset, Shard, Shuffle, TokenDataset,
     Windows,
@@ -638,22 +637,17 @@ impl Epoch {
             });
         }
         let secs = |s: f64| std::time::Duration::from_secs_f64(s.max(0.0));
-        let mut out = EpochOutcome {
-            metrics: Metrics {
-                loss_sum,
-                correct,
-                samples,
-            },
-            batches: loader.batches,
-            ..EpochOutcome::default()
+        let times = LoopTimes {
+            wall: secs(wall_s),
+            wait: secs(wait_s),
+            copy: secs(copy_s),
+            compute: secs(compute_s),
         };
-        if out.metrics.samples == 0 {
-            out.metrics.samples = loader.samples;
-        }
-        out.close(loader, secs(wall_s));
-        out.stages.wait_data = secs(wait_s);
-        out.stages.copy = secs(copy_s);
-        out.stages.compute = secs(compute_s);
+        let metrics = Metrics {
+            loss_sum,
+            correct,
+            samples,
+        };
         let bytes_per_sample = self.columns.iter().map(|c| c.row_bytes as u64).sum();
         let dataset = Arc::clone(&self.dataset);
         let end = py
@@ -663,9 +657,15 @@ impl Epoch {
             resident: residency_start.0,
             pages: residency_start.1,
         };
-        Ok(Row {
-            row: EpochRow::new(self.number, &out, bytes_per_sample, (start, end)),
-        })
+        let row = EpochRow::of_loop(
+            self.number,
+            loader,
+            metrics,
+            times,
+            bytes_per_sample,
+            (start, end),
+        );
+        Ok(Row { row })
     }
 }
 
