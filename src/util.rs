@@ -1,4 +1,4 @@
-//! Small helpers every layer may use: a hash finaliser, a median, byte counts as text,
+//! Small helpers every layer may use: a hash finaliser, byte counts as text,
 //! whole-file writes.
 
 use std::path::Path;
@@ -11,15 +11,6 @@ pub(crate) const fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
-}
-
-/// The median of `v` (the upper one of an even count); 0 for none.
-pub(crate) fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// Bytes as megabytes, with a decimal where the figure is small (`0.13 MB`, `616 MB`).
@@ -106,14 +97,7 @@ pub fn page_size() -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{median, megabytes, mix, write_whole};
-
-    #[test]
-    fn median_takes_the_middle_of_the_sorted_values() {
-        assert_eq!(median(vec![]), 0.0);
-        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 3.0);
-    }
+    use super::{megabytes, mix, write_whole};
 
     #[test]
     fn megabytes_keep_two_decimals_below_ten() {

@@ -170,6 +170,8 @@ fn the_main_job_reports_every_epoch_and_the_warmup_split() {
         assert_eq!(row.samples, 1797);
         assert!(row.wall_s > 0.0 && row.samples_per_s > 0.0);
         assert!(row.compute_s > 0.0 && row.gather_s > 0.0);
+        // The step's stalls and steps are on its own thread, within the epoch.
+        assert!(row.stall_data_s + row.stall_copy_s + row.compute_s <= row.wall_s);
         assert!(
             row.residency_end.fraction() > 0.99,
             "read back in: {:?}",
@@ -179,6 +181,8 @@ fn the_main_job_reports_every_epoch_and_the_warmup_split() {
     let w = report.warmup.expect("three epochs give a split");
     assert_eq!(w.first_s, report.epochs[0].wall_s);
     assert!(w.ratio > 0.0 && (w.ratio - w.first_s / w.steady_s).abs() < 1e-9);
+    let parts = w.cold_cache_s + w.compute_s + w.copy_s + w.unexplained_s;
+    assert!((parts - w.excess_s).abs() < 1e-9, "{w:?}");
     assert!(report.table().lines().count() == 4);
     assert!(report.warmup_text().contains("unexplained"));
     let json = serde_json::to_value(&report).unwrap();

@@ -26,6 +26,9 @@ struct Slot {
     indices: Vec<u64>,
     len: usize,
     number: u64,
+    /// When the loader handed the batch over: what splits the step's wait for this slot
+    /// into waiting for data and waiting for the copy.
+    arrived: Instant,
 }
 
 impl Slot {
@@ -123,6 +126,7 @@ impl CpuTrainer {
         }
         drop(slot);
         out.close(epoch.stats(), start.elapsed());
+        out.stages.in_series();
         Ok(out)
     }
 
@@ -148,6 +152,7 @@ impl CpuTrainer {
                     indices: Vec::with_capacity(layout.batch_size()),
                     len: 0,
                     number: 0,
+                    arrived: Instant::now(),
                 }))
             })
             .collect::<Result<_>>()?;
@@ -226,9 +231,15 @@ impl CpuTrainer {
                     let Ok(i) = full_rx.recv() else {
                         return Ok(());
                     };
-                    out.stages.wait_copy += waited.elapsed();
                     let t = Instant::now();
                     let slot = slots[i].lock().unwrap_or_else(|e| e.into_inner());
+                    // The step stood idle from `waited` to `t`: for data until the loader
+                    // handed the batch over, then for its copy.
+                    let idle = t - waited;
+                    let for_data = slot.arrived.saturating_duration_since(waited).min(idle);
+                    out.stages.wait_copy += idle;
+                    out.stages.stall_data += for_data;
+                    out.stages.stall_copy += idle - for_data;
                     if let Some(tr) = trace {
                         let span = (waited, t);
                         tr.span(Stage::WaitCopy, Track::Compute, span, epoch_no, slot.number);
@@ -278,7 +289,8 @@ fn copy_stage(
     loop {
         let t = Instant::now();
         let Some(batch) = epoch.next() else { break };
-        let waited = t.elapsed();
+        let arrived = Instant::now();
+        let waited = arrived - t;
         wait += waited;
         waited_ns.fetch_add(waited.as_nanos() as u64, Ordering::Relaxed);
         let batch = batch?;
@@ -289,10 +301,10 @@ fn copy_stage(
         }
         let Ok(i) = free.recv() else { break };
         let t = Instant::now();
-        slots[i]
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .fill(&batch);
+        let mut slot = slots[i].lock().unwrap_or_else(|e| e.into_inner());
+        slot.arrived = arrived;
+        slot.fill(&batch);
+        drop(slot);
         let number = batch.number();
         drop(batch);
         if let Some(tr) = trace {

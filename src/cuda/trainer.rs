@@ -262,6 +262,9 @@ impl CudaTrainer {
         out.stages.wait_data = fed.wait_data;
         out.stages.copy = fed.copy;
         out.stages.compute = fed.compute;
+        // The host thread waits for data, then enqueues: its waits are the stalls (its
+        // copies are asynchronous, and count as their stream measured them).
+        out.stages.in_series();
         Ok(out)
     }
 }

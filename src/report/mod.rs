@@ -11,7 +11,7 @@ pub use timer::{EpochTimer, LoopTimes};
 use crate::loader::{Loader, Storage};
 use crate::pagecache::Residency;
 use crate::telemetry::EpochOutcome;
-use crate::util::{median, megabytes};
+use crate::util::megabytes;
 
 /// Figures of one epoch.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -36,6 +36,11 @@ pub struct EpochRow {
     pub copy_s: f64,
     /// Time in the training step, seconds.
     pub compute_s: f64,
+    /// Time the training step stood idle for want of a batch from the loader (the
+    /// critical path's share of `wait_data_s`), seconds.
+    pub stall_data_s: f64,
+    /// Time the training step stood idle while its batch was copied, seconds.
+    pub stall_copy_s: f64,
     /// Share of batches the pipeline had to wait for.
     pub stalled_share: f64,
     /// Page-cache residency of the dataset at the epoch's start.
@@ -77,6 +82,8 @@ impl EpochRow {
             wait_data_s: out.stages.wait_data.as_secs_f64(),
             copy_s: out.stages.copy.as_secs_f64(),
             compute_s: out.stages.compute.as_secs_f64(),
+            stall_data_s: out.stages.stall_data.as_secs_f64(),
+            stall_copy_s: out.stages.stall_copy.as_secs_f64(),
             stalled_share: out.loader.stalls as f64 / out.loader.batches.max(1) as f64,
             residency_start: residency.0,
             residency_end: residency.1,
@@ -125,46 +132,54 @@ pub struct Warmup {
     pub excess_s: f64,
     /// `first_s / steady_s`: 1.0 when epoch 0 ran at steady speed.
     pub ratio: f64,
-    /// Extra time the pipeline waited for data in epoch 1 (cold page cache), over the
-    /// steady median.
+    /// Extra time the training step stood idle for data in epoch 1 (cold page cache),
+    /// over the steady epoch.
     pub cold_cache_s: f64,
-    /// Bytes epoch 1 read from storage beyond the steady median (`/proc/self/io`): what
+    /// Bytes epoch 1 read from storage beyond the steady epoch (`/proc/self/io`): what
     /// the cold cache cost in reads.
     pub cold_read_bytes: u64,
     /// Extra time the loader's workers spent gathering in epoch 1 over the steady
-    /// median, summed over workers: mostly blocked on storage reads (page faults or
+    /// epoch, summed over workers: mostly blocked on storage reads (page faults or
     /// direct reads) when the data was cold.
     pub cold_gather_s: f64,
     /// Extra time in the training step (first launches, cold caches).
     pub compute_s: f64,
-    /// Extra copy time.
+    /// Extra time the step stood idle for copies.
     pub copy_s: f64,
-    /// What is left: `excess_s` minus the causes above.
+    /// What is left: `excess_s` minus the causes above; the time the epoch spent outside
+    /// the step and its two stalls, against the steady epoch's.
     pub unexplained_s: f64,
 }
 
 impl Warmup {
-    /// The split of epoch 1 against the median of the others; `None` with fewer than
-    /// two epochs.
+    /// The split of epoch 1 against the steady epoch: the later epoch of median wall
+    /// time (the upper median of an even count). Every cause is charged against that one
+    /// epoch, so that the causes and what is left add up to the excess; `None` with
+    /// fewer than two epochs.
+    ///
+    /// The causes are measured on the epoch's critical path, the training step: the time
+    /// it stood idle for data (the cold cache), stepped, and stood idle for copies. A
+    /// stage that overlaps the step (the workers' gathering, a copy of the next batch)
+    /// costs wall time only through those stalls.
     pub fn of(rows: &[EpochRow]) -> Option<Warmup> {
         let (first, rest) = rows.split_first()?;
         if rest.is_empty() {
             return None;
         }
-        let m = |f: fn(&EpochRow) -> f64| median(rest.iter().map(f).collect());
-        let steady = m(|r| r.wall_s);
-        let excess = first.wall_s - steady;
-        let cold = first.wait_data_s - m(|r| r.wait_data_s);
-        let steady_read = m(|r| r.bytes_read as f64);
-        let cold_read_bytes = (first.bytes_read as f64 - steady_read).max(0.0) as u64;
-        let cold_gather_s = first.gather_s - m(|r| r.gather_s);
-        let compute = first.compute_s - m(|r| r.compute_s);
-        let copy = first.copy_s - m(|r| r.copy_s);
+        let mut by_wall: Vec<&EpochRow> = rest.iter().collect();
+        by_wall.sort_by(|a, b| a.wall_s.total_cmp(&b.wall_s));
+        let steady = by_wall[by_wall.len() / 2];
+        let excess = first.wall_s - steady.wall_s;
+        let cold = first.stall_data_s - steady.stall_data_s;
+        let cold_read_bytes = first.bytes_read.saturating_sub(steady.bytes_read);
+        let cold_gather_s = first.gather_s - steady.gather_s;
+        let compute = first.compute_s - steady.compute_s;
+        let copy = first.stall_copy_s - steady.stall_copy_s;
         Some(Warmup {
             first_s: first.wall_s,
-            steady_s: steady,
+            steady_s: steady.wall_s,
             excess_s: excess,
-            ratio: first.wall_s / steady.max(1e-12),
+            ratio: first.wall_s / steady.wall_s.max(1e-12),
             cold_cache_s: cold,
             cold_read_bytes,
             cold_gather_s,
@@ -346,11 +361,11 @@ impl TrainReport {
         };
         let first = &self.epochs[0];
         s += &format!(
-            "epoch 0 took {:.3} s against a steady {:.3} s (median of the later epochs): {:+.3} s, {:.2}x\n",
+            "epoch 0 took {:.3} s against a steady {:.3} s (the later epoch of median time): {:+.3} s, {:.2}x\n",
             w.first_s, w.steady_s, w.excess_s, w.ratio
         );
         s += &format!(
-            "  cold page cache (waiting for data): {:+.3} s  (resident {} -> {}, {}",
+            "  cold page cache (step idle for data): {:+.3} s  (resident {} -> {}, {}",
             w.cold_cache_s,
             pct(first.residency_start),
             pct(first.residency_end),
@@ -367,12 +382,15 @@ impl TrainReport {
         }
         s += ")\n";
         s += &format!(
-            "  slower training step:              {:+.3} s\n",
+            "  slower training step:                {:+.3} s\n",
             w.compute_s
         );
-        s += &format!("  slower copies:                      {:+.3} s\n", w.copy_s);
         s += &format!(
-            "  unexplained:                        {:+.3} s\n",
+            "  step idle for copies:                {:+.3} s\n",
+            w.copy_s
+        );
+        s += &format!(
+            "  unexplained:                          {:+.3} s\n",
             w.unexplained_s
         );
         match self.device_cache_bytes {
@@ -420,7 +438,15 @@ mod tests {
     use super::{EpochRow, Warmup};
     use crate::pagecache::Residency;
 
-    fn row(epoch: u64, wall_s: f64, wait_data_s: f64, compute_s: f64, copy_s: f64) -> EpochRow {
+    /// A row whose step stood idle for `stall_data_s` and `stall_copy_s`; the copier's
+    /// own waits and copies are twice those (they overlap the step, and must not count).
+    fn row(
+        epoch: u64,
+        wall_s: f64,
+        stall_data_s: f64,
+        compute_s: f64,
+        stall_copy_s: f64,
+    ) -> EpochRow {
         EpochRow {
             epoch,
             wall_s,
@@ -429,9 +455,11 @@ mod tests {
             gb_per_s: 0.0,
             first_batch_s: 0.0,
             gather_s: 0.0,
-            wait_data_s,
-            copy_s,
+            wait_data_s: 2.0 * stall_data_s,
+            copy_s: 2.0 * stall_copy_s,
             compute_s,
+            stall_data_s,
+            stall_copy_s,
             stalled_share: 0.0,
             residency_start: Residency::default(),
             residency_end: Residency::default(),
@@ -445,13 +473,15 @@ mod tests {
 
     #[test]
     fn the_warmup_split_charges_each_cause_against_the_median_later_epoch() {
-        // Epoch 0 waited 0.3 s more for data, computed 0.1 s more and copied 0.05 s more
-        // than the median later epoch (epoch 2; epoch 3 is an outlier that must not count).
+        // Epoch 0's step stood idle 0.3 s more for data, computed 0.1 s more and stood
+        // idle 0.05 s more for copies than in the later epoch of median time (epoch 2,
+        // whose causes count even where another epoch's are lower; epoch 3 is an outlier
+        // that must not count).
         let rows = [
             row(0, 1.5, 0.4, 0.6, 0.15),
-            row(1, 0.9, 0.05, 0.5, 0.1),
+            row(1, 0.9, 0.05, 0.45, 0.05),
             row(2, 1.0, 0.1, 0.5, 0.1),
-            row(3, 9.0, 5.0, 0.5, 0.1),
+            row(3, 9.0, 5.0, 0.4, 0.0),
         ];
         let w = Warmup::of(&rows).unwrap();
         let close = |a: f64, b: f64| (a - b).abs() < 1e-12;

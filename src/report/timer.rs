@@ -169,6 +169,7 @@ impl EpochRow {
         out.stages.wait_data = times.wait;
         out.stages.copy = times.copy;
         out.stages.compute = times.compute;
+        out.stages.in_series();
         EpochRow::new(epoch, &out, bytes_per_sample, residency)
     }
 }

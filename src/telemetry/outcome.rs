@@ -18,6 +18,22 @@ pub struct StageTimes {
     pub compute: Duration,
     /// Time the compute stage waited for a filled slot.
     pub wait_copy: Duration,
+    /// Time the training step stood idle for want of a batch from the loader: the share
+    /// of the waits on the epoch's critical path (the step) that data caused. Where one
+    /// thread waits, copies and steps in turn, `wait_data` itself.
+    pub stall_data: Duration,
+    /// Time the training step stood idle while its batch was being copied (on the
+    /// critical path); where one thread copies and steps in turn, `copy` itself.
+    pub stall_copy: Duration,
+}
+
+impl StageTimes {
+    /// Sets the stalls of a pipeline run by one thread in series (wait, copy, step): each
+    /// wait for data and each copy held the step up.
+    pub fn in_series(&mut self) {
+        self.stall_data = self.wait_data;
+        self.stall_copy = self.copy;
+    }
 }
 
 /// What one epoch of training produced.
