@@ -84,6 +84,16 @@ pub enum Error {
         /// The pool's size.
         buffers: usize,
     },
+    /// Every device slot is lent to a batch still alive, none of them used on another
+    /// thread, and none was released for a second: waiting would never end.
+    #[error(
+        "all {slots} device slots are held by live batches; drop a batch (and the tensors \
+         viewing it) before asking for the next one, or lend more slots (`held`)"
+    )]
+    SlotsExhausted {
+        /// The slots.
+        slots: usize,
+    },
     /// An [`Epoch`](crate::Epoch) iterator was leaked (`mem::forget`) instead of
     /// dropped: the buffers it held never come back, so the loader refuses new epochs
     /// rather than wait for them forever.

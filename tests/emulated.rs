@@ -383,6 +383,13 @@ fn partial_and_failing_epochs() {
 }
 
 #[test]
+fn lent_batches_wait_for_their_consumers() {
+    emulated("lent_batches_wait_for_their_consumers", 50, |c| {
+        gpu_checks::lent_batches_wait_for_their_consumers(c)
+    });
+}
+
+#[test]
 fn a_bad_label_is_an_error() {
     emulated("a_bad_label_is_an_error", 0, |c| {
         gpu_checks::a_bad_label_is_an_error(c)

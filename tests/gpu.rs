@@ -78,6 +78,11 @@ fn partial_and_failing_epochs() {
 }
 
 #[test]
+fn lent_batches_wait_for_their_consumers() {
+    on_gpu(gpu_checks::lent_batches_wait_for_their_consumers);
+}
+
+#[test]
 fn a_bad_label_is_an_error() {
     on_gpu(gpu_checks::a_bad_label_is_an_error);
 }

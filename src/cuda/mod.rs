@@ -5,6 +5,7 @@
 mod cache;
 mod feeder;
 pub(crate) mod kernels;
+mod lease;
 pub(crate) mod nvrtc;
 mod pinned;
 mod step;
@@ -15,6 +16,7 @@ use std::sync::Arc;
 pub use cudarc::driver::CudaContext;
 pub use feeder::{DeviceBatch, FeedStats, Feeder};
 pub use kernels::{build_arch, KernelOrigin, Kernels};
+pub use lease::{DeviceSlots, LentBatch, StreamHandle, LEGACY_STREAM, PER_THREAD_STREAM};
 pub use nvrtc::Nvrtc;
 pub use pinned::{PinnedAlloc, PinnedKind};
 pub use trainer::CudaTrainer;
@@ -64,19 +66,31 @@ fn quietly<R>(f: impl FnOnce() -> R + std::panic::UnwindSafe) -> Result<R, Strin
     })
 }
 
-/// Looks for libcuda, a device and NVRTC, in that order.
+/// The driver's side of a device: its context, the CUDA version the driver supports,
+/// and how long the context took (what [`probe`] finds before it looks for NVRTC).
+#[derive(Debug, Clone)]
+pub struct Driver {
+    /// The context on the device.
+    pub ctx: Arc<CudaContext>,
+    /// `cuDriverGetVersion`, e.g. `(13, 0)`.
+    pub version: (i32, i32),
+    /// How long creating the context took.
+    pub context_time: std::time::Duration,
+}
+
+/// Looks for libcuda and device `ordinal`, and makes its (primary) context: all that
+/// copies to the device need, without NVRTC.
 ///
 /// # Errors
-/// A one-line reason: "no libcuda found", "no CUDA device: ...", "NVRTC not found:
-/// looked for ...".
-pub fn probe() -> Result<Cuda, String> {
+/// A one-line reason: "no libcuda found", "no CUDA device: ...".
+pub fn probe_driver(ordinal: usize) -> Result<Driver, String> {
     if !libcuda_present() {
         return Err("no libcuda found (looked for libcuda.so and libcuda.so.1)".into());
     }
     let start = std::time::Instant::now();
-    let ctx = quietly(|| CudaContext::new(0))
+    let ctx = quietly(|| CudaContext::new(ordinal))
         .map_err(|m| format!("no CUDA device: loading the driver failed: {m}"))?
-        .map_err(|e| format!("no CUDA device: {e}"))?;
+        .map_err(|e| format!("no CUDA device {ordinal}: {e}"))?;
     let context_time = start.elapsed();
     let mut version = 0;
     // SAFETY: libcuda is loaded and initialised (a context exists); the call writes one
@@ -87,7 +101,24 @@ pub fn probe() -> Result<Cuda, String> {
             "the CUDA driver cannot tell its version: {status:?}"
         ));
     }
-    let driver = (version / 1000, version % 1000 / 10);
+    Ok(Driver {
+        ctx,
+        version: (version / 1000, version % 1000 / 10),
+        context_time,
+    })
+}
+
+/// Looks for libcuda, a device and NVRTC, in that order.
+///
+/// # Errors
+/// A one-line reason: "no libcuda found", "no CUDA device: ...", "NVRTC not found:
+/// looked for ...".
+pub fn probe() -> Result<Cuda, String> {
+    let Driver {
+        ctx,
+        version: driver,
+        context_time,
+    } = probe_driver(0)?;
     let nvrtc = Nvrtc::load()?;
     let name = ctx.name().unwrap_or_else(|_| "unknown CUDA device".into());
     let arch = ctx

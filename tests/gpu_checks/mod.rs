@@ -8,7 +8,7 @@ use stokehold::cuda::{Cuda, CudaTrainer, Kernels, PinnedAlloc, PinnedKind};
 use stokehold::gen::{self, ClassificationSpec};
 use stokehold::model::{step, Metrics, Mlp, MlpConfig, Normalize, Workspace};
 use stokehold::Trainer;
-use stokehold::{Dataset, Loader, NpyDataset, Shuffle};
+use stokehold::{Dataset, HostAlloc, Loader, NpyDataset, Shuffle};
 
 use crate::common::DIGITS;
 
@@ -421,4 +421,106 @@ pub fn partial_and_failing_epochs(c: Cuda) {
         .unwrap();
     assert_eq!(t.enable_device_cache(sharded.order(), 0.5).unwrap(), None);
     assert!(!t.cache_filled());
+}
+
+/// A host function for a stream: sleeps 3 ms, so that the stream's next work runs late.
+unsafe extern "C" fn slow(_: *mut std::ffi::c_void) {
+    std::thread::sleep(std::time::Duration::from_millis(3));
+}
+
+/// Lent batches on a consumer stream of their own, released at once while the consumer
+/// still has work on them queued: each batch read back on the consumer's stream (behind
+/// a delay) holds its rows, so no slot was copied into before the consumer was done
+/// with it, and no read ran before its copy. Then: a thread holding every slot gets an
+/// error, not a hang; a batch used on another thread is waited for.
+pub fn lent_batches_wait_for_their_consumers(c: Cuda) {
+    use cudarc::driver::result;
+    use stokehold::cuda::DeviceSlots;
+
+    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(DIGITS).unwrap());
+    let mut loader = Loader::builder_shared(Arc::clone(&ds))
+        .batch_size(100)
+        .workers(2)
+        .shuffle(Shuffle::Full { seed: 4 })
+        .allocator(Arc::new(PinnedAlloc::new(
+            Arc::clone(&c.ctx),
+            PinnedKind::Plain,
+        )))
+        .build()
+        .unwrap();
+    let layout = loader.layout().clone();
+    let mut slots = DeviceSlots::new(&c.ctx, &layout, 2).unwrap();
+    let consumer = c.ctx.new_stream().unwrap();
+    let handle = consumer.cu_stream() as usize;
+    let pinned = PinnedAlloc::new(Arc::clone(&c.ctx), PinnedKind::Plain);
+    let mut seen = Vec::new();
+    for (i, batch) in loader.epoch(0).unwrap().enumerate() {
+        // Every other batch, the copy runs late (a read that did not wait for it sees
+        // the slot's old rows); the others, the consumer's read runs late (a slot
+        // copied into again before it sees a later batch's rows).
+        let late = |stream: &cudarc::driver::CudaStream| {
+            // SAFETY: the host function takes no argument.
+            unsafe {
+                result::stream::launch_host_function(stream.cu_stream(), slow, std::ptr::null_mut())
+            }
+            .unwrap()
+        };
+        if i % 2 == 1 {
+            late(slots.stream());
+        }
+        let lent = slots.lend(batch.unwrap()).unwrap();
+        lent.wait_on(handle).unwrap();
+        let x = lent.column_ptr(0);
+        let n = lent.len() * layout.columns()[0].row_bytes;
+        // Pinned, so that the read-back is asynchronous (into pageable memory it would
+        // wait for the consumer stream, and order everything).
+        let back = pinned.alloc(n).unwrap();
+        if i % 2 == 0 {
+            late(&consumer);
+        }
+        // SAFETY: the copy writes `n` bytes of the slot (the batch's rows of column 0)
+        // into `back` (at least `n` bytes), which is read only after the consumer
+        // stream is synchronised below, and lives until then (kept in `seen`).
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(back.as_ptr(), n);
+            result::memcpy_dtoh_async(dst, x, consumer.cu_stream()).unwrap();
+        }
+        seen.push((lent.indices().to_vec(), back));
+        drop(lent);
+    }
+    consumer.synchronize().unwrap();
+    let row = layout.columns()[0].row_bytes;
+    let mut y = vec![0u8; 8 * 100];
+    for (indices, back) in &seen {
+        let mut x = vec![0u8; indices.len() * row];
+        let ds_y = &mut y[..indices.len() * 8];
+        ds.gather(0, indices, &mut [&mut x, ds_y]).unwrap();
+        // SAFETY: `back` holds at least this many bytes, written by the synchronised copy.
+        let back = unsafe { std::slice::from_raw_parts(back.as_ptr(), x.len()) };
+        assert!(x == back, "a slot was overwritten or read too early");
+    }
+    assert_eq!(seen.len() as u64, loader.batches());
+
+    // Both slots held on this thread: the third batch is an error within seconds.
+    let mut epoch = loader.epoch(1).unwrap();
+    let a = slots.lend(epoch.next().unwrap().unwrap()).unwrap();
+    let b = slots.lend(epoch.next().unwrap().unwrap()).unwrap();
+    let err = slots.lend(epoch.next().unwrap().unwrap()).unwrap_err();
+    assert!(
+        matches!(err, stokehold::Error::SlotsExhausted { slots: 2 }),
+        "{err}"
+    );
+    // One of them used on another thread, dropped there later: the next lend waits for it.
+    drop(a);
+    let c2 = slots.lend(epoch.next().unwrap().unwrap()).unwrap();
+    let elsewhere = std::thread::spawn(move || {
+        b.wait_on(stokehold::cuda::LEGACY_STREAM).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+        drop(b);
+    });
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let d = slots.lend(epoch.next().unwrap().unwrap()).unwrap();
+    elsewhere.join().unwrap();
+    drop((c2, d));
+    slots.drain().unwrap();
 }

@@ -1,0 +1,437 @@
+//! Device batches lent to code that runs on its own CUDA streams: a DLPack consumer
+//! (PyTorch, JAX and CuPy through the Python package) or a Rust framework.
+//!
+//! [`DeviceSlots::lend`] copies a host batch into a free device slot on stokehold's copy
+//! stream and records an event after the copy; the host does not wait. A consumer calls
+//! [`LentBatch::wait_on`] with its stream before it reads the slot: that stream then
+//! waits for the copy on the device. When the last handle of a batch is dropped, an event
+//! is recorded on every stream that waited on it, and the next copy into the slot waits
+//! for those events: the slot is overwritten only once the consumer's work on it,
+//! enqueued before the release, has run. Work enqueued on a stream that was never named
+//! is the consumer's to order; with no stream named at all, the release is recorded on
+//! the legacy default stream (which waits for every blocking stream).
+//!
+//! Pinned host batches stay alive until their copies are done, at most two at a time.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::ThreadId;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaSlice, CudaStream};
+
+use super::feeder::addr;
+use crate::error::{Error, Result};
+use crate::loader::{BatchLayout, HostBatch};
+
+/// A CUDA stream handle (`CUstream`) as an integer, as DLPack's `stream` argument gives
+/// it: a stream's address, or [`LEGACY_STREAM`] / [`PER_THREAD_STREAM`].
+pub type StreamHandle = usize;
+
+/// `CU_STREAM_LEGACY`: the legacy default stream.
+pub const LEGACY_STREAM: StreamHandle = 1;
+
+/// `CU_STREAM_PER_THREAD`: the calling thread's default stream.
+pub const PER_THREAD_STREAM: StreamHandle = 2;
+
+/// How long [`DeviceSlots::lend`] waits for a slot while every one is lent to batches
+/// used on the asking thread only, before it reports that waiting would never end.
+const EXHAUSTED_GRACE: Duration = Duration::from_secs(1);
+
+/// Host batches whose copies may still be running, at most.
+const IN_FLIGHT: usize = 2;
+
+/// What a slot's reuse waits for.
+#[derive(Default)]
+struct Release {
+    /// Recorded on the consumers' streams when the slot's last batch was released.
+    events: Vec<CudaEvent>,
+    /// Events to record again.
+    spare: Vec<CudaEvent>,
+}
+
+/// The slots and their bookkeeping, shared by the ring and the batches it lent.
+struct Shared {
+    ctx: Arc<CudaContext>,
+    memory: Vec<CudaSlice<u8>>,
+    /// Each slot's device address.
+    ptrs: Vec<u64>,
+    /// Recorded on the copy stream after each copy into the slot.
+    copied: Vec<CudaEvent>,
+    release: Vec<Mutex<Release>>,
+    free: Mutex<Vec<usize>>,
+    available: Condvar,
+    /// Lent slots whose batch was used on a thread other than the one it was lent to:
+    /// such a batch is released however long the asking thread waits.
+    away: AtomicUsize,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Shared {
+    /// Records slot `k`'s release on `streams` and returns the slot. On a driver error
+    /// the context is synchronised instead (everything enqueued so far has then run).
+    fn release(&self, k: usize, streams: &[StreamHandle]) {
+        let recorded = (|| -> Result<()> {
+            self.ctx.bind_to_thread()?;
+            let mut r = lock(&self.release[k]);
+            for &s in streams {
+                let event = match r.spare.pop() {
+                    Some(e) => e,
+                    None => self.ctx.new_event(None)?,
+                };
+                // SAFETY: the event is live (owned here); the stream handle is the
+                // consumer's, named to `wait_on`, which holds it valid until its work
+                // on the batch is enqueued, as DLPack's protocol requires.
+                let status = unsafe { result::event::record(event.cu_event(), s as sys::CUstream) };
+                match status {
+                    Ok(()) => r.events.push(event),
+                    Err(e) => {
+                        r.spare.push(event);
+                        return Err(e.into());
+                    }
+                }
+            }
+            Ok(())
+        })();
+        if recorded.is_err() {
+            let _ = self.ctx.synchronize();
+        }
+        lock(&self.free).push(k);
+        self.available.notify_all();
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // The memory is freed after the consumers' last work on it has run.
+        for r in &self.release {
+            for e in &lock(r).events {
+                let _ = e.synchronize();
+            }
+        }
+    }
+}
+
+/// A ring of device slots that batches are copied into and lent from.
+pub struct DeviceSlots {
+    shared: Arc<Shared>,
+    copy: Arc<CudaStream>,
+    layout: Arc<BatchLayout>,
+    /// Host batches whose copies may still be running, with their slots.
+    in_flight: VecDeque<(HostBatch, usize)>,
+}
+
+impl DeviceSlots {
+    /// `slots` device slots (at least 1) for batches of `layout` on the device of `ctx`,
+    /// with a copy stream of their own.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the stream, an event or a slot cannot be made.
+    pub fn new(ctx: &Arc<CudaContext>, layout: &BatchLayout, slots: usize) -> Result<DeviceSlots> {
+        let k = slots.max(1);
+        let copy = ctx.new_stream()?;
+        let memory = (0..k)
+            .map(|_| copy.alloc_zeros::<u8>(layout.bytes()).map_err(Error::from))
+            .collect::<Result<Vec<_>>>()?;
+        copy.synchronize()?;
+        let ptrs = memory.iter().map(|m| addr(m, &copy)).collect();
+        // A host wait sleeps instead of spinning a core the loader needs.
+        let blocking = Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC);
+        let copied = (0..k)
+            .map(|_| ctx.new_event(blocking).map_err(Error::from))
+            .collect::<Result<Vec<_>>>()?;
+        let shared = Shared {
+            ctx: Arc::clone(ctx),
+            memory,
+            ptrs,
+            copied,
+            release: (0..k).map(|_| Mutex::default()).collect(),
+            free: Mutex::new((0..k).rev().collect()),
+            available: Condvar::new(),
+            away: AtomicUsize::new(0),
+        };
+        Ok(DeviceSlots {
+            shared: Arc::new(shared),
+            copy,
+            layout: Arc::new(layout.clone()),
+            in_flight: VecDeque::with_capacity(IN_FLIGHT + 1),
+        })
+    }
+
+    /// The slots.
+    pub fn slots(&self) -> usize {
+        self.shared.memory.len()
+    }
+
+    /// The copy stream.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.copy
+    }
+
+    /// Copies `batch` into a free slot and lends it. Waits for a slot while every one is
+    /// lent; the host never waits for the consumers' work, only the copy stream does.
+    ///
+    /// # Errors
+    /// [`Error::SlotsExhausted`] when every slot stays lent to batches used only on the
+    /// calling thread (waiting would never end); [`Error::Cuda`] on a driver error.
+    pub fn lend(&mut self, batch: HostBatch) -> Result<LentBatch> {
+        let k = self.take_slot()?;
+        let copied = self.enqueue_copy(k, &batch);
+        if copied.is_err() {
+            // Nothing of this slot is lent: it goes back as it was.
+            self.shared.release(k, &[]);
+        }
+        copied?;
+        let lent = LentBatch {
+            shared: Arc::clone(&self.shared),
+            layout: Arc::clone(&self.layout),
+            slot: k,
+            len: batch.len(),
+            epoch: batch.epoch(),
+            number: batch.number(),
+            indices: batch.indices().to_vec(),
+            owner: std::thread::current().id(),
+            away: AtomicBool::new(false),
+            streams: Mutex::new(Vec::new()),
+        };
+        self.in_flight.push_back((batch, k));
+        self.retire(IN_FLIGHT)?;
+        Ok(lent)
+    }
+
+    /// Makes the copy stream wait for slot `k`'s release and enqueues the copy of
+    /// `batch` into it, then the slot's `copied` event.
+    fn enqueue_copy(&self, k: usize, batch: &HostBatch) -> Result<()> {
+        let s = &*self.shared;
+        s.ctx.bind_to_thread()?;
+        {
+            let mut r = lock(&s.release[k]);
+            let Release { events, spare } = &mut *r;
+            for e in events.drain(..) {
+                let waited = self.copy.wait(&e);
+                spare.push(e);
+                waited?;
+            }
+        }
+        let bytes = batch.as_bytes();
+        debug_assert_eq!(bytes.len(), self.layout.bytes());
+        // SAFETY: slot k holds `layout.bytes()` bytes, as does the batch's buffer; the
+        // copy stream waits for every consumer's release of the slot (just above), and
+        // the batch stays in `in_flight` until the copy has completed.
+        unsafe { result::memcpy_htod_async(s.ptrs[k], bytes, self.copy.cu_stream()) }?;
+        s.copied[k].record(&self.copy)?;
+        Ok(())
+    }
+
+    /// Releases the host batches whose copies are done, waiting for the oldest while
+    /// more than `keep` remain.
+    fn retire(&mut self, keep: usize) -> Result<()> {
+        while let Some(&(_, k)) = self.in_flight.front() {
+            let event = &self.shared.copied[k];
+            if self.in_flight.len() <= keep && !event.try_is_complete()? {
+                break;
+            }
+            event.synchronize()?;
+            self.in_flight.pop_front();
+        }
+        Ok(())
+    }
+
+    /// A free slot: the one released last. Waits while none is free.
+    fn take_slot(&self) -> Result<usize> {
+        let s = &*self.shared;
+        let mut free = lock(&s.free);
+        let mut stuck: Option<Instant> = None;
+        loop {
+            if let Some(k) = free.pop() {
+                return Ok(k);
+            }
+            if s.away.load(Ordering::Acquire) == 0 {
+                let since = *stuck.get_or_insert_with(Instant::now);
+                if since.elapsed() >= EXHAUSTED_GRACE {
+                    return Err(Error::SlotsExhausted {
+                        slots: self.slots(),
+                    });
+                }
+            } else {
+                stuck = None;
+            }
+            free = s
+                .available
+                .wait_timeout(free, Duration::from_millis(20))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Waits for every copy enqueued so far and releases the host batches.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] on a driver error.
+    pub fn drain(&mut self) -> Result<()> {
+        self.copy.synchronize()?;
+        self.in_flight.clear();
+        Ok(())
+    }
+}
+
+impl Drop for DeviceSlots {
+    fn drop(&mut self) {
+        // No pinned buffer goes back to the loader while a copy may still read it.
+        if self.copy.synchronize().is_err() {
+            let _ = self.shared.ctx.synchronize();
+        }
+        self.in_flight.clear();
+    }
+}
+
+/// A batch in a device slot, lent to the caller: [`wait_on`](LentBatch::wait_on) before
+/// reading it on a stream. The slot is copied into again only after every stream named
+/// has passed the point where the batch was dropped.
+pub struct LentBatch {
+    shared: Arc<Shared>,
+    layout: Arc<BatchLayout>,
+    slot: usize,
+    len: usize,
+    epoch: u64,
+    number: u64,
+    indices: Vec<u64>,
+    owner: ThreadId,
+    away: AtomicBool,
+    /// The streams named to `wait_on`, each once.
+    streams: Mutex<Vec<StreamHandle>>,
+}
+
+impl std::fmt::Debug for LentBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LentBatch")
+            .field("slot", &self.slot)
+            .field("epoch", &self.epoch)
+            .field("number", &self.number)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LentBatch {
+    /// Samples in the batch.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the batch has no samples.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The epoch it belongs to.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Its number in the epoch.
+    pub fn number(&self) -> u64 {
+        self.number
+    }
+
+    /// The samples (global indices), on the host.
+    pub fn indices(&self) -> &[u64] {
+        &self.indices
+    }
+
+    /// Where the columns sit in the slot.
+    pub fn layout(&self) -> &BatchLayout {
+        &self.layout
+    }
+
+    /// The slot it was lent (for tests and traces).
+    pub fn slot(&self) -> usize {
+        self.slot
+    }
+
+    /// The device address of column `c`'s first row; its rows follow one another.
+    ///
+    /// # Panics
+    /// If `c` is not a column of the layout.
+    pub fn column_ptr(&self, c: usize) -> u64 {
+        self.shared.ptrs[self.slot] + self.layout.offset(c) as u64
+    }
+
+    /// The device ordinal.
+    pub fn device(&self) -> usize {
+        self.shared.ctx.ordinal()
+    }
+
+    /// Makes `stream` wait on the device for the batch's copy (the host does not wait),
+    /// and remembers it: the slot is reused only after `stream` has run what was
+    /// enqueued on it before the batch is dropped.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the driver refuses the stream (a handle of another context,
+    /// or not a stream).
+    pub fn wait_on(&self, stream: StreamHandle) -> Result<()> {
+        self.touch();
+        let s = &*self.shared;
+        s.ctx.bind_to_thread()?;
+        let event = s.copied[self.slot].cu_event();
+        // SAFETY: the event is live (owned by `shared`, which `self` holds); the stream
+        // is the caller's, valid for this call by the contract of DLPack's `stream`.
+        unsafe {
+            result::stream::wait_event(
+                stream as sys::CUstream,
+                event,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }?;
+        let mut streams = lock(&self.streams);
+        if !streams.contains(&stream) {
+            streams.push(stream);
+        }
+        Ok(())
+    }
+
+    /// Names `stream` as one the batch is used on, without waiting for the copy on it
+    /// (the caller has ordered it otherwise, as DLPack's `stream=-1` promises).
+    pub fn used_on(&self, stream: StreamHandle) {
+        self.touch();
+        let mut streams = lock(&self.streams);
+        if !streams.contains(&stream) {
+            streams.push(stream);
+        }
+    }
+
+    /// Waits on the host until the batch's copy is done.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] on a driver error.
+    pub fn synchronize(&self) -> Result<()> {
+        self.touch();
+        Ok(self.shared.copied[self.slot].synchronize()?)
+    }
+
+    /// Notes a use on a thread other than the one the batch was lent to: the ring then
+    /// waits for its release however long that takes.
+    fn touch(&self) {
+        if std::thread::current().id() != self.owner && !self.away.swap(true, Ordering::AcqRel) {
+            self.shared.away.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+}
+
+impl Drop for LentBatch {
+    fn drop(&mut self) {
+        let streams = std::mem::take(&mut *lock(&self.streams));
+        let streams = match streams.is_empty() {
+            true => vec![LEGACY_STREAM],
+            false => streams,
+        };
+        if self.away.load(Ordering::Acquire) {
+            self.shared.away.fetch_sub(1, Ordering::AcqRel);
+        }
+        self.shared.release(self.slot, &streams);
+    }
+}
