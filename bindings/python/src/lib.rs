@@ -5,6 +5,8 @@
 //! batch, and the buffer returns to the loader's pool when the batch and every view of
 //! it are gone. The GIL is released while a batch is awaited.
 
+mod device;
+
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -75,6 +77,8 @@ struct Shape {
     samples: u64,
     /// Whether epochs draw a progress bar (`None`: on a terminal only).
     progress: Option<bool>,
+    /// The device slots batches are copied into, with `device="cuda"`.
+    device: Option<device::Slots>,
 }
 
 /// An opened dataset, for a loader to be built over.
@@ -253,9 +257,28 @@ struct Options {
     shard: Shard,
     page_cache_budget: Option<u64>,
     progress: Option<bool>,
+    /// `"cuda"` or `"cuda:N"`: batches are copied to that device.
+    device: Option<String>,
     data: String,
     /// Seconds opening the dataset took.
     open_s: f64,
+}
+
+/// The device ordinal `device` names (`"cuda"`, `"cuda:N"`; `"cpu"` or `None`: none).
+fn device_ordinal(device: Option<&str>) -> PyResult<Option<usize>> {
+    match device {
+        None | Some("cpu") => Ok(None),
+        Some("cuda") => Ok(Some(0)),
+        Some(d) => d
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse().ok())
+            .map(Some)
+            .ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "device {d:?}: expected \"cpu\", \"cuda\" or \"cuda:N\""
+                ))
+            }),
+    }
 }
 
 fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
@@ -269,9 +292,22 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
         shard,
         page_cache_budget,
         progress,
+        device,
         data,
         open_s,
     } = o;
+    let cuda = match device_ordinal(device.as_deref())? {
+        None => None,
+        Some(n) => Some(stokehold::cuda::probe_driver(n).map_err(|reason| {
+            Error::new_err(format!(
+                "device={:?}: {reason}",
+                device.as_deref().unwrap_or("")
+            ))
+        })?),
+    };
+    // Device batches: as many slots as batches the loop may hold, plus the one being
+    // copied and the one being read.
+    let slots = held.unwrap_or(2) + 2;
     let mut b = stokehold::Loader::builder_shared(Arc::clone(&dataset))
         .batch_size(batch_size)
         .shuffle(shuffle)
@@ -289,7 +325,23 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
     if let Some(bytes) = page_cache_budget {
         b = b.page_cache_budget(bytes);
     }
+    if let Some(d) = &cuda {
+        // Batches are gathered straight into page-locked memory, for asynchronous copies.
+        let pinned = stokehold::cuda::PinnedAlloc::new(
+            Arc::clone(&d.ctx),
+            stokehold::cuda::PinnedKind::Plain,
+        );
+        b = b.allocator(Arc::new(pinned));
+    }
     let loader = b.build().map_err(error)?;
+    let device = match &cuda {
+        Some(d) => {
+            let s =
+                stokehold::cuda::DeviceSlots::new(&d.ctx, loader.layout(), slots).map_err(error)?;
+            Some(Arc::new(Mutex::new(s)))
+        }
+        None => None,
+    };
     let mut report = TrainReport::new("python", data, &loader);
     report.setup = Setup::of_loader(&loader);
     report.setup.dataset_open_s = open_s;
@@ -301,6 +353,7 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
         dataset,
         report,
         progress,
+        device,
     };
     Ok(Loader {
         slot: Arc::new(Mutex::new(Running {
@@ -332,7 +385,7 @@ impl Loader {
 impl Loader {
     /// Builds a loader over `dataset` (from `_Dataset.npy` or `_Dataset.tokens`).
     #[new]
-    #[pyo3(signature = (dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held, rank, world_size, page_cache_budget, progress))]
+    #[pyo3(signature = (dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held, rank, world_size, page_cache_budget, progress, device=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         dataset: PyRef<'_, OpenDataset>,
@@ -347,6 +400,7 @@ impl Loader {
         world_size: Option<u64>,
         page_cache_budget: Option<u64>,
         progress: Option<bool>,
+        device: Option<String>,
     ) -> PyResult<Loader> {
         let options = Options {
             batch_size,
@@ -358,6 +412,7 @@ impl Loader {
             shard: shard(rank, world_size)?,
             page_cache_budget,
             progress,
+            device,
             data: dataset.data.clone(),
             open_s: dataset.open_s,
         };
@@ -417,8 +472,10 @@ impl Loader {
             ))
         });
         let dataset = Arc::clone(&slf.shape.dataset);
+        let device = slf.shape.device.clone();
         Ok(Epoch {
             dataset,
+            device,
             _loader: slf.into(),
             slot,
             generation,
@@ -502,6 +559,8 @@ impl Loader {
 struct Epoch {
     _loader: Py<Loader>,
     dataset: Arc<dyn Dataset>,
+    /// The device slots batches are copied into, with `device="cuda"`.
+    device: Option<device::Slots>,
     slot: Slot,
     generation: u64,
     number: u64,
@@ -543,8 +602,8 @@ impl Epoch {
         slf
     }
 
-    /// The next batch; `None` at the end.
-    fn __next__(&self, py: Python<'_>) -> PyResult<Option<Batch>> {
+    /// The next batch (a `_Batch`, or a `_DeviceBatch` on a device); `None` at the end.
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
         let slot = Arc::clone(&self.slot);
         let generation = self.generation;
         let next = py.detach(move || {
@@ -571,10 +630,17 @@ impl Epoch {
                     let mut bar = bar.lock().unwrap_or_else(|e| e.into_inner());
                     bar.advance(batch.len() as u64, 0.0);
                 }
-                Ok(Some(Batch {
-                    batch,
-                    columns: Arc::clone(&self.columns),
-                }))
+                let columns = Arc::clone(&self.columns);
+                let batch = match &self.device {
+                    None => Py::new(py, Batch { batch, columns })?.into_any(),
+                    Some(slots) => {
+                        let batch = device::lend(py, slots, batch).inspect_err(|_| {
+                            self.end_progress();
+                        })?;
+                        Py::new(py, device::DeviceBatch { batch, columns })?.into_any()
+                    }
+                };
+                Ok(Some(batch))
             }
         }
     }
@@ -790,6 +856,8 @@ fn _stokehold(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Loader>()?;
     m.add_class::<Epoch>()?;
     m.add_class::<Batch>()?;
+    m.add_class::<device::DeviceBatch>()?;
+    m.add_class::<device::DeviceArray>()?;
     m.add_class::<Row>()?;
     m.add_class::<Report>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -25,6 +25,7 @@ from ._stokehold import Error, __version__
 
 __all__ = [
     "Batch",
+    "DeviceBatch",
     "Epoch",
     "EpochTimer",
     "Error",
@@ -94,6 +95,69 @@ class Batch:
         return f"<stokehold.Batch epoch {self.epoch} #{self.number}, {len(self)} samples: {cols}>"
 
 
+class DeviceBatch:
+    """One batch on a CUDA device (a loader built with ``device="cuda"``): ``batch[name]``
+    is column ``name`` in device memory, an array exporting DLPack, so that
+    ``torch.from_dlpack(batch["x"])`` is a CUDA tensor of shape
+    ``(len(batch), *sample_shape)`` without a copy, as are ``jax.dlpack.from_dlpack`` and
+    ``cupy.from_dlpack``. The consumer's stream (the one it names to ``__dlpack__``,
+    PyTorch's current stream) waits for the batch's copy on the device, so the tensor
+    is safe to use at once; the device slot is copied into again only after that stream
+    has run what was enqueued on it before the batch and every tensor made from it
+    were freed. ``batch.indices`` are on the host (NumPy ``uint64``)."""
+
+    __slots__ = ("_raw", "_names", "_cache")
+
+    def __init__(self, raw: Any, names: Sequence[str]):
+        self._raw = raw
+        self._names = list(names)
+        self._cache: Dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        array = self._cache.get(name)
+        if array is None:
+            array = self._raw.column(name)
+            self._cache[name] = array
+        return array
+
+    def keys(self) -> List[str]:
+        return list(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    @property
+    def indices(self) -> np.ndarray:
+        return self._raw.indices
+
+    @property
+    def epoch(self) -> int:
+        return self._raw.epoch
+
+    @property
+    def number(self) -> int:
+        """The batch's number in its epoch."""
+        return self._raw.number
+
+    @property
+    def slot(self) -> int:
+        """The device slot the batch was copied into."""
+        return self._raw.slot
+
+    def synchronize(self) -> None:
+        """Waits on the host for the batch's copy (code that names no stream)."""
+        self._raw.synchronize()
+
+    def __repr__(self) -> str:
+        return f"<stokehold.DeviceBatch epoch {self.epoch} #{self.number}, {len(self)} samples>"
+
+
 class Epoch:
     """One epoch's batches, in order (an iterator). Starting another epoch of the same
     loader, or resuming it, ends this one."""
@@ -107,10 +171,12 @@ class Epoch:
     def __iter__(self) -> "Epoch":
         return self
 
-    def __next__(self) -> Batch:
+    def __next__(self) -> Union[Batch, DeviceBatch]:
         raw = self._raw.__next__()
         if raw is None:
             raise StopIteration
+        if self._loader._device is not None:
+            return DeviceBatch(raw, list(self._loader._columns))
         return Batch(raw, self._loader._columns)
 
     def __len__(self) -> int:
@@ -139,6 +205,14 @@ class Loader:
     every buffer is held. ``progress`` draws a per-epoch bar on stderr (default: when
     stderr is a terminal).
 
+    ``device="cuda"`` (or ``"cuda:N"``) gathers batches into page-locked memory and
+    copies each to the GPU on stokehold's own stream: the epoch yields ``DeviceBatch``es,
+    whose columns export DLPack (``torch.from_dlpack``) without a copy. The device holds
+    ``held + 2`` batch slots; a loop keeping more device batches alive than ``held``
+    gets ``stokehold.Error`` (after a second) instead of waiting forever, unless a batch
+    it keeps is in use on another thread, which is waited for. Without a usable CUDA
+    driver and device, ``device="cuda"`` raises ``stokehold.Error`` saying why.
+
     Raises ``stokehold.Error`` naming the file and the problem for bad input.
     """
 
@@ -157,16 +231,19 @@ class Loader:
         page_cache_budget: Optional[int] = None,
         held: Optional[int] = None,
         progress: Optional[bool] = None,
+        device: Optional[str] = None,
     ):
         cols = None if columns is None else [str(c) for c in columns]
         dataset = _stokehold._Dataset.npy(None if path is None else str(path), cols)
         self._build(
             dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
-            rank, world_size, page_cache_budget, progress,
+            rank, world_size, page_cache_budget, progress, device,
         )
 
     def _build(self, dataset: Any, *options: Any) -> None:
         self._raw = _stokehold._Loader(dataset, *options)
+        device = options[-1]
+        self._device = None if device in (None, "cpu") else device
         self._columns = {
             name: (np.dtype(descr), tuple(int(d) for d in shape))
             for name, descr, shape in self._raw.columns()
@@ -229,11 +306,12 @@ class TokenLoader(Loader):
         page_cache_budget: Optional[int] = None,
         held: Optional[int] = None,
         progress: Optional[bool] = None,
+        device: Optional[str] = None,
     ):
         dataset = _stokehold._Dataset.tokens(str(path), seq_len, windows, seed, dtype)
         self._build(
             dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
-            rank, world_size, page_cache_budget, progress,
+            rank, world_size, page_cache_budget, progress, device,
         )
 
 
@@ -262,7 +340,7 @@ class EpochTimer:
     def __iter__(self) -> "EpochTimer":
         return self
 
-    def __next__(self) -> Batch:
+    def __next__(self) -> Union[Batch, DeviceBatch]:
         return self._timed("_wait", next, self._epoch)
 
     def step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

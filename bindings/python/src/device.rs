@@ -1,0 +1,350 @@
+//! Device batches in Python: each column exports DLPack (and `__cuda_array_interface__`)
+//! over a device slot lent by `stokehold::cuda::DeviceSlots`.
+//!
+//! `__dlpack__(stream=s)` makes the consumer's stream `s` wait for the batch's copy on
+//! the device, and names `s` for the slot's release: once the batch, its columns and
+//! every tensor made from them are gone, an event is recorded on `s`, and the slot is
+//! copied into again only after it.
+
+use std::ffi::{c_void, CStr};
+use std::sync::{Arc, Mutex};
+
+use numpy::PyArray1;
+use pyo3::exceptions::{PyBufferError, PyKeyError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use stokehold::cuda::{DeviceSlots, LentBatch, StreamHandle, LEGACY_STREAM};
+use stokehold::{Column, DType};
+
+/// DLPack's device type of CUDA memory (`kDLCUDA`).
+const KDL_CUDA: i32 = 2;
+
+/// The capsule's name while nobody has taken the tensor.
+const DLTENSOR: &CStr = c"dltensor";
+
+#[repr(C)]
+struct DLDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+struct DLDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DLTensor {
+    data: *mut c_void,
+    device: DLDevice,
+    ndim: i32,
+    dtype: DLDataType,
+    shape: *mut i64,
+    strides: *mut i64,
+    byte_offset: u64,
+}
+
+#[repr(C)]
+struct DLManagedTensor {
+    dl_tensor: DLTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+}
+
+/// A tensor handed to a consumer, with what it points into: the shape, and the batch
+/// (whose slot stays lent while this lives). `tensor` comes first, so a pointer to it
+/// is a pointer to the whole.
+#[repr(C)]
+struct Managed {
+    tensor: DLManagedTensor,
+    shape: Vec<i64>,
+    _batch: Arc<LentBatch>,
+}
+
+/// DLPack's deleter: frees the tensor and lets go of its batch.
+unsafe extern "C" fn delete(tensor: *mut DLManagedTensor) {
+    if !tensor.is_null() {
+        // SAFETY: every tensor with this deleter is the first field of a `Managed`
+        // leaked from a Box in `__dlpack__`, and the deleter is called once.
+        drop(unsafe { Box::from_raw(tensor.cast::<Managed>()) });
+    }
+}
+
+/// The capsule's destructor: a tensor nobody took (the capsule still named
+/// "dltensor") is deleted; one a consumer took (renamed "used_dltensor") is the
+/// consumer's to delete.
+unsafe extern "C" fn capsule_destructor(capsule: *mut pyo3::ffi::PyObject) {
+    // SAFETY: called by Python with the capsule, which is valid; the name check comes
+    // before the pointer is read, so no exception is raised.
+    unsafe {
+        if pyo3::ffi::PyCapsule_IsValid(capsule, DLTENSOR.as_ptr()) == 1 {
+            let p = pyo3::ffi::PyCapsule_GetPointer(capsule, DLTENSOR.as_ptr());
+            delete(p.cast::<DLManagedTensor>());
+        }
+    }
+}
+
+/// DLPack's code and bits of a column type.
+fn dl_dtype(d: DType) -> DLDataType {
+    let (code, bits) = match d {
+        DType::Bool => (6, 8),
+        DType::U8 => (1, 8),
+        DType::I8 => (0, 8),
+        DType::U16 => (1, 16),
+        DType::I16 => (0, 16),
+        DType::U32 => (1, 32),
+        DType::I32 => (0, 32),
+        DType::U64 => (1, 64),
+        DType::I64 => (0, 64),
+        DType::F16 => (2, 16),
+        DType::F32 => (2, 32),
+        DType::F64 => (2, 64),
+    };
+    DLDataType {
+        code,
+        bits,
+        lanes: 1,
+    }
+}
+
+fn error(e: stokehold::Error) -> PyErr {
+    crate::Error::new_err(e.to_string())
+}
+
+/// The device side of a loader: its slots, lent one batch at a time.
+pub(crate) type Slots = Arc<Mutex<DeviceSlots>>;
+
+/// Copies `batch` into a device slot of `slots` (without the GIL: it may wait for one).
+pub(crate) fn lend(
+    py: Python<'_>,
+    slots: &Slots,
+    batch: stokehold::HostBatch,
+) -> PyResult<Arc<LentBatch>> {
+    let slots = Arc::clone(slots);
+    let lent = py.detach(move || {
+        let mut s = slots.lock().unwrap_or_else(|e| e.into_inner());
+        s.lend(batch)
+    });
+    lent.map(Arc::new).map_err(error)
+}
+
+/// One batch on the device: a DLPack column per name, and the samples on the host.
+#[pyclass(module = "stokehold._stokehold", name = "_DeviceBatch")]
+pub(crate) struct DeviceBatch {
+    pub(crate) batch: Arc<LentBatch>,
+    pub(crate) columns: Arc<[Column]>,
+}
+
+#[pymethods]
+impl DeviceBatch {
+    /// Column `key` in device memory, shaped `(samples, *sample_shape)`.
+    fn column(&self, key: &str) -> PyResult<DeviceArray> {
+        let c = self
+            .columns
+            .iter()
+            .position(|c| c.name == key)
+            .ok_or_else(|| {
+                let names: Vec<&str> = self.columns.iter().map(|c| c.name.as_str()).collect();
+                PyKeyError::new_err(format!("no column {key:?}; the columns are {names:?}"))
+            })?;
+        let col = &self.columns[c];
+        let mut shape = vec![self.batch.len() as i64];
+        shape.extend(col.shape.iter().map(|&d| d as i64));
+        Ok(DeviceArray {
+            batch: Arc::clone(&self.batch),
+            ptr: self.batch.column_ptr(c),
+            dtype: col.dtype,
+            shape,
+        })
+    }
+
+    /// The samples of the batch (global indices), a `uint64` array on the host.
+    #[getter]
+    fn indices<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        PyArray1::from_slice(py, self.batch.indices())
+    }
+
+    fn __len__(&self) -> usize {
+        self.batch.len()
+    }
+
+    /// The epoch the batch belongs to.
+    #[getter]
+    fn epoch(&self) -> u64 {
+        self.batch.epoch()
+    }
+
+    /// The batch's number in its epoch.
+    #[getter]
+    fn number(&self) -> u64 {
+        self.batch.number()
+    }
+
+    /// The device slot it was copied into.
+    #[getter]
+    fn slot(&self) -> usize {
+        self.batch.slot()
+    }
+
+    /// Waits on the host until the batch's copy is done (for code that reads the
+    /// memory without naming a stream).
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let batch = Arc::clone(&self.batch);
+        py.detach(move || batch.synchronize()).map_err(error)
+    }
+}
+
+/// One column of a device batch: exports DLPack for `torch.from_dlpack`,
+/// `jax.dlpack.from_dlpack` and CuPy, and `__cuda_array_interface__`.
+#[pyclass(module = "stokehold._stokehold", name = "_DeviceArray")]
+pub(crate) struct DeviceArray {
+    batch: Arc<LentBatch>,
+    ptr: u64,
+    dtype: DType,
+    shape: Vec<i64>,
+}
+
+#[pymethods]
+impl DeviceArray {
+    /// The DLPack capsule of the column. `stream` is the consumer's CUDA stream: it
+    /// waits for the batch's copy on the device, and the slot is reused only after it
+    /// has run what is enqueued on it before the tensor is freed. `None` or 1 is the
+    /// legacy default stream, 2 the per-thread default stream; -1 asks for no wait
+    /// (the consumer orders itself; the release is recorded on the legacy stream).
+    #[pyo3(signature = (stream=None, *, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<i64>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        // A producer may answer any `max_version` with the unversioned capsule.
+        let _ = max_version;
+        let device = (KDL_CUDA, self.batch.device() as i32);
+        if dl_device.is_some_and(|d| d != device) {
+            return Err(PyBufferError::new_err(format!(
+                "a stokehold device batch lives on device {device:?} and cannot be exported \
+                 to {dl_device:?}"
+            )));
+        }
+        if copy == Some(true) {
+            return Err(PyBufferError::new_err(
+                "a stokehold device batch is exported without a copy (copy=True asked for one)",
+            ));
+        }
+        match stream {
+            None => self.wait(py, LEGACY_STREAM)?,
+            Some(-1) => self.batch.used_on(LEGACY_STREAM),
+            Some(s) if s > 0 => self.wait(py, s as StreamHandle)?,
+            Some(s) => {
+                return Err(PyBufferError::new_err(format!(
+                    "stream {s}: give the consumer's CUDA stream (1 for the legacy default \
+                     stream, 2 for the per-thread one, -1 for none; 0 is ambiguous)"
+                )))
+            }
+        }
+        let mut managed = Box::new(Managed {
+            tensor: DLManagedTensor {
+                dl_tensor: DLTensor {
+                    data: self.ptr as *mut c_void,
+                    device: DLDevice {
+                        device_type: device.0,
+                        device_id: device.1,
+                    },
+                    ndim: self.shape.len() as i32,
+                    dtype: dl_dtype(self.dtype),
+                    shape: std::ptr::null_mut(),
+                    strides: std::ptr::null_mut(),
+                    byte_offset: 0,
+                },
+                manager_ctx: std::ptr::null_mut(),
+                deleter: Some(delete),
+            },
+            shape: self.shape.clone(),
+            _batch: Arc::clone(&self.batch),
+        });
+        managed.tensor.dl_tensor.shape = managed.shape.as_mut_ptr();
+        let tensor = Box::into_raw(managed).cast::<c_void>();
+        // SAFETY: `tensor` points to a live `Managed` whose first field is the
+        // `DLManagedTensor`; the capsule owns it until a consumer renames the capsule
+        // and takes it (then the consumer calls `delete`), else its destructor deletes it.
+        let capsule = unsafe {
+            pyo3::ffi::PyCapsule_New(tensor, DLTENSOR.as_ptr(), Some(capsule_destructor))
+        };
+        if capsule.is_null() {
+            // SAFETY: the capsule was not made, so nothing else owns the tensor.
+            unsafe { delete(tensor.cast()) };
+        }
+        // SAFETY: a new reference, or null with the exception set.
+        unsafe { Bound::from_owned_ptr_or_err(py, capsule) }
+    }
+
+    /// `(kDLCUDA, device ordinal)`.
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        (KDL_CUDA, self.batch.device() as i32)
+    }
+
+    /// The CUDA Array Interface (version 3). It names no stream: the host waits for the
+    /// batch's copy before answering, and the slot's release is recorded on the legacy
+    /// default stream (prefer DLPack, which orders the consumer's own stream on the
+    /// device).
+    #[getter]
+    fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.batch.used_on(LEGACY_STREAM);
+        let d = PyDict::new(py);
+        let shape: Vec<i64> = self.shape.clone();
+        d.set_item("shape", pyo3::types::PyTuple::new(py, shape)?)?;
+        d.set_item("typestr", self.dtype.descr())?;
+        d.set_item("data", (self.ptr, false))?;
+        d.set_item("version", 3)?;
+        d.set_item("strides", py.None())?;
+        // The copy is done once the host has waited for it: no stream to name.
+        let batch = Arc::clone(&self.batch);
+        py.detach(move || batch.synchronize()).map_err(error)?;
+        d.set_item("stream", py.None())?;
+        Ok(d)
+    }
+
+    /// The shape: `(samples, *sample_shape)`.
+    #[getter]
+    fn shape(&self) -> Vec<i64> {
+        self.shape.clone()
+    }
+
+    /// NumPy's name of the element type.
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.dtype.name()
+    }
+
+    /// The device address of the first element.
+    #[getter]
+    fn data_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Bytes of the column in this batch.
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.shape.iter().product::<i64>() as u64 * self.dtype.size() as u64
+    }
+
+    /// The device ordinal.
+    #[getter]
+    fn device(&self) -> usize {
+        self.batch.device()
+    }
+}
+
+impl DeviceArray {
+    /// Makes `stream` wait for the copy, without the GIL.
+    fn wait(&self, py: Python<'_>, stream: StreamHandle) -> PyResult<()> {
+        let batch = Arc::clone(&self.batch);
+        py.detach(move || batch.wait_on(stream)).map_err(error)
+    }
+}

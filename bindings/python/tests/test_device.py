@@ -1,0 +1,226 @@
+"""Device batches (``device="cuda"``): on stokehold's CPU emulator of the CUDA driver
+(``tests/emu``, built here with the system C++ compiler) everywhere, and with PyTorch on
+a real GPU where there is one.
+
+cudarc opens libcuda once per process, so each emulated check runs in a child Python
+with the emulator first on its library path. The child plays the consumer through the
+driver API (ctypes): its own stream, named to ``__dlpack__``, reads each batch back
+behind a delay, after the batch is already released; a slot copied into again before
+the consumer's stream passed it, or a read that did not wait for the copy, shows as
+wrong rows.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import stokehold
+
+ROOT = Path(__file__).resolve().parents[3]
+DIGITS = ROOT / "datasets" / "digits"
+EMU = ROOT / "tests" / "emu"
+REQUIRE_GPU = os.environ.get("STOKEHOLD_REQUIRE_GPU") == "1"
+
+
+@pytest.fixture(scope="session")
+def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cxx = os.environ.get("STOKEHOLD_EMU_CXX", "c++")
+    if shutil.which(cxx) is None:
+        pytest.skip(f"no C++ compiler ({cxx}) to build the CUDA emulator")
+    out = tmp_path_factory.mktemp("emu")
+    subprocess.run(
+        [cxx, "-std=c++17", "-O2", "-fPIC", "-shared", "-Wall", "-Werror",
+         "-o", str(out / "libcuda.so.1"), str(EMU / "cuda.cpp"), "-ldl", "-lpthread"],
+        check=True,
+    )
+    (out / "libcuda.so").symlink_to("libcuda.so.1")
+    return out
+
+
+# The consumer's side, through the driver API: shared by the children.
+CONSUMER = textwrap.dedent(
+    """
+    import ctypes, sys, time
+    import numpy as np
+    import stokehold
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    py = ctypes.pythonapi
+    py.PyCapsule_GetPointer.restype = ctypes.c_void_p
+    py.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    py.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    for f in ("cuMemcpyDtoHAsync_v2", "cuMemcpyDtoH_v2"):
+        getattr(cuda, f).argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t] + (
+            [ctypes.c_void_p] if "Async" in f else [])
+    cuda.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    cuda.cuMemHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
+
+    class DLDevice(ctypes.Structure):
+        _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+    class DLDataType(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+    class DLTensor(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32),
+                    ("dtype", DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                    ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+    class DLManagedTensor(ctypes.Structure):
+        pass
+
+    DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensor))
+    DLManagedTensor._fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p),
+                                ("deleter", DELETER)]
+
+    def ok(r, what):
+        assert r == 0, f"{what}: CUresult {r}"
+
+    def tensor(capsule):
+        p = py.PyCapsule_GetPointer(capsule, b"dltensor")
+        return ctypes.cast(p, ctypes.POINTER(DLManagedTensor))
+
+    @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+    def slow(_):
+        time.sleep(0.003)
+
+    def pinned(n):
+        p = ctypes.c_void_p()
+        ok(cuda.cuMemHostAlloc(ctypes.byref(p), n, 0), "cuMemHostAlloc")
+        return p
+
+    x_file = np.load(sys.argv[1] + "/x.npy")
+    """
+)
+
+
+def run_child(emulator: Path, body: str, jitter_us: int = 200) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = f"{emulator}:{env.get('LD_LIBRARY_PATH', '')}"
+    env["STOKEHOLD_EMU_JITTER_US"] = str(jitter_us)
+    env["TMPDIR"] = str(emulator)
+    script = CONSUMER + textwrap.dedent(body)
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(DIGITS)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, f"child failed:\n{out.stdout}\n{out.stderr}"
+    assert "child passed" in out.stdout, out.stdout + out.stderr
+    return out
+
+
+def test_device_batches_wait_for_their_copy_and_their_consumer(emulator: Path) -> None:
+    run_child(emulator, """
+        loader = stokehold.Loader(sys.argv[1], batch_size=100, seed=3, workers=2,
+                                  device="cuda", held=1)
+        stream = ctypes.c_void_p()
+        ok(cuda.cuStreamCreate(ctypes.byref(stream), 0), "cuStreamCreate")
+        reads, kept = [], None
+        for i, batch in enumerate(loader.epoch(0)):
+            assert isinstance(batch, stokehold.DeviceBatch)
+            x = batch["x"]
+            assert x.__dlpack_device__() == (2, 0)
+            assert x.shape == [len(batch), 8, 8] and x.dtype == "uint8" and x.nbytes == len(batch) * 64
+            capsule = x.__dlpack__(stream=stream.value)
+            managed = tensor(capsule)
+            t = managed.contents.dl_tensor
+            assert (t.device.device_type, t.ndim, t.dtype.code, t.dtype.bits) == (2, 3, 1, 8)
+            assert [t.shape[k] for k in range(3)] == [len(batch), 8, 8]
+            n = len(batch) * 64
+            host = pinned(n)
+            # The consumer's read runs late, after the batch is released below.
+            ok(cuda.cuLaunchHostFunc(stream, ctypes.cast(slow, ctypes.c_void_p), None), "host func")
+            ok(cuda.cuMemcpyDtoHAsync_v2(host, t.data, n, stream), "cuMemcpyDtoHAsync")
+            reads.append((batch.indices.copy(), host, n))
+            if i == 1:
+                # A consumer takes the tensor (as torch.from_dlpack does) and keeps it:
+                # its slot is not copied into until the consumer deletes it.
+                py.PyCapsule_SetName(capsule, b"used_dltensor")
+                kept = (managed, t.data, batch.indices.copy(), n)
+            del x, capsule, batch
+        ok(cuda.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        for indices, host, n in reads:
+            got = np.ctypeslib.as_array(ctypes.cast(host, ctypes.POINTER(ctypes.c_uint8)), (n,))
+            assert np.array_equal(got, x_file[indices].reshape(-1)), "a slot was overwritten or read early"
+        managed, data, indices, n = kept
+        back = (ctypes.c_uint8 * n)()
+        ok(cuda.cuMemcpyDtoH_v2(back, data, n), "cuMemcpyDtoH")
+        assert np.array_equal(np.frombuffer(back, np.uint8), x_file[indices].reshape(-1)), \
+            "a slot a consumer still owned was copied into"
+        managed.contents.deleter(managed)
+        # Every slot back: a whole epoch again, each batch dropped at once.
+        assert sum(len(b) for b in loader.epoch(1)) == 1797
+        print("child passed")
+    """)
+
+
+def test_holding_every_slot_is_an_error_not_a_hang(emulator: Path) -> None:
+    run_child(emulator, """
+        loader = stokehold.Loader(sys.argv[1], batch_size=100, device="cuda", held=1)
+        epoch = loader.epoch(0)
+        held = [next(epoch) for _ in range(3)]
+        assert len({b.slot for b in held}) == 3
+        try:
+            next(epoch)
+        except stokehold.Error as e:
+            assert "device slots" in str(e), e
+        else:
+            raise AssertionError("a fourth batch with three slots held")
+        # Dropping them frees the slots: the next epoch runs whole.
+        del held, epoch
+        assert sum(len(b) for b in loader.epoch(1)) == 1797
+        # Token streams go to the device too, and the interface for CuPy/Numba answers.
+        tokens = np.arange(5000, dtype=np.uint16)
+        path = sys.argv[1] + "/../../target/tokens-device-test.bin"
+        tokens.tofile(path)
+        tl = stokehold.TokenLoader(path, seq_len=16, batch_size=4, device="cuda")
+        b = next(iter(tl.epoch(0)))
+        cai = b["tokens"].__cuda_array_interface__
+        assert cai["shape"] == (4, 17) and cai["typestr"] == "<u2" and cai["version"] == 3
+        back = (ctypes.c_uint16 * 68)()
+        ok(cuda.cuMemcpyDtoH_v2(back, cai["data"][0], 136), "cuMemcpyDtoH")
+        got = np.frombuffer(back, np.uint16).reshape(4, 17)
+        assert (np.diff(got.astype(np.int64), axis=1) == 1).all(), got
+        print("child passed")
+    """)
+
+
+def test_device_cuda_without_a_driver_says_why() -> None:
+    # This process has no emulator on its path: where no real driver is either, the
+    # loader refuses with the reason (where one is, it builds).
+    try:
+        loader = stokehold.Loader(DIGITS, batch_size=100, device="cuda")
+    except stokehold.Error as e:
+        assert "device=\"cuda\"" in str(e) and ("libcuda" in str(e) or "CUDA" in str(e)), e
+    else:
+        assert len(loader) == 18
+    with pytest.raises(ValueError, match="cuda:N"):
+        stokehold.Loader(DIGITS, device="gpu")
+
+
+def test_torch_reads_device_batches_on_a_gpu() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        if REQUIRE_GPU:
+            pytest.fail("STOKEHOLD_REQUIRE_GPU=1 but torch sees no GPU")
+        pytest.skip("no GPU")
+    x_file = np.load(DIGITS / "x.npy")
+    loader = stokehold.Loader(DIGITS, batch_size=100, seed=1, device="cuda", held=1)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for batch in loader.epoch(0):
+            x = torch.from_dlpack(batch["x"])
+            assert x.is_cuda and x.shape == (len(batch), 8, 8) and x.dtype == torch.uint8
+            # Used at once on the consumer's stream, then released with the batch.
+            total = x.to(torch.int64).sum()
+            expected = int(x_file[batch.indices].astype(np.int64).sum())
+            del x, batch
+            assert int(total) == expected
