@@ -38,34 +38,33 @@ __all__ = [
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-class Batch:
-    """One batch: ``batch[name]`` is column ``name`` (a file stem, ``"x"`` for ``x.npy``)
-    as a NumPy array of shape ``(len(batch), *sample_shape)``, viewing the loader's
-    buffer. ``batch.indices`` are the samples (``uint64``). The arrays are writeable (as
-    DLPack consumers need); the buffer is the batch's own until it returns to the pool,
-    and writing it changes no file."""
+class _Columns:
+    """What host and device batches share: the column names, the length, the samples,
+    the epoch and the batch's number in it. ``batch[name]`` is left to each."""
 
     __slots__ = ("_raw", "_columns", "_cache")
 
     def __init__(self, raw: Any, columns: Dict[str, Tuple[np.dtype, Tuple[int, ...]]]):
         self._raw = raw
         self._columns = columns
-        self._cache: Dict[str, np.ndarray] = {}
+        self._cache: Dict[str, Any] = {}
 
-    def __getitem__(self, name: str) -> np.ndarray:
+    def __getitem__(self, name: str) -> Any:
         array = self._cache.get(name)
         if array is None:
             if name not in self._columns:
                 raise KeyError(f"no column {name!r}; the columns are {list(self._columns)}")
-            dtype, shape = self._columns[name]
-            array = self._raw.raw(name).view(dtype).reshape((len(self._raw),) + shape)
+            array = self._column(name)
             self._cache[name] = array
         return array
+
+    def _column(self, name: str) -> Any:
+        raise NotImplementedError
 
     def keys(self) -> List[str]:
         return list(self._columns)
 
-    def items(self) -> Iterator[Tuple[str, np.ndarray]]:
+    def items(self) -> Iterator[Tuple[str, Any]]:
         return ((name, self[name]) for name in self._columns)
 
     def __contains__(self, name: object) -> bool:
@@ -79,6 +78,7 @@ class Batch:
 
     @property
     def indices(self) -> np.ndarray:
+        """The samples of the batch (global indices, NumPy ``uint64`` on the host)."""
         return self._raw.indices
 
     @property
@@ -92,10 +92,25 @@ class Batch:
 
     def __repr__(self) -> str:
         cols = ", ".join(f"{n}: {d}{list(s)}" for n, (d, s) in self._columns.items())
-        return f"<stokehold.Batch epoch {self.epoch} #{self.number}, {len(self)} samples: {cols}>"
+        kind = type(self).__name__
+        return f"<stokehold.{kind} epoch {self.epoch} #{self.number}, {len(self)} samples: {cols}>"
 
 
-class DeviceBatch:
+class Batch(_Columns):
+    """One batch: ``batch[name]`` is column ``name`` (a file stem, ``"x"`` for ``x.npy``)
+    as a NumPy array of shape ``(len(batch), *sample_shape)``, viewing the loader's
+    buffer. ``batch.indices`` are the samples (``uint64``). The arrays are writeable (as
+    DLPack consumers need); the buffer is the batch's own until it returns to the pool,
+    and writing it changes no file."""
+
+    __slots__ = ()
+
+    def _column(self, name: str) -> np.ndarray:
+        dtype, shape = self._columns[name]
+        return self._raw.raw(name).view(dtype).reshape((len(self._raw),) + shape)
+
+
+class DeviceBatch(_Columns):
     """One batch on a CUDA device (a loader built with ``device="cuda"``): ``batch[name]``
     is column ``name`` in device memory, an array exporting DLPack, so that
     ``torch.from_dlpack(batch["x"])`` is a CUDA tensor of shape
@@ -106,44 +121,10 @@ class DeviceBatch:
     has run what was enqueued on it before the batch and every tensor made from it
     were freed. ``batch.indices`` are on the host (NumPy ``uint64``)."""
 
-    __slots__ = ("_raw", "_names", "_cache")
+    __slots__ = ()
 
-    def __init__(self, raw: Any, names: Sequence[str]):
-        self._raw = raw
-        self._names = list(names)
-        self._cache: Dict[str, Any] = {}
-
-    def __getitem__(self, name: str) -> Any:
-        array = self._cache.get(name)
-        if array is None:
-            array = self._raw.column(name)
-            self._cache[name] = array
-        return array
-
-    def keys(self) -> List[str]:
-        return list(self._names)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._raw)
-
-    @property
-    def indices(self) -> np.ndarray:
-        return self._raw.indices
-
-    @property
-    def epoch(self) -> int:
-        return self._raw.epoch
-
-    @property
-    def number(self) -> int:
-        """The batch's number in its epoch."""
-        return self._raw.number
+    def _column(self, name: str) -> Any:
+        return self._raw.column(name)
 
     @property
     def slot(self) -> int:
@@ -151,11 +132,8 @@ class DeviceBatch:
         return self._raw.slot
 
     def synchronize(self) -> None:
-        """Waits on the host for the batch's copy (code that names no stream)."""
+        """Waits on the host for the batch's copy (for code that names no stream)."""
         self._raw.synchronize()
-
-    def __repr__(self) -> str:
-        return f"<stokehold.DeviceBatch epoch {self.epoch} #{self.number}, {len(self)} samples>"
 
 
 class Epoch:
@@ -176,7 +154,7 @@ class Epoch:
         if raw is None:
             raise StopIteration
         if self._loader._device is not None:
-            return DeviceBatch(raw, list(self._loader._columns))
+            return DeviceBatch(raw, self._loader._columns)
         return Batch(raw, self._loader._columns)
 
     def __len__(self) -> int:
