@@ -633,6 +633,12 @@ impl Loader {
         self.pool.size()
     }
 
+    /// Batches the consumer may hold at once without slowing prefetch (see
+    /// [`LoaderBuilder::held`]).
+    pub fn held(&self) -> usize {
+        self.pool.size() - self.prefetch
+    }
+
     /// Bytes of host memory the pool holds: `buffers() * layout().bytes()`, rounded up to
     /// whole pages per buffer by the allocator.
     pub fn pool_bytes(&self) -> usize {

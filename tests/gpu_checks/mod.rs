@@ -12,6 +12,18 @@ use stokehold::{Dataset, HostAlloc, Loader, NpyDataset, Shuffle};
 
 use crate::common::DIGITS;
 
+/// A loader of `batch`-sample batches over `ds` with 2 workers, gathering into pinned
+/// memory of `c`'s context, as the CUDA trainer's loader does.
+fn pinned_loader(c: &Cuda, ds: &Arc<dyn Dataset>, batch: usize) -> stokehold::LoaderBuilder {
+    Loader::builder_shared(Arc::clone(ds))
+        .batch_size(batch)
+        .workers(2)
+        .allocator(Arc::new(PinnedAlloc::new(
+            Arc::clone(&c.ctx),
+            PinnedKind::Plain,
+        )))
+}
+
 fn setup(
     c: &Cuda,
     dir: &std::path::Path,
@@ -20,14 +32,8 @@ fn setup(
     lr: f32,
 ) -> (Loader, Mlp, Normalize, Kernels) {
     let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(dir).unwrap());
-    let loader = Loader::builder_shared(Arc::clone(&ds))
-        .batch_size(batch)
-        .workers(2)
+    let loader = pinned_loader(c, &ds, batch)
         .shuffle(Shuffle::Full { seed: 2 })
-        .allocator(Arc::new(PinnedAlloc::new(
-            Arc::clone(&c.ctx),
-            PinnedKind::Plain,
-        )))
         .build()
         .unwrap();
     let inputs = ds.columns()[0].row_bytes;
@@ -252,14 +258,8 @@ pub fn a_bad_label_is_an_error(c: Cuda) {
     let dir = tempfile::tempdir().unwrap();
     crate::common::write_bad_label_set(dir.path());
     let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(dir.path()).unwrap());
-    let mut loader = Loader::builder_shared(Arc::clone(&ds))
-        .batch_size(16)
-        .workers(2)
+    let mut loader = pinned_loader(&c, &ds, 16)
         .shuffle(Shuffle::None)
-        .allocator(Arc::new(PinnedAlloc::new(
-            Arc::clone(&c.ctx),
-            PinnedKind::Plain,
-        )))
         .build()
         .unwrap();
     let mlp = Mlp::new(MlpConfig {
@@ -362,14 +362,8 @@ pub fn partial_and_failing_epochs(c: Cuda) {
     // A loader resumed where that one stopped: epoch 0 from batch 5.
     let state = loader.state();
     let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(DIGITS).unwrap());
-    let mut loader = Loader::builder_shared(Arc::clone(&ds))
-        .batch_size(64)
-        .workers(2)
+    let mut loader = pinned_loader(&c, &ds, 64)
         .shuffle(Shuffle::Full { seed: 2 })
-        .allocator(Arc::new(PinnedAlloc::new(
-            Arc::clone(&c.ctx),
-            PinnedKind::Plain,
-        )))
         .resume(state)
         .build()
         .unwrap();
@@ -438,14 +432,8 @@ pub fn lent_batches_wait_for_their_consumers(c: Cuda) {
     use stokehold::cuda::DeviceSlots;
 
     let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(DIGITS).unwrap());
-    let mut loader = Loader::builder_shared(Arc::clone(&ds))
-        .batch_size(100)
-        .workers(2)
+    let mut loader = pinned_loader(&c, &ds, 100)
         .shuffle(Shuffle::Full { seed: 4 })
-        .allocator(Arc::new(PinnedAlloc::new(
-            Arc::clone(&c.ctx),
-            PinnedKind::Plain,
-        )))
         .build()
         .unwrap();
     let layout = loader.layout().clone();

@@ -17,6 +17,8 @@ use pyo3::types::PyDict;
 use stokehold::cuda::{DeviceSlots, LentBatch, StreamHandle, LEGACY_STREAM};
 use stokehold::{Column, DType};
 
+use crate::error;
+
 /// DLPack's device type of CUDA memory (`kDLCUDA`).
 const KDL_CUDA: i32 = 2;
 
@@ -108,10 +110,6 @@ fn dl_dtype(d: DType) -> DLDataType {
         bits,
         lanes: 1,
     }
-}
-
-fn error(e: stokehold::Error) -> PyErr {
-    crate::Error::new_err(e.to_string())
 }
 
 /// The device side of a loader: its slots, lent one batch at a time.

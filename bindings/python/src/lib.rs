@@ -305,9 +305,6 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
             ))
         })?),
     };
-    // Device batches: as many slots as batches the loop may hold, plus the one being
-    // copied and the one being read.
-    let slots = held.unwrap_or(2) + 2;
     let mut b = stokehold::Loader::builder_shared(Arc::clone(&dataset))
         .batch_size(batch_size)
         .shuffle(shuffle)
@@ -336,6 +333,9 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
     let loader = b.build().map_err(error)?;
     let device = match &cuda {
         Some(d) => {
+            // As many slots as batches the loop may hold, plus the one being copied and
+            // the one being read.
+            let slots = loader.held() + 2;
             let s =
                 stokehold::cuda::DeviceSlots::new(&d.ctx, loader.layout(), slots).map_err(error)?;
             Some(Arc::new(Mutex::new(s)))
