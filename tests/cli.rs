@@ -107,6 +107,28 @@ fn gen_then_bench_writes_the_figures() {
             assert!(v.is_number(), "cold.{shuffle}.{key} in {report}");
         }
     }
+    // The I/O roofline, or why not (a file system without direct I/O); each rate the
+    // mean of its passes around the epoch it bounds.
+    match report["io_roofline"].as_object() {
+        Some(io) => {
+            for (rate, passes) in [
+                ("sequential_bytes_per_s", "sequential_passes"),
+                ("random_iops", "random_passes"),
+            ] {
+                let passes: Vec<f64> = io[passes]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_f64().unwrap())
+                    .collect();
+                assert_eq!(passes.len(), 2, "io_roofline.{rate} in {report}");
+                let mean = (passes[0] + passes[1]) / 2.0;
+                let rate = io[rate].as_f64().unwrap();
+                assert!(rate > 0.0 && (rate - mean).abs() <= 1e-9 * mean, "{report}");
+            }
+        }
+        None => assert!(report["io_roofline_skipped"].is_string(), "{report}"),
+    }
 
     let tokens = dir.path().join("t.bin");
     let out = stokehold(&[

@@ -306,17 +306,34 @@ pub fn run(dataset: Arc<dyn Dataset>, cfg: &BenchConfig) -> Result<BenchReport> 
                 residency_after: after,
             })
         };
-        report.cold = Some(ColdEpochs {
-            full: cold(Shuffle::Full { seed: cfg.seed })?,
-            block: cold(Shuffle::block(cfg.seed))?,
-        });
-        // The rows of column 0 (x.npy): the file that holds nearly all the bytes.
-        match dataset.files().first() {
-            Some(f) => match io::measure(f.path(), dataset.columns()[0].row_bytes) {
-                Ok(r) => report.io_roofline = Some(r),
-                Err(e) => report.io_roofline_skipped = Some(e.to_string()),
-            },
-            None => report.io_roofline_skipped = Some("the dataset has no file".into()),
+        // Each rate of the I/O roofline is measured just before and just after the
+        // epoch it bounds (see `io`). The rows of column 0 (x.npy): the file that holds
+        // nearly all the bytes.
+        let probe = match dataset.files().first() {
+            Some(f) => io::Probe::open(f.path(), dataset.columns()[0].row_bytes),
+            None => Err(crate::Error::Config("the dataset has no file".into())),
+        };
+        let rate = |random: bool| -> Option<Result<f64>> {
+            let p = probe.as_ref().ok()?;
+            Some(if random { p.random() } else { p.sequential() })
+        };
+        let random_before = rate(true);
+        let full = cold(Shuffle::Full { seed: cfg.seed })?;
+        let random_after = rate(true);
+        let sequential_before = rate(false);
+        let block = cold(Shuffle::block(cfg.seed))?;
+        let sequential_after = rate(false);
+        report.cold = Some(ColdEpochs { full, block });
+        let passes = |a: Option<Result<f64>>, b| -> Result<Vec<f64>> {
+            [a, b].into_iter().flatten().collect()
+        };
+        let random = passes(random_before, random_after);
+        let sequential = passes(sequential_before, sequential_after);
+        match (probe, sequential, random) {
+            (Ok(p), Ok(s), Ok(r)) => report.io_roofline = Some(io::IoRoofline::of(&p, s, r)),
+            (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
+                report.io_roofline_skipped = Some(e.to_string())
+            }
         }
         // Leave the set warm, as it was found, where it fits the page-cache budget (a
         // set larger than memory cannot be).

@@ -1,6 +1,7 @@
 //! `stokehold bench`'s report as text: the same figures as its JSON, one line each.
 
-use super::BenchReport;
+use super::{BenchReport, ColdEpoch, DatasetInfo};
+use crate::loader::Storage;
 
 impl BenchReport {
     /// The figures as `stokehold bench` prints them.
@@ -46,13 +47,26 @@ impl BenchReport {
         }
         match (&self.io_roofline, &self.io_roofline_skipped) {
             (Some(io), _) => {
+                let list = |v: &[f64], scale: f64, digits: usize| {
+                    let v: Vec<String> = v
+                        .iter()
+                        .map(|x| format!("{:.*}", digits, x / scale))
+                        .collect();
+                    v.join(" then ")
+                };
                 s += &format!(
-                    "I/O roofline (direct I/O on {}): sequential {:.2} GB/s, random {:.0} reads/s of {} bytes at depth 32\n",
+                    "I/O roofline (direct I/O on {}): sequential {:.2} GB/s ({} around the block epoch), random {:.0} reads/s of {} bytes at depth 32 ({} around the full one)\n",
                     io.file,
                     io.sequential_bytes_per_s / 1e9,
+                    list(&io.sequential_passes, 1e9, 2),
                     io.random_iops,
-                    io.random_read_bytes
+                    io.random_read_bytes,
+                    list(&io.random_passes, 1.0, 0),
                 );
+                if let Some(c) = &self.cold {
+                    s += &against(&self.dataset, io, "full", &c.full);
+                    s += &against(&self.dataset, io, "block", &c.block);
+                }
             }
             (None, Some(reason)) => s += &format!("I/O roofline skipped: {reason}\n"),
             (None, None) => {}
@@ -63,6 +77,31 @@ impl BenchReport {
             (None, None) => {}
         }
         s
+    }
+}
+
+/// A cold epoch against the I/O roofline, as the storage read it: streamed under a full
+/// shuffle, samples/s over random reads/s; streamed otherwise, the rows' bytes/s over the
+/// sequential rate; warmed, the epoch against one sequential read of the files.
+fn against(dataset: &DatasetInfo, io: &super::io::IoRoofline, name: &str, e: &ColdEpoch) -> String {
+    let sequential = io.sequential_bytes_per_s.max(1e-9);
+    match e.storage {
+        Storage::Streaming if name == "full" => format!(
+            "  {name} shuffle, streamed: {:.0}% of the random reads (samples/s over reads/s)\n",
+            100.0 * e.samples_per_s / io.random_iops.max(1e-9)
+        ),
+        Storage::Streaming => format!(
+            "  {name} shuffle, streamed: {:.0}% of the sequential rate (the rows' bytes/s)\n",
+            100.0 * e.samples_per_s * dataset.row_bytes as f64 / sequential
+        ),
+        Storage::Warming => {
+            let read = dataset.file_bytes as f64 / sequential;
+            format!(
+                "  {name} shuffle, warmed: the epoch took {:.2}x one sequential read of the files ({read:.2} s)\n",
+                e.epoch_s / read
+            )
+        }
+        Storage::Warm => String::new(),
     }
 }
 

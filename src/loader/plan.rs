@@ -17,7 +17,9 @@
 //!   of the next batches, with the gaps between them in a block shuffle, so that a
 //!   window's blocks are read in long runs; pages are dropped once gathered unless a
 //!   planned row still needs them, so the page cache the loader fills stays near the
-//!   planned window.
+//!   planned window. These asks go to storage in the order the batches need them, a
+//!   few requests at a time ([`Queue`]): the block layer serves what it holds in the
+//!   order of the sectors.
 //!
 //! The mappings of the files the planner reads are set to `MADV_RANDOM`: a fault on a
 //! page not read yet then reads that page, not a window of `read_ahead_kb`. The plan is
@@ -148,8 +150,9 @@ pub(crate) fn spawn(ahead: u64, jobs: Receiver<Assignment>) -> std::io::Result<J
         })
 }
 
-/// One file's pages: bit 0 of `state` resident or asked for; `refs` counts the planned
-/// rows that still need each page ([`Mode::Stream`] only).
+/// One file's pages: bit 0 of `state` ([`WANTED`]) resident or asked for, bit 1
+/// ([`ISSUED`]) asked for from storage since it was last dropped; `refs` counts the
+/// planned rows that still need each page ([`Mode::Stream`] only).
 struct Pages<'a> {
     file: MappedFile<'a>,
     mode: Mode,
@@ -160,6 +163,12 @@ struct Pages<'a> {
     /// Bytes per read-ahead request ([`will_need_piece`]).
     piece: usize,
 }
+
+/// Bit of [`Pages::state`]: the page is resident or asked for.
+const WANTED: u8 = 1;
+/// Bit of [`Pages::state`]: the page was asked for from storage ([`Queue::issue`]) and
+/// has not been dropped since.
+const ISSUED: u8 = 2;
 
 /// The pages of one batch's rows, merged: `(file, first page, end page)`.
 fn batch_pages(
@@ -230,6 +239,7 @@ fn plan_epoch(job: &Job, ahead: u64) {
         return;
     }
     let (mut idx, mut runs, mut wanted) = (Vec::new(), Vec::new(), Vec::new());
+    let mut queue = Queue::default();
     // Pages asked for between rows, with the last batch planned when they were.
     let mut gaps: std::collections::VecDeque<(u64, Vec<(usize, usize)>)> = Default::default();
     // A block shuffle's window uses every row of its blocks within a few batches, so
@@ -250,21 +260,27 @@ fn plan_epoch(job: &Job, ahead: u64) {
         }
         let claimed = job.next.load(Ordering::Relaxed).min(job.end);
         let target = claimed.saturating_add(ahead).min(job.end);
-        // The pages of every batch planned now, merged across batches: a block
-        // shuffle's batches each take rows scattered over a window of blocks, which
-        // together cover the blocks, and are then asked for in long runs.
+        // The pages of each batch planned now, in the order the batches are needed:
+        // the storage serves asks roughly in the order they come, so the blocks of the
+        // next batch's window come first. (Merged and sorted across all the batches
+        // planned at once, as the epoch starts or after a run of batches served from
+        // pages already read, the next batch waited behind the reads of the whole
+        // planned window: 78 MB before the first batch of a block-shuffled epoch.) Pages
+        // an earlier batch asked for are not asked again, so a block shuffle's window is
+        // still read in long runs, with its first batch.
         while planned < target {
             batch_pages(job, planned, page, &mut idx, &mut runs);
             for &(f, start, end) in &runs {
                 ask(&mut pages[f], f, start, end, &mut wanted);
             }
+            let mut filled = Vec::new();
+            ask_runs(&mut pages, &mut wanted, gap, &mut filled, &mut queue);
+            if !filled.is_empty() {
+                gaps.push_back((planned, filled));
+            }
             planned += 1;
         }
-        let mut filled = Vec::new();
-        ask_runs(&mut pages, &mut wanted, gap, page, &mut filled);
-        if !filled.is_empty() {
-            gaps.push_back((planned - 1, filled));
-        }
+        queue.issue(&mut pages, page);
         if stream {
             let delivered = job.delivered.load(Ordering::Acquire).min(planned);
             while dropped < delivered {
@@ -327,8 +343,8 @@ fn ask_runs(
     pages: &mut [Pages<'_>],
     wanted: &mut Vec<(usize, usize)>,
     gap: usize,
-    page: usize,
     filled: &mut Vec<(usize, usize)>,
+    queue: &mut Queue,
 ) {
     for (f, first, end) in runs_of(wanted, gap) {
         let p = &mut pages[f];
@@ -341,9 +357,67 @@ fn ask_runs(
                 }
             }
         }
-        will_need(p.file, first * page, (end - first) * page, p.piece);
+        queue.pending.push_back((f, first, end));
     }
     wanted.clear();
+}
+
+/// Streamed reads, in the order the batches need them, with at most [`STREAMING`] bytes
+/// asked for and not yet read at once.
+///
+/// The block layer's scheduler (`mq-deadline`, the default for virtio and SATA disks)
+/// serves what it holds in the order of the sectors, not of the asks: with the whole
+/// planned window asked for at once, the next batch's blocks, scattered over the file,
+/// came last. Kept to a few requests, the device still has a queue, and what it holds
+/// is what the next batches need.
+#[derive(Default)]
+struct Queue {
+    /// Runs of pages to ask for: `(file, first, end)`.
+    pending: std::collections::VecDeque<(usize, usize, usize)>,
+    /// Runs asked for and not yet seen read: `(file, last page, bytes)`.
+    asked: std::collections::VecDeque<(usize, usize, usize)>,
+    /// Bytes in `asked`.
+    in_flight: usize,
+}
+
+/// Streamed bytes asked for and not yet read, at most (a few of the device's largest
+/// requests).
+const STREAMING: usize = 16 << 20;
+
+impl Queue {
+    /// Forgets the asks that have been read (or whose pages were dropped since), then
+    /// asks for pending runs while fewer than [`STREAMING`] bytes are in flight.
+    fn issue(&mut self, pages: &mut [Pages<'_>], page: usize) {
+        while let Some(&(f, last, bytes)) = self.asked.front() {
+            let p = &pages[f];
+            // A page dropped since (its rows gathered, maybe asked for again and not
+            // yet issued) is done with; one that cannot be checked counts as read: the
+            // plan is only advice.
+            let read = p.state[last] & ISSUED == 0
+                || resident_range(p.file, last * page, page).map_or(true, |v| v[0] & 1 != 0);
+            if !read {
+                break;
+            }
+            self.asked.pop_front();
+            self.in_flight -= bytes;
+        }
+        while self.in_flight < STREAMING {
+            let Some((f, first, end)) = self.pending.pop_front() else {
+                return;
+            };
+            let p = &mut pages[f];
+            // Pages dropped before their turn came (their rows were gathered from
+            // faults) are not read again.
+            let Some(last) = (first..end).rev().find(|&k| p.state[k] & WANTED != 0) else {
+                continue;
+            };
+            p.state[first..=last].iter_mut().for_each(|b| *b |= ISSUED);
+            let bytes = (last + 1 - first) * page;
+            will_need(p.file, first * page, bytes, p.piece);
+            self.asked.push_back((f, last, bytes));
+            self.in_flight += bytes;
+        }
+    }
 }
 
 /// A gathered row no longer needs pages `start..end` of file `f`: those no planned row
@@ -356,8 +430,8 @@ fn release(p: &mut Pages<'_>, f: usize, start: usize, end: usize, free: &mut Vec
     let start = start.min(end);
     for k in start..end {
         p.refs[k] = p.refs[k].saturating_sub(1);
-        if p.refs[k] == 0 && p.state[k] & 1 != 0 {
-            p.state[k] &= !1;
+        if p.refs[k] == 0 && p.state[k] & WANTED != 0 {
+            p.state[k] &= !(WANTED | ISSUED);
             free.push((f, k));
         }
     }
@@ -429,5 +503,98 @@ fn warm(
             asked.push_back((cursor.0, (end - 1) * page));
         }
         cursor.1 += chunk;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pagecache::{evict_file, file_residency};
+
+    /// A sparse file of `bytes`, mapped, evicted; `None` where evicting does nothing
+    /// (tmpfs): the queue's checks need pages that are not resident.
+    fn mapped(bytes: u64) -> Option<(tempfile::NamedTempFile, memmap2::Mmap)> {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        f.as_file().set_len(bytes).unwrap();
+        // SAFETY: a private temporary file that nothing else writes.
+        let map = unsafe { memmap2::Mmap::map(f.as_file()).unwrap() };
+        let file = MappedFile::new(f.path(), &map);
+        let _ = resident_range(file, 0, page_size());
+        evict_file(file).unwrap();
+        (file_residency(file).unwrap().resident == 0).then_some((f, map))
+    }
+
+    fn streamed(file: MappedFile<'_>) -> Pages<'_> {
+        let n = file.bytes().len() / page_size();
+        Pages {
+            file,
+            mode: Mode::Stream,
+            state: vec![0; n],
+            refs: vec![0; n],
+            fd: file.reopen().ok(),
+            piece: WILL_NEED_PIECE,
+        }
+    }
+
+    /// Marks pages `first..end` wanted and queues them, as `ask_runs` does.
+    fn want(queue: &mut Queue, p: &mut Pages<'_>, first: usize, end: usize) {
+        p.state[first..end].iter_mut().for_each(|b| *b |= WANTED);
+        queue.pending.push_back((0, first, end));
+    }
+
+    #[test]
+    fn the_queue_keeps_a_bounded_number_of_bytes_in_flight() {
+        let page = page_size();
+        let Some((f, map)) = mapped(4 * STREAMING as u64) else {
+            return;
+        };
+        let mut pages = [streamed(MappedFile::new(f.path(), &map))];
+        let run = STREAMING / 2 / page;
+        let mut queue = Queue::default();
+        for k in 0..3 {
+            want(&mut queue, &mut pages[0], k * run, (k + 1) * run);
+        }
+        queue.issue(&mut pages, page);
+        assert_eq!(queue.asked.len(), 2, "two halves of the limit");
+        assert_eq!(queue.pending.len(), 1);
+        assert_eq!(queue.in_flight, STREAMING);
+        // Once the first two are read (a sparse file's holes are read at once), the
+        // third goes out.
+        let start = std::time::Instant::now();
+        while !queue.pending.is_empty() && start.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(1));
+            queue.issue(&mut pages, page);
+        }
+        assert!(queue.pending.is_empty());
+    }
+
+    #[test]
+    fn a_dropped_ask_does_not_hold_the_queue() {
+        // The rows of a run asked for were gathered and its pages dropped; a later batch
+        // asked for its last page again, queued behind the limit. The dropped run must
+        // not be waited for: its page will not come back until the queue issues it.
+        let page = page_size();
+        let Some((f, map)) = mapped(2 * STREAMING as u64) else {
+            return;
+        };
+        let file = MappedFile::new(f.path(), &map);
+        let mut pages = [streamed(file)];
+        let run = STREAMING / page;
+        let mut queue = Queue::default();
+        want(&mut queue, &mut pages[0], 0, run);
+        want(&mut queue, &mut pages[0], run, run + 1);
+        queue.issue(&mut pages, page);
+        assert_eq!((queue.asked.len(), queue.pending.len()), (1, 1));
+        // Gathered and dropped, as `release` and `drop_runs` do.
+        let mut free = Vec::new();
+        release(&mut pages[0], 0, 0, run, &mut free);
+        assert_eq!(free.len(), run);
+        drop_runs(&pages, &mut free, page);
+        evict_file(file).unwrap();
+        // Its last page wanted again.
+        want(&mut queue, &mut pages[0], run - 1, run);
+        queue.issue(&mut pages, page);
+        assert!(queue.pending.is_empty(), "{:?}", queue.pending);
+        assert_eq!(queue.asked.len(), 2);
     }
 }
