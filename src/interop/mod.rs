@@ -4,3 +4,6 @@
 
 #[cfg(feature = "candle")]
 pub mod candle;
+
+#[cfg(feature = "candle-cuda")]
+pub mod candle_cuda;
