@@ -44,6 +44,34 @@ fn candle_err(e: candle_core::Error) -> Error {
     Error::Config(format!("candle: {e}"))
 }
 
+/// A column copied, as candle will get it.
+enum Column {
+    /// Its own element type.
+    Same(Tensor),
+    /// Token ids: `[.., 2]` bytes, little-endian.
+    Ids(Tensor),
+}
+
+impl Column {
+    /// The tensor; token ids widened to `u32` on candle's stream: low + 256 * high.
+    fn tensor(self) -> Result<Tensor> {
+        match self {
+            Column::Same(t) => Ok(t),
+            Column::Ids(bytes) => {
+                let wide = bytes
+                    .to_dtype(candle_core::DType::U32)
+                    .map_err(candle_err)?;
+                let low = wide.narrow(D::Minus1, 0, 1).map_err(candle_err)?;
+                let high = wide.narrow(D::Minus1, 1, 1).map_err(candle_err)?;
+                high.affine(256.0, 0.0)
+                    .and_then(|h| h + low)
+                    .and_then(|t| t.squeeze(D::Minus1))
+                    .map_err(candle_err)
+            }
+        }
+    }
+}
+
 /// Hands host batches to candle as CUDA tensors (see the module docs).
 pub struct CudaTensors {
     device: CudaDevice,
@@ -93,24 +121,25 @@ impl CudaTensors {
     /// driver error.
     pub fn tensors(&mut self, batch: HostBatch) -> Result<Vec<Tensor>> {
         self.copy.context().bind_to_thread()?;
-        let mut out = Vec::with_capacity(batch.columns().len());
+        let mut copies = Vec::with_capacity(batch.columns().len());
         for c in 0..batch.columns().len() {
-            out.push(self.column(&batch, c)?);
+            copies.push(self.column(&batch, c)?);
         }
         let copied = self.copy.record_event(None)?;
+        // Before any of candle's kernels (the widening below included) is enqueued.
         self.device.cuda_stream().wait(&copied)?;
         self.in_flight.push_back((batch, copied));
         self.retire()?;
-        Ok(out)
+        copies.into_iter().map(Column::tensor).collect()
     }
 
     /// Column `c` of `batch`, its copy enqueued.
-    fn column(&self, batch: &HostBatch, c: usize) -> Result<Tensor> {
+    fn column(&self, batch: &HostBatch, c: usize) -> Result<Column> {
         let col = &batch.columns()[c];
         let mut shape = Vec::with_capacity(col.shape.len() + 2);
         shape.push(batch.len());
         shape.extend(col.shape.iter().map(|&d| d as usize));
-        match col.dtype {
+        let same = match col.dtype {
             DType::U8 | DType::Bool => self.copied::<u8>(batch.bytes(c), shape),
             DType::U32 => self.copied::<u32>(batch.bytes(c), shape),
             DType::I16 => self.copied::<i16>(batch.bytes(c), shape),
@@ -120,28 +149,18 @@ impl CudaTensors {
             DType::F64 => self.copied::<f64>(batch.bytes(c), shape),
             DType::F16 => self.copied::<half::f16>(batch.bytes(c), shape),
             DType::U16 => {
-                // The ids' two bytes as a trailing dimension of u8, widened on candle's
-                // stream (which waits for the copy): low + 256 * high.
+                // The ids' two bytes as a trailing dimension of u8, widened once candle's
+                // stream waits for the copy.
                 shape.push(2);
-                let bytes = self.copied::<u8>(batch.bytes(c), shape)?;
-                let wide = bytes
-                    .to_dtype(candle_core::DType::U32)
-                    .map_err(candle_err)?;
-                let low = wide.narrow(D::Minus1, 0, 1).map_err(candle_err)?;
-                let high = wide.narrow(D::Minus1, 1, 1).map_err(candle_err)?;
-                let ids = high
-                    .affine(256.0, 0.0)
-                    .and_then(|h| h + low)
-                    .and_then(|t| t.squeeze(D::Minus1))
-                    .map_err(candle_err)?;
-                Ok(ids)
+                return Ok(Column::Ids(self.copied::<u8>(batch.bytes(c), shape)?));
             }
             DType::I8 => column(batch, c, &Device::Cuda(self.device.clone())),
             DType::U64 => Err(Error::Config(format!(
                 "column {}: candle has no uint64 tensors",
                 col.name
             ))),
-        }
+        };
+        same.map(Column::Same)
     }
 
     /// A device allocation for the elements of type `T` in `bytes`, on the copy stream,
