@@ -2,7 +2,9 @@
 # Phase 2, about 3 minutes: the kernels compile under the machine's NVRTC, example 05, and
 # every GPU test with STOKEHOLD_REQUIRE_GPU=1 (a skip is a failure), one thread at a time,
 # then the Python package's device batches read by PyTorch (the wheel from the bundle,
-# in a virtual environment over the machine's own NumPy and PyTorch).
+# in a virtual environment over the machine's own NumPy and PyTorch), and example 07 on
+# candle's CUDA device (batches handed over by interop::candle_cuda) where the bundle
+# has it: it must train on CUDA, to at least 90% accuracy at its last epoch.
 phase=correctness; source "$(dirname "$0")/common.sh"
 rm -rf "$STOKEHOLD_CACHE"
 step nvrtc 120 .gpu/test-kernels_compile --nocapture
@@ -13,4 +15,15 @@ step python-install 120 bash -c "rm -rf $venv && python3 -m venv --system-site-p
   $venv/bin/pip install -q --no-index --find-links .gpu/wheels stokehold pytest"
 step python-device 180 $venv/bin/python -m pytest -q -p no:cacheprovider \
   bindings/python/tests/test_device.py -k torch
+if [ -e .gpu/example-07-candle-cuda.xz ]; then
+  ex07=/tmp/example-07-candle-cuda
+  xz -dc .gpu/example-07-candle-cuda.xz > $ex07 && chmod +x $ex07
+  cuda_lib=$(dirname "$(readlink -f "$(command -v nvcc)")")/../lib64
+  step candle-cuda 180 bash -c "LD_LIBRARY_PATH=$cuda_lib:/usr/local/cuda/lib64:\${LD_LIBRARY_PATH:-} \
+    $ex07 > $out/example-07.txt 2>&1; rc=\$?; cat $out/example-07.txt; \
+    [ \$rc = 0 ] && grep -q '^device: Cuda' $out/example-07.txt \
+    && awk '/^epoch 9:/ { ok = (\$NF >= 0.9) } END { exit !ok }' $out/example-07.txt"
+else
+  echo "== candle-cuda: skipped, .gpu/example-07-candle-cuda.xz was not built" | tee -a "$log"
+fi
 finish
