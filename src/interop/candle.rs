@@ -33,8 +33,18 @@ use crate::dataset::{DType, Element};
 use crate::error::{Error, Result};
 use crate::loader::HostBatch;
 
-fn candle_err(e: candle_core::Error) -> Error {
+/// A candle error as stokehold's.
+pub(super) fn candle_err(e: candle_core::Error) -> Error {
     Error::Config(format!("candle: {e}"))
+}
+
+/// The dims of column `c`'s tensor: the batch's samples, then a sample's shape.
+pub(super) fn dims(batch: &HostBatch, c: usize) -> Vec<usize> {
+    let col = &batch.columns()[c];
+    let mut dims = Vec::with_capacity(col.shape.len() + 2);
+    dims.push(batch.len());
+    dims.extend(col.shape.iter().map(|&d| d as usize));
+    dims
 }
 
 /// Column `c` of `batch` as a tensor on `device` (see the module docs for the types).
@@ -47,9 +57,7 @@ fn candle_err(e: candle_core::Error) -> Error {
 /// If `c` is not a column of the batch.
 pub fn column(batch: &HostBatch, c: usize, device: &Device) -> Result<Tensor> {
     let col = &batch.columns()[c];
-    let mut shape = Vec::with_capacity(col.shape.len() + 1);
-    shape.push(batch.len());
-    shape.extend(col.shape.iter().map(|&d| d as usize));
+    let shape = dims(batch, c);
     match col.dtype {
         DType::U8 | DType::Bool => same::<u8>(batch, c, shape, device),
         DType::U32 => same::<u32>(batch, c, shape, device),

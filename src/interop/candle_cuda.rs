@@ -32,17 +32,13 @@ use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, Device, Storage, Tensor, D};
 use cudarc::driver::{result, CudaEvent, CudaStream, DevicePtrMut, DeviceRepr};
 
-use super::candle::column;
+use super::candle::{candle_err, column, dims};
 use crate::dataset::DType;
 use crate::error::{Error, Result};
 use crate::loader::HostBatch;
 
 /// Host batches whose copies may still be running, at most.
 const IN_FLIGHT: usize = 2;
-
-fn candle_err(e: candle_core::Error) -> Error {
-    Error::Config(format!("candle: {e}"))
-}
 
 /// A column copied, as candle will get it.
 enum Column {
@@ -136,9 +132,7 @@ impl CudaTensors {
     /// Column `c` of `batch`, its copy enqueued.
     fn column(&self, batch: &HostBatch, c: usize) -> Result<Column> {
         let col = &batch.columns()[c];
-        let mut shape = Vec::with_capacity(col.shape.len() + 2);
-        shape.push(batch.len());
-        shape.extend(col.shape.iter().map(|&d| d as usize));
+        let mut shape = dims(batch, c);
         let same = match col.dtype {
             DType::U8 | DType::Bool => self.copied::<u8>(batch.bytes(c), shape),
             DType::U32 => self.copied::<u32>(batch.bytes(c), shape),

@@ -240,7 +240,7 @@ fn plan_epoch(job: &Job, ahead: u64) {
     }
     let (mut idx, mut runs, mut wanted) = (Vec::new(), Vec::new(), Vec::new());
     let mut queue = Queue::default();
-    // Pages asked for between rows, with the last batch planned when they were.
+    // Pages asked for between rows, with the batch they were asked with.
     let mut gaps: std::collections::VecDeque<(u64, Vec<(usize, usize)>)> = Default::default();
     // A block shuffle's window uses every row of its blocks within a few batches, so
     // the pages between two planned rows are asked for with them (up to a block of
@@ -328,17 +328,17 @@ fn ask(p: &mut Pages<'_>, f: usize, start: usize, end: usize, wanted: &mut Vec<(
         Mode::Keep | Mode::Resident | Mode::Direct => return,
     }
     for k in start..end {
-        if p.state[k] & 1 == 0 {
-            p.state[k] |= 1;
+        if p.state[k] & WANTED == 0 {
+            p.state[k] |= WANTED;
             wanted.push((f, k));
         }
     }
 }
 
-/// Asks for the pages in `wanted` (`(file, page)`), in runs of pages at most `gap`
-/// apart (the pages between them included), and empties it. The pages between that no
-/// row asked for are counted as needed, in a streamed file, and added to `filled`, to
-/// be released with the last batch planned now.
+/// Queues the pages in `wanted` (`(file, page)`) to be asked for ([`Queue`]), in runs of
+/// pages at most `gap` apart (the pages between them included), and empties it. The
+/// pages between that no row asked for are counted as needed, in a streamed file, and
+/// added to `filled`, to be released with the batch being planned.
 fn ask_runs(
     pages: &mut [Pages<'_>],
     wanted: &mut Vec<(usize, usize)>,
@@ -349,8 +349,8 @@ fn ask_runs(
     for (f, first, end) in runs_of(wanted, gap) {
         let p = &mut pages[f];
         for k in first..end {
-            if p.state[k] & 1 == 0 {
-                p.state[k] |= 1;
+            if p.state[k] & WANTED == 0 {
+                p.state[k] |= WANTED;
                 if p.mode == Mode::Stream {
                     p.refs[k] = p.refs[k].saturating_add(1);
                     filled.push((f, k));
@@ -497,8 +497,8 @@ fn warm(
             break;
         }
         let (first, end) = (cursor.1 / page, (cursor.1 + chunk).min(len).div_ceil(page));
-        if p.state[first..end].iter().any(|&b| b & 1 == 0) {
-            p.state[first..end].iter_mut().for_each(|b| *b |= 1);
+        if p.state[first..end].iter().any(|&b| b & WANTED == 0) {
+            p.state[first..end].iter_mut().for_each(|b| *b |= WANTED);
             will_need(p.file, first * page, (end - first) * page, p.piece);
             asked.push_back((cursor.0, (end - 1) * page));
         }
