@@ -68,6 +68,16 @@ impl Source {
     pub(crate) fn is_direct(&self) -> bool {
         self.align > 1
     }
+
+    /// What offsets, lengths and buffer addresses of reads must be multiples of.
+    pub(crate) fn align(&self) -> u64 {
+        self.align
+    }
+
+    /// The open file.
+    pub(crate) fn file(&self) -> &File {
+        &self.file
+    }
 }
 
 /// The alignment direct reads of `file` need (offset, length and memory), from
@@ -102,16 +112,56 @@ fn direct_align(file: &File) -> Option<u64> {
     Some(offset.max(memory).max(1))
 }
 
-/// One row of one column, as `locate` gave it.
+/// One row of one column, as [`Dataset::locate`] gave it.
 #[derive(Debug, Clone, Copy)]
-struct Row {
-    file: u32,
-    column: u32,
-    sample: u32,
-    offset: u64,
-    len: u32,
-    /// The read that brings it in.
+pub(crate) struct Row {
+    pub(crate) file: u32,
+    pub(crate) column: u32,
+    pub(crate) sample: u32,
+    pub(crate) offset: u64,
+    pub(crate) len: u32,
+    /// The read that brings it in (direct reads only).
     read: u32,
+}
+
+/// Collects into `rows` the rows of `indices` that `dataset.locate` gives, in the
+/// files `0..files`; false if that does not describe the gather (not one range per
+/// column of its row's length, in column order, in a known file): the caller then
+/// gathers through the dataset.
+pub(crate) fn locate(
+    dataset: &dyn Dataset,
+    files: usize,
+    epoch: u64,
+    indices: &[u64],
+    rows: &mut Vec<Row>,
+) -> bool {
+    let columns = dataset.columns();
+    rows.clear();
+    let mut fits = indices.len() <= u32::MAX as usize;
+    for (sample, &index) in indices.iter().enumerate() {
+        let mut column = 0usize;
+        dataset.locate(epoch, index, &mut |file, offset, len| {
+            fits &= column < columns.len()
+                && columns[column].row_bytes == len
+                && file < files
+                && len <= MAX_ROW;
+            if fits && len > 0 {
+                rows.push(Row {
+                    file: file as u32,
+                    column: column as u32,
+                    sample: sample as u32,
+                    offset: offset as u64,
+                    len: len as u32,
+                    read: 0,
+                });
+            }
+            column += 1;
+        });
+        if !fits || column != columns.len() {
+            return false;
+        }
+    }
+    true
 }
 
 /// One read: aligned bytes of a file into the staging buffer at `at`.
@@ -226,7 +276,7 @@ impl Reader {
         let columns = dataset.columns();
         check_out(columns, indices.len(), out)?;
         self.settle();
-        if self.broken || !self.locate(dataset, sources, epoch, indices) {
+        if self.broken || !locate(dataset, sources.len(), epoch, indices, &mut self.rows) {
             return Ok(false);
         }
         let files = dataset.files();
@@ -254,44 +304,6 @@ impl Reader {
             }
         }
         Ok(true)
-    }
-
-    /// Collects the rows of `indices`; false if `locate` does not describe the gather.
-    fn locate(
-        &mut self,
-        dataset: &dyn Dataset,
-        sources: &[Source],
-        epoch: u64,
-        indices: &[u64],
-    ) -> bool {
-        let columns = dataset.columns();
-        self.rows.clear();
-        let mut fits = indices.len() <= u32::MAX as usize;
-        for (sample, &index) in indices.iter().enumerate() {
-            let mut column = 0usize;
-            let rows = &mut self.rows;
-            dataset.locate(epoch, index, &mut |file, offset, len| {
-                fits &= column < columns.len()
-                    && columns[column].row_bytes == len
-                    && file < sources.len()
-                    && len <= MAX_ROW;
-                if fits && len > 0 {
-                    rows.push(Row {
-                        file: file as u32,
-                        column: column as u32,
-                        sample: sample as u32,
-                        offset: offset as u64,
-                        len: len as u32,
-                        read: 0,
-                    });
-                }
-                column += 1;
-            });
-            if !fits || column != columns.len() {
-                return false;
-            }
-        }
-        true
     }
 
     /// Turns the rows into aligned reads, merging those that touch, and sizes the

@@ -27,11 +27,13 @@
 
 use std::fs::File;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam_channel::Receiver;
 
+use super::extents::{Closing, Extents, Window, READERS};
 use super::worker::{Assignment, Job};
 use crate::dataset::{Dataset, MappedFile};
 use crate::pagecache::{
@@ -79,6 +81,10 @@ pub(crate) enum Mode {
     /// Over the budget, read by the workers straight from storage (see
     /// [`direct`](super::direct)): nothing for the planner.
     Direct,
+    /// Over the budget, the next batches' rows read as [`Stream`](Mode::Stream) plans
+    /// them, but into the loader's own buffers, with `O_DIRECT` (see
+    /// [`extents`](super::extents)): a block shuffle's windows.
+    Window,
 }
 
 /// One file's plan for an epoch: its mode and its residency as the epoch started (one
@@ -152,7 +158,7 @@ pub(crate) fn spawn(ahead: u64, jobs: Receiver<Assignment>) -> std::io::Result<J
 
 /// One file's pages: bit 0 of `state` ([`WANTED`]) resident or asked for, bit 1
 /// ([`ISSUED`]) asked for from storage since it was last dropped; `refs` counts the
-/// planned rows that still need each page ([`Mode::Stream`] only).
+/// planned rows that still need each page ([`Mode::Stream`] and [`Mode::Window`]).
 struct Pages<'a> {
     file: MappedFile<'a>,
     mode: Mode,
@@ -162,6 +168,35 @@ struct Pages<'a> {
     fd: Option<File>,
     /// Bytes per read-ahead request ([`will_need_piece`]).
     piece: usize,
+    /// The extents its pages are read into ([`Mode::Window`] only).
+    window: Option<Window>,
+}
+
+impl Pages<'_> {
+    /// Whether planned rows are counted per page, and pages dropped behind them.
+    fn streamed(&self) -> bool {
+        matches!(self.mode, Mode::Stream | Mode::Window)
+    }
+
+    /// Marks page `k` wanted; false if it was already.
+    fn want(&mut self, k: usize) -> bool {
+        if self.state[k] & WANTED != 0 {
+            return false;
+        }
+        self.state[k] |= WANTED;
+        if let Some(w) = &mut self.window {
+            w.want(k);
+        }
+        true
+    }
+
+    /// Page `k` is no longer wanted (nor issued): it may be dropped.
+    fn unwant(&mut self, k: usize) {
+        self.state[k] &= !(WANTED | ISSUED);
+        if let Some(w) = &mut self.window {
+            w.unwant(k);
+        }
+    }
 }
 
 /// Bit of [`Pages::state`]: the page is resident or asked for.
@@ -202,7 +237,26 @@ fn batch_pages(
     runs.truncate(merged);
 }
 
+/// Plans `job`, with the threads that read its extents when it has windowed files.
 fn plan_epoch(job: &Job, ahead: u64) {
+    let Some(extents) = &job.extents else {
+        return plan_files(job, ahead, None);
+    };
+    std::thread::scope(|s| {
+        // Closed before the scope waits for the readers, even when unwinding.
+        let _closing = Closing(extents);
+        for k in 0..READERS {
+            // A reader that cannot start leaves its reads to the workers.
+            let planner = std::thread::current();
+            let _ = std::thread::Builder::new()
+                .name(format!("stokehold-read-{k}"))
+                .spawn_scoped(s, move || extents.serve(&planner));
+        }
+        plan_files(job, ahead, Some(extents));
+    });
+}
+
+fn plan_files(job: &Job, ahead: u64, extents: Option<&Arc<Extents>>) {
     let plans = std::mem::take(&mut *job.plans.lock().unwrap_or_else(|e| e.into_inner()));
     let files = job.dataset.files();
     if plans.len() != files.len() {
@@ -219,15 +273,22 @@ fn plan_epoch(job: &Job, ahead: u64) {
             refs: Vec::new(),
             fd: None,
             piece: 0,
+            window: None,
         })
         .collect();
     let (mut keep, mut stream) = (false, false);
-    for p in &mut pages {
+    for (f, p) in pages.iter_mut().enumerate() {
         match p.mode {
             Mode::Keep => keep = true,
-            Mode::Stream => {
+            Mode::Stream | Mode::Window => {
                 stream = true;
                 p.refs = vec![0; p.state.len()];
+                p.window = extents
+                    .filter(|x| p.mode == Mode::Window && x.windowed(f))
+                    .map(|x| Window::new(Arc::clone(x), f, p.state.len()));
+                if p.window.is_none() {
+                    p.mode = Mode::Stream;
+                }
             }
             Mode::Resident | Mode::Direct => continue,
         }
@@ -274,13 +335,23 @@ fn plan_epoch(job: &Job, ahead: u64) {
                 ask(&mut pages[f], f, start, end, &mut wanted);
             }
             let mut filled = Vec::new();
-            ask_runs(&mut pages, &mut wanted, gap, &mut filled, &mut queue);
+            ask_runs(
+                &mut pages,
+                &mut wanted,
+                gap,
+                &mut filled,
+                &mut queue,
+                planned,
+            );
             if !filled.is_empty() {
                 gaps.push_back((planned, filled));
             }
             planned += 1;
         }
-        queue.issue(&mut pages, page);
+        queue.issue(&mut pages, page, extents.map(|x| &**x));
+        if let Some(x) = extents {
+            x.issued(queue.frontier(planned));
+        }
         if stream {
             let delivered = job.delivered.load(Ordering::Acquire).min(planned);
             while dropped < delivered {
@@ -318,7 +389,7 @@ fn ask(p: &mut Pages<'_>, f: usize, start: usize, end: usize, wanted: &mut Vec<(
     let end = end.min(p.state.len());
     let start = start.min(end);
     match p.mode {
-        Mode::Stream => p.refs[start..end]
+        Mode::Stream | Mode::Window => p.refs[start..end]
             .iter_mut()
             .for_each(|r| *r = r.saturating_add(1)),
         // A kept file is read whole and in order by `warm`: asking for rows at random
@@ -328,36 +399,33 @@ fn ask(p: &mut Pages<'_>, f: usize, start: usize, end: usize, wanted: &mut Vec<(
         Mode::Keep | Mode::Resident | Mode::Direct => return,
     }
     for k in start..end {
-        if p.state[k] & WANTED == 0 {
-            p.state[k] |= WANTED;
+        if p.want(k) {
             wanted.push((f, k));
         }
     }
 }
 
-/// Queues the pages in `wanted` (`(file, page)`) to be asked for ([`Queue`]), in runs of
-/// pages at most `gap` apart (the pages between them included), and empties it. The
-/// pages between that no row asked for are counted as needed, in a streamed file, and
-/// added to `filled`, to be released with the batch being planned.
+/// Queues the pages in `wanted` (`(file, page)`) to be asked for ([`Queue`]) for batch
+/// `batch`, in runs of pages at most `gap` apart (the pages between them included),
+/// and empties it. The pages between that no row asked for are counted as needed, in a
+/// streamed file, and added to `filled`, to be released with the batch being planned.
 fn ask_runs(
     pages: &mut [Pages<'_>],
     wanted: &mut Vec<(usize, usize)>,
     gap: usize,
     filled: &mut Vec<(usize, usize)>,
     queue: &mut Queue,
+    batch: u64,
 ) {
     for (f, first, end) in runs_of(wanted, gap) {
         let p = &mut pages[f];
         for k in first..end {
-            if p.state[k] & WANTED == 0 {
-                p.state[k] |= WANTED;
-                if p.mode == Mode::Stream {
-                    p.refs[k] = p.refs[k].saturating_add(1);
-                    filled.push((f, k));
-                }
+            if p.want(k) && p.streamed() {
+                p.refs[k] = p.refs[k].saturating_add(1);
+                filled.push((f, k));
             }
         }
-        queue.pending.push_back((f, first, end));
+        queue.pending.push_back((batch, f, first, end));
     }
     wanted.clear();
 }
@@ -370,10 +438,15 @@ fn ask_runs(
 /// planned window asked for at once, the next batch's blocks, scattered over the file,
 /// came last. Kept to a few requests, the device still has a queue, and what it holds
 /// is what the next batches need.
+///
+/// A windowed file's runs become extents ([`Window::read`]) under the same bound, on
+/// the bytes its extents' readers have yet to read: kept pending until then, a run is
+/// read with the pages later batches want next to it (a block asked for by several
+/// batches of its window is read in one piece, not in as many as batches asked).
 #[derive(Default)]
 struct Queue {
-    /// Runs of pages to ask for: `(file, first, end)`.
-    pending: std::collections::VecDeque<(usize, usize, usize)>,
+    /// Runs of pages to ask for: `(batch, file, first, end)`, in the order of batches.
+    pending: std::collections::VecDeque<(u64, usize, usize, usize)>,
     /// Runs asked for and not yet seen read: `(file, last page, bytes)`.
     asked: std::collections::VecDeque<(usize, usize, usize)>,
     /// Bytes in `asked`.
@@ -386,8 +459,9 @@ const STREAMING: usize = 16 << 20;
 
 impl Queue {
     /// Forgets the asks that have been read (or whose pages were dropped since), then
-    /// asks for pending runs while fewer than [`STREAMING`] bytes are in flight.
-    fn issue(&mut self, pages: &mut [Pages<'_>], page: usize) {
+    /// asks for pending runs while fewer than [`STREAMING`] bytes are in flight (or, for
+    /// windowed files, not yet read into `extents`).
+    fn issue(&mut self, pages: &mut [Pages<'_>], page: usize, extents: Option<&Extents>) {
         while let Some(&(f, last, bytes)) = self.asked.front() {
             let p = &pages[f];
             // A page dropped since (its rows gathered, maybe asked for again and not
@@ -401,16 +475,27 @@ impl Queue {
             self.asked.pop_front();
             self.in_flight -= bytes;
         }
-        while self.in_flight < STREAMING {
-            let Some((f, first, end)) = self.pending.pop_front() else {
-                return;
-            };
+        while let Some(&(_, f, first, end)) = self.pending.front() {
             let p = &mut pages[f];
+            let full = match (&p.window, extents) {
+                (Some(_), Some(x)) => x.unread() >= STREAMING as u64,
+                _ => self.in_flight >= STREAMING,
+            };
+            if full {
+                return;
+            }
+            self.pending.pop_front();
             // Pages dropped before their turn came (their rows were gathered from
             // faults) are not read again.
             let Some(last) = (first..end).rev().find(|&k| p.state[k] & WANTED != 0) else {
                 continue;
             };
+            if let Some(w) = &mut p.window {
+                let state = &p.state;
+                let len = p.file.bytes().len() as u64;
+                w.read(first, last + 1, |k| state[k] & WANTED != 0, page, len);
+                continue;
+            }
             p.state[first..=last].iter_mut().for_each(|b| *b |= ISSUED);
             let bytes = (last + 1 - first) * page;
             will_need(p.file, first * page, bytes, p.piece);
@@ -418,12 +503,18 @@ impl Queue {
             self.in_flight += bytes;
         }
     }
+
+    /// The first batch some of whose runs are still pending: every batch before it,
+    /// up to `planned`, has been asked for.
+    fn frontier(&self, planned: u64) -> u64 {
+        self.pending.front().map_or(planned, |r| r.0)
+    }
 }
 
 /// A gathered row no longer needs pages `start..end` of file `f`: those no planned row
-/// needs are added to `free` ([`Mode::Stream`] only).
+/// needs are added to `free` ([`Mode::Stream`] and [`Mode::Window`] only).
 fn release(p: &mut Pages<'_>, f: usize, start: usize, end: usize, free: &mut Vec<(usize, usize)>) {
-    if p.mode != Mode::Stream {
+    if !p.streamed() {
         return;
     }
     let end = end.min(p.state.len());
@@ -431,7 +522,7 @@ fn release(p: &mut Pages<'_>, f: usize, start: usize, end: usize, free: &mut Vec
     for k in start..end {
         p.refs[k] = p.refs[k].saturating_sub(1);
         if p.refs[k] == 0 && p.state[k] & WANTED != 0 {
-            p.state[k] &= !(WANTED | ISSUED);
+            p.unwant(k);
             free.push((f, k));
         }
     }
@@ -533,13 +624,14 @@ mod tests {
             refs: vec![0; n],
             fd: file.reopen().ok(),
             piece: WILL_NEED_PIECE,
+            window: None,
         }
     }
 
     /// Marks pages `first..end` wanted and queues them, as `ask_runs` does.
     fn want(queue: &mut Queue, p: &mut Pages<'_>, first: usize, end: usize) {
         p.state[first..end].iter_mut().for_each(|b| *b |= WANTED);
-        queue.pending.push_back((0, first, end));
+        queue.pending.push_back((0, 0, first, end));
     }
 
     #[test]
@@ -554,7 +646,7 @@ mod tests {
         for k in 0..3 {
             want(&mut queue, &mut pages[0], k * run, (k + 1) * run);
         }
-        queue.issue(&mut pages, page);
+        queue.issue(&mut pages, page, None);
         assert_eq!(queue.asked.len(), 2, "two halves of the limit");
         assert_eq!(queue.pending.len(), 1);
         assert_eq!(queue.in_flight, STREAMING);
@@ -563,7 +655,7 @@ mod tests {
         let start = std::time::Instant::now();
         while !queue.pending.is_empty() && start.elapsed() < Duration::from_secs(10) {
             std::thread::sleep(Duration::from_millis(1));
-            queue.issue(&mut pages, page);
+            queue.issue(&mut pages, page, None);
         }
         assert!(queue.pending.is_empty());
     }
@@ -583,7 +675,7 @@ mod tests {
         let mut queue = Queue::default();
         want(&mut queue, &mut pages[0], 0, run);
         want(&mut queue, &mut pages[0], run, run + 1);
-        queue.issue(&mut pages, page);
+        queue.issue(&mut pages, page, None);
         assert_eq!((queue.asked.len(), queue.pending.len()), (1, 1));
         // Gathered and dropped, as `release` and `drop_runs` do.
         let mut free = Vec::new();
@@ -593,7 +685,7 @@ mod tests {
         evict_file(file).unwrap();
         // Its last page wanted again.
         want(&mut queue, &mut pages[0], run - 1, run);
-        queue.issue(&mut pages, page);
+        queue.issue(&mut pages, page, None);
         assert!(queue.pending.is_empty(), "{:?}", queue.pending);
         assert_eq!(queue.asked.len(), 2);
     }

@@ -10,6 +10,7 @@ use crossbeam_channel::{Receiver, Sender};
 
 use super::batch::BatchLayout;
 use super::direct::{Reader, Source};
+use super::extents::{Extents, Scratch};
 use super::pool::{Lease, Pool};
 use crate::dataset::Dataset;
 use crate::error::{Error, Result};
@@ -49,6 +50,9 @@ pub(crate) struct Job {
     /// The files opened for direct reads, one per file, when the workers read rows
     /// straight from storage this epoch.
     pub(crate) direct: Option<Vec<Source>>,
+    /// The extents the workers copy windowed files' rows from, when the planner reads
+    /// them into the loader's buffers this epoch.
+    pub(crate) extents: Option<Arc<Extents>>,
     /// The planner's thread, woken when a batch is claimed.
     pub(crate) planner: Option<std::thread::Thread>,
 }
@@ -63,9 +67,9 @@ impl Job {
         self.pool.wake_all();
     }
 
-    /// Claims and assembles batches until the epoch is exhausted or cancelled. `reader`
-    /// is the worker's own, made at its first direct read.
-    fn run(&self, worker: usize, reader: &mut ReaderSlot) {
+    /// Claims and assembles batches until the epoch is exhausted or cancelled, with the
+    /// worker's own reader and lists.
+    fn run(&self, worker: usize, local: &mut Local) {
         loop {
             if self.cancelled.load(Ordering::Acquire)
                 || self.next.load(Ordering::Relaxed) >= self.end
@@ -87,7 +91,7 @@ impl Job {
             }
             let start = Instant::now();
             let result = catch_unwind(AssertUnwindSafe(|| {
-                self.assemble(&mut lease, number, reader)
+                self.assemble(&mut lease, number, local)
             }))
             .unwrap_or_else(|payload| {
                 Err(Error::WorkerPanic {
@@ -116,14 +120,20 @@ impl Job {
     }
 
     /// Writes batch `number` into the lease's buffer; returns its sample count.
-    fn assemble(&self, lease: &mut Lease, number: u64, reader: &mut ReaderSlot) -> Result<usize> {
+    fn assemble(&self, lease: &mut Lease, number: u64, local: &mut Local) -> Result<usize> {
         let (bytes, indices) = lease.slot_mut().parts_mut();
         self.order.batch(number, indices);
         let rows = indices.len();
         let (mut parts, n) = self.layout.split(bytes, rows);
         let epoch = self.order.epoch();
+        if let Some(extents) = &self.extents {
+            let (dataset, out) = (self.dataset.as_ref(), &mut parts[..n]);
+            if extents.gather(dataset, epoch, number, indices, out, &mut local.window)? {
+                return Ok(rows);
+            }
+        }
         if let Some(sources) = &self.direct {
-            if let Some(reader) = reader.get() {
+            if let Some(reader) = local.reader.get() {
                 let dataset = self.dataset.as_ref();
                 if reader.gather(dataset, sources, epoch, indices, &mut parts[..n])? {
                     return Ok(rows);
@@ -144,6 +154,14 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     } else {
         "a non-string panic payload".to_string()
     }
+}
+
+/// What a worker keeps from batch to batch: its direct reader, and its lists for
+/// copying from extents.
+#[derive(Debug, Default)]
+pub(crate) struct Local {
+    reader: ReaderSlot,
+    window: Scratch,
 }
 
 /// A worker's direct reader: not made yet, made, or not to be had here (the worker
@@ -176,9 +194,9 @@ pub(crate) fn spawn(id: usize, jobs: Receiver<Assignment>) -> std::io::Result<Jo
     std::thread::Builder::new()
         .name(format!("stokehold-worker-{id}"))
         .spawn(move || {
-            let mut reader = ReaderSlot::Unmade;
+            let mut local = Local::default();
             for (job, done) in jobs {
-                job.run(id, &mut reader);
+                job.run(id, &mut local);
                 drop(job);
                 drop(done);
             }
