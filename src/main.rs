@@ -153,6 +153,9 @@ struct LoaderArgs {
     /// available memory); a larger dataset is streamed, 0 always streams.
     #[arg(long)]
     page_cache_budget: Option<u64>,
+    /// Read streamed files through the page cache, not with direct I/O (`O_DIRECT`).
+    #[arg(long)]
+    no_direct_reads: bool,
 }
 
 /// A parser of one of `names` into the library's type of that name.
@@ -209,6 +212,7 @@ fn run(command: Command) -> stokehold::Result<ExitCode> {
                 workers: a.loader.workers,
                 prefetch: a.loader.prefetch,
                 page_cache_budget: a.loader.page_cache_budget,
+                direct_reads: !a.loader.no_direct_reads,
                 shuffle: Shuffle::named(&a.shuffle, seed)?,
                 device: a.device,
                 hidden: a.hidden,
@@ -277,6 +281,7 @@ fn run(command: Command) -> stokehold::Result<ExitCode> {
                 cold: !a.no_cold,
                 only_cold: a.only.is_some(),
                 page_cache_budget: a.loader.page_cache_budget,
+                direct_reads: !a.loader.no_direct_reads,
             };
             a.json.as_deref().map_or(Ok(()), report::check_output)?;
             let report = bench::measure(&a.loader.data, &cfg, &mut |line| eprintln!("{line}"))?;

@@ -30,6 +30,9 @@ pub struct TrainConfig {
     pub prefetch: Option<usize>,
     /// Bytes of page cache the loader may fill (`None`: half the available memory).
     pub page_cache_budget: Option<u64>,
+    /// Whether streamed files are read with direct I/O
+    /// ([`LoaderBuilder::direct_reads`](crate::LoaderBuilder::direct_reads)).
+    pub direct_reads: bool,
     /// Sample order.
     pub shuffle: Shuffle,
     /// Where the step runs.
@@ -87,7 +90,8 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
     let mut builder = Loader::builder_shared(Arc::clone(&ds))
         .batch_size(config.batch)
         .workers(config.workers)
-        .shuffle(config.shuffle);
+        .shuffle(config.shuffle)
+        .direct_reads(config.direct_reads);
     if let Some(p) = config.prefetch {
         builder = builder.prefetch(p);
     }

@@ -151,6 +151,7 @@ fn the_main_job_reports_every_epoch_and_the_warmup_split() {
         workers: 2,
         prefetch: None,
         page_cache_budget: None,
+        direct_reads: true,
         shuffle: Shuffle::Full { seed: 1 },
         device: stokehold::device::DeviceChoice::Cpu,
         hidden: 32,

@@ -42,6 +42,9 @@ pub struct BenchConfig {
     pub only_cold: bool,
     /// The loaders' page-cache budget (`None`: the loader's default).
     pub page_cache_budget: Option<u64>,
+    /// Whether the loaders read streamed files with direct I/O
+    /// ([`LoaderBuilder::direct_reads`](crate::LoaderBuilder::direct_reads)).
+    pub direct_reads: bool,
 }
 
 impl Default for BenchConfig {
@@ -55,6 +58,7 @@ impl Default for BenchConfig {
             cold: true,
             only_cold: false,
             page_cache_budget: None,
+            direct_reads: true,
         }
     }
 }
@@ -187,7 +191,8 @@ fn build(dataset: &Arc<dyn Dataset>, cfg: &BenchConfig, shuffle: Shuffle) -> Res
     let mut b = Loader::builder_shared(Arc::clone(dataset))
         .batch_size(cfg.batch)
         .workers(cfg.workers)
-        .shuffle(shuffle);
+        .shuffle(shuffle)
+        .direct_reads(cfg.direct_reads);
     if let Some(p) = cfg.prefetch {
         b = b.prefetch(p);
     }
