@@ -604,8 +604,14 @@ impl Loader {
         // and leaves within a millisecond of the epoch's end or drop: nothing waits
         // for it, so its own finished channel goes nowhere.
         let jobs = self.planner.as_ref().filter(|_| planned);
-        if let Some(jobs) = jobs.and_then(|p| p.jobs.as_ref()) {
-            let _ = jobs.send((Arc::clone(&job), crossbeam_channel::bounded(0).0));
+        let sent = jobs.and_then(|p| p.jobs.as_ref()).is_some_and(|jobs| {
+            jobs.send((Arc::clone(&job), crossbeam_channel::bounded(0).0))
+                .is_ok()
+        });
+        // With no planner to read them (its thread is gone), the workers copy from the
+        // mapping rather than wait for extents.
+        if let (false, Some(x)) = (sent, &job.extents) {
+            x.close();
         }
         drop(finished_tx);
         self.state = LoaderState {
