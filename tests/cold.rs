@@ -8,7 +8,7 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use stokehold::gen::{self, ClassificationSpec};
 use stokehold::pagecache::{self, storage_read_bytes};
-use stokehold::{Dataset, Loader, NpyDataset, Shuffle, Storage};
+use stokehold::{Dataset, HostBatch, Loader, NpyDataset, Shuffle, Storage};
 
 /// Storage figures are per process (`/proc/self/io`): the tests here take turns.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -27,17 +27,31 @@ fn dataset(dir: &Path, samples: u64) -> Arc<dyn Dataset> {
     Arc::new(NpyDataset::open_xy(dir).unwrap())
 }
 
+/// A batch's bytes, both columns.
+fn bytes(b: &HostBatch) -> Vec<u8> {
+    [b.bytes(0), b.bytes(1)].concat()
+}
+
 /// Every batch's bytes, in order, from a cold page cache when `cold`.
 fn epoch_bytes(loader: &mut Loader, epoch: u64, cold: bool) -> Vec<Vec<u8>> {
     if cold {
         pagecache::evict(loader.dataset().as_ref()).unwrap();
     }
     let it = loader.epoch(epoch).unwrap();
-    it.map(|b| {
-        let b = b.unwrap();
-        [b.bytes(0), b.bytes(1)].concat()
-    })
-    .collect()
+    it.map(|b| bytes(&b.unwrap())).collect()
+}
+
+/// A loader of `ds` that streams every file (budget 0), batches of 64, two workers,
+/// with direct reads when `direct`.
+fn loader(ds: &Arc<dyn Dataset>, shuffle: Shuffle, direct: bool) -> Loader {
+    Loader::builder_shared(Arc::clone(ds))
+        .batch_size(64)
+        .workers(2)
+        .shuffle(shuffle)
+        .direct_reads(direct)
+        .page_cache_budget(0)
+        .build()
+        .unwrap()
 }
 
 /// [`dataset`], where storage figures can be had: evicting works (not on tmpfs, for
@@ -168,30 +182,14 @@ fn a_shared_dataset_says_where_its_rows_live() {
 /// the read amplification. `None` where direct reads of single rows cannot be had (no
 /// io_uring), under a full shuffle.
 fn streamed_directly(ds: &Arc<dyn Dataset>, shuffle: Shuffle) -> Option<(bool, f64)> {
-    let build = |direct: bool| {
-        Loader::builder_shared(Arc::clone(ds))
-            .batch_size(64)
-            .workers(2)
-            .shuffle(shuffle)
-            .direct_reads(direct)
-            .page_cache_budget(0)
-            .build()
-            .unwrap()
-    };
-    let mut loader = build(true);
-    if matches!(shuffle, Shuffle::Full { .. }) && !loader.direct_reads() {
+    let mut direct = loader(ds, shuffle, true);
+    if matches!(shuffle, Shuffle::Full { .. }) && !direct.direct_reads() {
         return None;
     }
-    let want = epoch_bytes(&mut build(false), 2, true);
+    let want = epoch_bytes(&mut loader(ds, shuffle, false), 2, true);
     pagecache::evict(ds.as_ref()).unwrap();
-    let mut it = loader.epoch(2).unwrap();
-    let got: Vec<Vec<u8>> = it
-        .by_ref()
-        .map(|b| {
-            let b = b.unwrap();
-            [b.bytes(0), b.bytes(1)].concat()
-        })
-        .collect();
+    let mut it = direct.epoch(2).unwrap();
+    let got: Vec<Vec<u8>> = it.by_ref().map(|b| bytes(&b.unwrap())).collect();
     let stats = it.stats();
     assert_eq!(stats.storage, Storage::Streaming);
     let rows = ds.len() as f64 * 3080.0;
@@ -296,4 +294,32 @@ fn a_streamed_block_shuffle_reads_its_windows_once_and_leaves_nothing_behind() {
     for f in ds.files() {
         resident_at_most(f, 0.01);
     }
+}
+
+#[test]
+fn window_reads_leave_what_was_cached_to_the_page_cache() {
+    // Half of x.npy resident as the epoch starts (a set just written, larger than the
+    // budget): its rows are copied from there, and only the other half is read.
+    let _turn = turn();
+    let dir = tempfile::tempdir().unwrap();
+    let Some(ds) = measured(dir.path(), 20_000) else {
+        return;
+    };
+    let want = epoch_bytes(&mut loader(&ds, Shuffle::block(4), false), 0, false);
+    pagecache::evict(ds.as_ref()).unwrap();
+    let x = ds.files()[0];
+    let half = x.bytes().len() / 2;
+    let mut head = vec![0u8; half];
+    std::io::Read::read_exact(&mut std::fs::File::open(x.path()).unwrap(), &mut head).unwrap();
+    // With the kernel's read-ahead, somewhat more than half.
+    let uncached = 1.0 - pagecache::file_residency(x).unwrap().fraction();
+    let mut windowed = loader(&ds, Shuffle::block(4), true);
+    let mut it = windowed.epoch(0).unwrap();
+    let got: Vec<Vec<u8>> = it.by_ref().map(|b| bytes(&b.unwrap())).collect();
+    assert!(got == want, "the batches changed");
+    let read = it.stats().bytes_read as f64 / x.bytes().len() as f64;
+    assert!(
+        (read - uncached).abs() < 0.1,
+        "read {read:.2}x of x.npy, {uncached:.2} of it not cached"
+    );
 }

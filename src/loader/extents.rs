@@ -35,8 +35,12 @@ pub(crate) const EXTENT: usize = 1 << 20;
 /// Threads that read extents while an epoch streams windows: reads in flight, at most,
 /// besides those of workers reading an extent they reached first.
 pub(crate) const READERS: usize = 4;
-/// Free extent buffers kept for later extents (the rest are freed).
-const SPARE: usize = 64;
+/// Free extent buffers kept for later extents (the rest are freed): twice the bytes
+/// the planner lets wait to be read.
+const SPARE: usize = 32;
+/// Failed extent reads after which the planner stops reading a file into extents (a
+/// file system that takes `O_DIRECT` at open and refuses the reads).
+const FAILURES: u32 = 4;
 /// How long a worker waits for the planner to have queued its batch's extents before it
 /// copies the batch from the mapping instead.
 const PLAN_WAIT: Duration = Duration::from_secs(1);
@@ -86,6 +90,8 @@ enum Slot {
 pub(crate) struct Extents {
     /// Per file: opened with `O_DIRECT` where the file is windowed.
     sources: Vec<Option<Source>>,
+    /// Extent reads that failed or came back short.
+    failed: std::sync::atomic::AtomicU32,
     inner: Mutex<Inner>,
     /// Signalled when an extent is queued, and on close.
     queued: Condvar,
@@ -114,6 +120,7 @@ impl Extents {
         let held = sources.iter().map(|_| BTreeMap::new()).collect();
         Extents {
             sources,
+            failed: std::sync::atomic::AtomicU32::new(0),
             inner: Mutex::new(Inner {
                 held,
                 queue: VecDeque::new(),
@@ -181,6 +188,31 @@ impl Extents {
     /// Bytes of extents queued and not yet read.
     pub(crate) fn unread(&self) -> u64 {
         lock(&self.inner).unread
+    }
+
+    /// Whether enough extent reads have failed that the rest should go through the page
+    /// cache.
+    pub(crate) fn failing(&self) -> bool {
+        self.failed.load(std::sync::atomic::Ordering::Relaxed) >= FAILURES
+    }
+
+    /// Frees every extent and spare buffer: the epoch's planning is over (a worker of
+    /// a cancelled epoch still copying finds its extents released, and copies from the
+    /// mapping). The job, and these extents, outlive the epoch until the next one.
+    pub(crate) fn clear(&self) {
+        let mut extents = Vec::new();
+        {
+            let mut inner = lock(&self.inner);
+            for held in &mut inner.held {
+                extents.extend(std::mem::take(held).into_values());
+            }
+            inner.queue.clear();
+            inner.spare.clear();
+            inner.unread = 0;
+        }
+        for extent in extents {
+            *lock(&extent.slot) = Slot::Released;
+        }
     }
 
     /// Keeps a buffer for a later extent, or frees it.
@@ -255,6 +287,8 @@ impl Extents {
         if read(source, extent, &*buf) {
             Slot::Ready(buf)
         } else {
+            self.failed
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             self.keep(buf);
             Slot::Failed
         }
@@ -389,6 +423,9 @@ impl Extents {
 /// the bytes the file holds of it came back.
 fn read(source: &Source, extent: &Extent, buf: &dyn HostMemory) -> bool {
     let len = extent.len as usize;
+    // `PlainAlloc` aligns to `BUFFER_ALIGN`, which `Source::open` checked covers the
+    // file's direct-I/O alignment.
+    debug_assert_eq!(buf.as_ptr() as u64 % source.align(), 0);
     if buf.len() < len {
         return false;
     }
@@ -537,23 +574,25 @@ impl Window {
     }
 
     /// Reads pages `first..end` of the file (of `file_len` bytes, pages of `page`
-    /// bytes) that no extent holds yet: each run of them that has a page `wanted` says
-    /// a planned row needs becomes an extent, queued, with the wanted pages around it
-    /// that no extent holds either (later batches' rows of the same blocks), up to
-    /// [`EXTENT`] bytes.
+    /// bytes) that no extent holds yet and that are not `cached` (resident as the epoch
+    /// started: their rows are copied from the mapping): each run of them that has a
+    /// page `wanted` says a planned row needs becomes an extent, queued, with the wanted
+    /// pages around it that are not held or cached either (later batches' rows of the
+    /// same blocks), up to [`EXTENT`] bytes.
     pub(crate) fn read(
         &mut self,
-        first: usize,
-        end: usize,
+        (first, end): (usize, usize),
         wanted: impl Fn(usize) -> bool,
+        cached: impl Fn(usize) -> bool,
         page: usize,
         file_len: u64,
     ) {
         let end = end.min(self.owner.len());
         let most = (EXTENT / page).max(1);
         let mut k = first;
+        let free = |owner: &[u32], k: usize| owner[k] == NONE && !cached(k);
         while k < end {
-            if self.owner[k] != NONE {
+            if !free(&self.owner, k) {
                 k += 1;
                 continue;
             }
@@ -561,16 +600,13 @@ impl Window {
             // before it, up to an extent in all.
             let mut start = k;
             while k < self.owner.len()
-                && self.owner[k] == NONE
+                && free(&self.owner, k)
                 && k - start < most
                 && (k < end || wanted(k))
             {
                 k += 1;
             }
-            while start > 0
-                && k - start < most
-                && self.owner[start - 1] == NONE
-                && wanted(start - 1)
+            while start > 0 && k - start < most && free(&self.owner, start - 1) && wanted(start - 1)
             {
                 start -= 1;
             }
@@ -674,8 +710,8 @@ mod tests {
         // Two runs with a gap of two pages between them: rows across their edges come
         // partly from an extent and partly from the mapping.
         let wanted = |k: usize| (2..10).contains(&k) || (12..20).contains(&k);
-        w.read(2, 10, wanted, page, len(&ds));
-        w.read(12, 20, wanted, page, len(&ds));
+        w.read((2, 10), wanted, |_| false, page, len(&ds));
+        w.read((12, 20), wanted, |_| false, page, len(&ds));
         assert_eq!(held(&store), 2);
         assert_eq!(store.unread(), (16 * page) as u64);
         store.issued(u64::MAX);
@@ -685,7 +721,7 @@ mod tests {
         assert_eq!(store.unread(), 0);
         // With a reader thread.
         let wanted = |k: usize| (30..60).contains(&k);
-        w.read(30, 60, wanted, page, len(&ds));
+        w.read((30, 60), wanted, |_| false, page, len(&ds));
         std::thread::scope(|s| {
             let planner = std::thread::current();
             let store = &store;
@@ -702,7 +738,7 @@ mod tests {
         let (_dir, ds) = dataset(2000);
         let (store, mut w) = window(&ds);
         let page = page_size();
-        w.read(0, 4, |k| k < 4, page, len(&ds));
+        w.read((0, 4), |k| k < 4, |_| false, page, len(&ds));
         assert_eq!(held(&store), 1);
         w.unwant(0);
         w.unwant(2);
@@ -711,7 +747,7 @@ mod tests {
         w.unwant(1);
         assert_eq!(held(&store), 1, "page 2 is still wanted");
         // Pages an extent holds are not read again.
-        w.read(0, 4, |k| k == 2, page, len(&ds));
+        w.read((0, 4), |k| k == 2, |_| false, page, len(&ds));
         assert_eq!((held(&store), store.unread()), (1, (4 * page) as u64));
         w.unwant(2);
         assert_eq!(held(&store), 0);
@@ -728,16 +764,25 @@ mod tests {
         let (store, mut w) = window(&ds);
         let page = page_size();
         // Later batches want pages 0..10: asked for 4..6, all ten are read as one.
-        w.read(4, 6, |k| k < 10, page, len(&ds));
+        w.read((4, 6), |k| k < 10, |_| false, page, len(&ds));
         let extents: Vec<(u64, u64)> = lock(&store.inner).held[0]
             .values()
             .map(|e| (e.offset, e.len))
             .collect();
         assert_eq!(extents, [(0, (10 * page) as u64)]);
+        // A page resident as the epoch started is not read again: its rows come from
+        // the mapping, and the extents stop at it.
+        let later = |k: usize| (20..30).contains(&k);
+        w.read((20, 30), later, |k| k == 24, page, len(&ds));
+        let extents: Vec<(u64, u64)> = lock(&store.inner).held[0]
+            .range((20 * page) as u64..)
+            .map(|(_, e)| (e.offset / page as u64, e.len / page as u64))
+            .collect();
+        assert_eq!(extents, [(20, 4), (25, 5)]);
         // Every page wanted: one extent of at most EXTENT bytes around the ask.
         let pages = w.owner.len();
         assert!(pages * page > EXTENT + 20 * page);
-        w.read(pages - 3, pages - 2, |_| true, page, len(&ds));
+        w.read((pages - 3, pages - 2), |_| true, |_| false, page, len(&ds));
         let last = lock(&store.inner).held[0]
             .values()
             .last()
@@ -754,7 +799,7 @@ mod tests {
     fn a_file_that_shrank_under_its_extents_is_an_error_naming_it() {
         let (dir, ds) = dataset(2000);
         let (store, mut w) = window(&ds);
-        w.read(0, 100, |_| true, page_size(), len(&ds));
+        w.read((0, 100), |_| true, |_| false, page_size(), len(&ds));
         store.issued(u64::MAX);
         let path = dir.path().join("x.npy");
         let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();

@@ -26,6 +26,7 @@
 //! advice: the gathers read the same bytes whatever it did.
 
 use std::fs::File;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -149,7 +150,9 @@ pub(crate) fn spawn(ahead: u64, jobs: Receiver<Assignment>) -> std::io::Result<J
         .name("stokehold-planner".into())
         .spawn(move || {
             for (job, done) in jobs {
-                plan_epoch(&job, ahead);
+                // A panic leaves this epoch unplanned (the plan is advice), not the
+                // epochs after it.
+                let _ = catch_unwind(AssertUnwindSafe(|| plan_epoch(&job, ahead)));
                 drop(job);
                 drop(done);
             }
@@ -192,7 +195,7 @@ impl Pages<'_> {
 
     /// Page `k` is no longer wanted (nor issued): it may be dropped.
     fn unwant(&mut self, k: usize) {
-        self.state[k] &= !(WANTED | ISSUED);
+        self.state[k] &= !(WANTED | ISSUED | CACHED);
         if let Some(w) = &mut self.window {
             w.unwant(k);
         }
@@ -204,6 +207,10 @@ const WANTED: u8 = 1;
 /// Bit of [`Pages::state`]: the page was asked for from storage ([`Queue::issue`]) and
 /// has not been dropped since.
 const ISSUED: u8 = 2;
+/// Bit of [`Pages::state`], in a windowed file: the page was resident as the epoch
+/// started and has not been dropped since. Its rows are copied from the mapping; it is
+/// not read into an extent.
+const CACHED: u8 = 4;
 
 /// The pages of one batch's rows, merged: `(file, first page, end page)`.
 fn batch_pages(
@@ -246,14 +253,19 @@ fn plan_epoch(job: &Job, ahead: u64) {
         // Closed before the scope waits for the readers, even when unwinding.
         let _closing = Closing(extents);
         for k in 0..READERS {
-            // A reader that cannot start leaves its reads to the workers.
+            // A reader that cannot start, or that panics, leaves its reads to the
+            // workers (and does not take the planner down with it).
             let planner = std::thread::current();
+            let serve = move || {
+                let _ = catch_unwind(AssertUnwindSafe(|| extents.serve(&planner)));
+            };
             let _ = std::thread::Builder::new()
                 .name(format!("stokehold-read-{k}"))
-                .spawn_scoped(s, move || extents.serve(&planner));
+                .spawn_scoped(s, serve);
         }
         plan_files(job, ahead, Some(extents));
     });
+    extents.clear();
 }
 
 fn plan_files(job: &Job, ahead: u64, extents: Option<&Arc<Extents>>) {
@@ -286,8 +298,15 @@ fn plan_files(job: &Job, ahead: u64, extents: Option<&Arc<Extents>>) {
                 p.window = extents
                     .filter(|x| p.mode == Mode::Window && x.windowed(f))
                     .map(|x| Window::new(Arc::clone(x), f, p.state.len()));
-                if p.window.is_none() {
-                    p.mode = Mode::Stream;
+                match p.window {
+                    // Resident pages are not wanted until a planned row needs them, so
+                    // that each extent counts only the pages rows need.
+                    Some(_) => p.state.iter_mut().for_each(|b| {
+                        if *b & WANTED != 0 {
+                            *b = CACHED;
+                        }
+                    }),
+                    None => p.mode = Mode::Stream,
                 }
             }
             Mode::Resident | Mode::Direct => continue,
@@ -399,7 +418,7 @@ fn ask(p: &mut Pages<'_>, f: usize, start: usize, end: usize, wanted: &mut Vec<(
         Mode::Keep | Mode::Resident | Mode::Direct => return,
     }
     for k in start..end {
-        if p.want(k) {
+        if p.want(k) && p.state[k] & CACHED == 0 {
             wanted.push((f, k));
         }
     }
@@ -487,13 +506,23 @@ impl Queue {
             self.pending.pop_front();
             // Pages dropped before their turn came (their rows were gathered from
             // faults) are not read again.
-            let Some(last) = (first..end).rev().find(|&k| p.state[k] & WANTED != 0) else {
+            let wanted = |k: usize| p.state[k] & WANTED != 0;
+            let Some(last) = (first..end).rev().find(|&k| wanted(k)) else {
                 continue;
             };
+            let first = (first..=last).find(|&k| wanted(k)).unwrap_or(first);
+            // Extent reads that keep failing: the rest of the file goes through the
+            // page cache.
+            if extents.is_some_and(Extents::failing) {
+                p.window = None;
+                p.mode = Mode::Stream;
+            }
             if let Some(w) = &mut p.window {
                 let state = &p.state;
                 let len = p.file.bytes().len() as u64;
-                w.read(first, last + 1, |k| state[k] & WANTED != 0, page, len);
+                let wanted = |k: usize| state[k] & (WANTED | CACHED) == WANTED;
+                let cached = |k: usize| state[k] & CACHED != 0;
+                w.read((first, last + 1), wanted, cached, page, len);
                 continue;
             }
             p.state[first..=last].iter_mut().for_each(|b| *b |= ISSUED);
