@@ -323,3 +323,30 @@ fn window_reads_leave_what_was_cached_to_the_page_cache() {
         "read {read:.2}x of x.npy, {uncached:.2} of it not cached"
     );
 }
+
+#[test]
+fn window_reads_resume_and_shard_as_the_mapped_path_does() {
+    // A resumed epoch starts its plan mid-epoch; a shard reads its windows' blocks with
+    // the other rank's rows in them. Either way the batches are the mapping's.
+    let _turn = turn();
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path(), 6000);
+    for (rank, start) in [(0, 0), (1, 0), (0, 37), (1, 20)] {
+        let build = |plan: bool| {
+            Loader::builder_shared(Arc::clone(&ds))
+                .batch_size(32)
+                .workers(2)
+                .shuffle(Shuffle::block(rank))
+                .shard(stokehold::Shard::new(rank, 2).unwrap())
+                .plan_reads(plan)
+                .page_cache_budget(0)
+                .resume(stokehold::LoaderState::new(1, start))
+                .build()
+                .unwrap()
+        };
+        let want = epoch_bytes(&mut build(false), 1, false);
+        let got = epoch_bytes(&mut build(true), 1, true);
+        assert_eq!(want.len(), 3000 / 32 + 1 - start as usize);
+        assert!(got == want, "rank {rank} from batch {start}");
+    }
+}
