@@ -10,15 +10,20 @@
 //!
 //! - The planner ([`plan`](super::plan)) turns each run it would have asked the page
 //!   cache for into [`Extent`]s of at most [`EXTENT`] bytes ([`Window::read`]), queued
-//!   in the order the batches need them. [`READERS`] threads read them, one read each
-//!   at a time; a worker that needs an extent no reader has started reads it itself.
+//!   in the order the batches need them, once fewer than 16 MiB are left to read. By
+//!   then the window's later batches are planned too, and an extent takes in the pages
+//!   they want around its run: a block is read in one piece, not in as many as the
+//!   batches that ask for its rows. Pages resident as the epoch started are left to
+//!   the page cache. [`READERS`] threads read the extents, one read each at a time; a
+//!   worker that needs an extent no reader has started reads it itself.
 //! - The planner counts, per extent, the pages that planned rows still need
 //!   ([`Window::want`], [`Window::unwant`]) and releases the extent when none does; its
 //!   buffer goes back to a short free list.
 //! - A worker copies each row from the extents that hold it ([`Extents::gather`]). Any
 //!   part no extent holds (the planner was behind, the extent was released, or its read
 //!   failed) is copied from the mapping, guarded as every gather is, so the plan stays
-//!   advice and a file that changed is still an error naming it.
+//!   advice and a file that changed is still an error naming it. After [`FAILURES`]
+//!   failed reads, the planner streams the file through the page cache instead.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::os::unix::fs::FileExt;
