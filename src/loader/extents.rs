@@ -47,8 +47,10 @@ const SPARE: usize = 32;
 /// file system that takes `O_DIRECT` at open and refuses the reads).
 const FAILURES: u32 = 4;
 /// How long a worker waits for the planner to have queued its batch's extents before it
-/// copies the batch from the mapping instead.
-const PLAN_WAIT: Duration = Duration::from_secs(1);
+/// copies the batch from the mapping instead: a safety net, not a pace. The planner
+/// queues them as the reads before them complete, so a slow disk delays them, and
+/// copying from the mapping then would read the same rows twice.
+const PLAN_WAIT: Duration = Duration::from_secs(10);
 
 /// Locks `m`, poisoned or not: every state a panic can leave behind is one the others
 /// handle (an extent left queued is read again; a failed one is read from the mapping).

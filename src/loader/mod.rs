@@ -551,7 +551,9 @@ impl Loader {
         };
         // Direct reads of single rows suit rows scattered over the whole file; a block
         // shuffle's windows are read whole, in runs of its blocks, into extents.
-        let scattered = matches!(self.order.shuffle(), Shuffle::Full { .. });
+        let order = self.order.epoch(epoch);
+        let scattered =
+            storage == Storage::Streaming && plan::scattered(self.dataset.as_ref(), &order, start);
         let streaming = storage == Storage::Streaming && self.direct;
         let direct = match streaming && scattered && self.uring {
             true => direct_sources(self.dataset.as_ref(), &mut plans),
@@ -572,7 +574,7 @@ impl Loader {
         let (results_tx, results_rx) = crossbeam_channel::unbounded();
         let (finished_tx, finished_rx) = crossbeam_channel::bounded(0);
         let job = Arc::new(Job {
-            order: self.order.epoch(epoch),
+            order,
             dataset: Arc::clone(&self.dataset),
             layout: Arc::clone(&self.layout),
             pool: Arc::clone(&self.pool),
@@ -583,6 +585,7 @@ impl Loader {
             results: results_tx,
             delivered: AtomicU64::new(start),
             storage,
+            scattered,
             plans: std::sync::Mutex::new(plans),
             direct,
             extents,

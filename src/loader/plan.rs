@@ -41,7 +41,7 @@ use crate::pagecache::{
     advise_random, drop_range, resident_pages, resident_range, will_need, will_need_piece,
     WILL_NEED_PIECE,
 };
-use crate::sampler::Shuffle;
+use crate::sampler::{EpochOrder, Shuffle};
 use crate::util::page_size;
 
 /// What storage did for an epoch's data.
@@ -142,6 +142,49 @@ pub(crate) fn snapshot(dataset: &dyn Dataset, budget: u64) -> (Storage, Vec<File
 /// Sequential warming: bytes that may be asked for and not yet resident, in requests of
 /// the file's read-ahead piece ([`will_need_piece`]).
 const WARMING: usize = 64 << 20;
+
+/// The widest gap between two planned rows that is read with them when rows are not
+/// [`scattered`]: about a block of a block shuffle.
+const GAP: usize = 1 << 20;
+
+/// Batches, and rows at most, whose layout [`scattered`] looks at.
+const SAMPLE: (u64, usize) = (64, 1 << 14);
+
+/// Whether the rows of `order`'s batches from `first` on are scattered over their
+/// files, and best read one by one (straight from storage, each in its sectors), rather
+/// than in runs of the pages around them (extents, or the page cache). Judged on the
+/// next [`SAMPLE`] batches: their rows' pages, merged where at most [`GAP`] apart, make
+/// runs shorter than 32 pages on average, or runs more than twice the pages the rows
+/// need. A full shuffle always is; a block shuffle's windows, or file order, are not;
+/// random token windows in file order are.
+pub(crate) fn scattered(dataset: &dyn Dataset, order: &EpochOrder, first: u64) -> bool {
+    if matches!(order.shuffle(), Shuffle::Full { .. }) {
+        return true;
+    }
+    let page = page_size();
+    let (mut idx, mut pages) = (Vec::new(), Vec::new());
+    let last = first.saturating_add(SAMPLE.0).min(order.batches());
+    for b in first..last {
+        if pages.len() >= 2 * SAMPLE.1 {
+            break;
+        }
+        order.batch(b, &mut idx);
+        for &i in &idx {
+            dataset.locate(order.epoch(), i, &mut |f, off, len| {
+                pages.extend((off / page..(off + len).div_ceil(page)).map(|p| (f, p)));
+            });
+        }
+    }
+    pages.sort_unstable();
+    pages.dedup();
+    let needed = pages.len();
+    let (mut runs, mut spanned) = (0usize, 0usize);
+    for (_, first, end) in runs_of(&mut pages, GAP / page) {
+        runs += 1;
+        spanned += end - first;
+    }
+    runs > 0 && (spanned < 32 * runs || spanned > 2 * needed)
+}
 
 /// Starts the planner: it serves jobs until its channel closes.
 /// `ahead` is how many batches are planned beyond the last one a worker claimed.
@@ -252,6 +295,7 @@ fn plan_epoch(job: &Job, ahead: u64) {
     std::thread::scope(|s| {
         // Closed before the scope waits for the readers, even when unwinding.
         let _closing = Closing(extents);
+        let mut readers = 0;
         for k in 0..READERS {
             // A reader that cannot start, or that panics, leaves its reads to the
             // workers (and does not take the planner down with it).
@@ -259,9 +303,15 @@ fn plan_epoch(job: &Job, ahead: u64) {
             let serve = move || {
                 let _ = catch_unwind(AssertUnwindSafe(|| extents.serve(&planner)));
             };
-            let _ = std::thread::Builder::new()
+            let spawned = std::thread::Builder::new()
                 .name(format!("stokehold-read-{k}"))
                 .spawn_scoped(s, serve);
+            readers += usize::from(spawned.is_ok());
+        }
+        // With no reader, the extents are read by the workers that reach them, and
+        // none waits for the planner to queue them.
+        if readers == 0 {
+            extents.close();
         }
         plan_files(job, ahead, Some(extents));
     });
@@ -325,10 +375,10 @@ fn plan_files(job: &Job, ahead: u64, extents: Option<&Arc<Extents>>) {
     // A block shuffle's window uses every row of its blocks within a few batches, so
     // the pages between two planned rows are asked for with them (up to a block of
     // about 1 MiB): the window's blocks are read in long runs from its first batch on,
-    // not page by page as its batches come up. A full shuffle's rows are far apart.
-    let gap = match job.order.shuffle() {
-        Shuffle::Full { .. } => 0,
-        Shuffle::Block { .. } | Shuffle::None => (1 << 20) / page,
+    // not page by page as its batches come up. Scattered rows are far apart.
+    let gap = match job.scattered {
+        true => 0,
+        false => GAP / page,
     };
     let first = job.next.load(Ordering::Relaxed).min(job.end);
     let (mut planned, mut dropped) = (first, first);
@@ -661,6 +711,61 @@ mod tests {
     fn want(queue: &mut Queue, p: &mut Pages<'_>, first: usize, end: usize) {
         p.state[first..end].iter_mut().for_each(|b| *b |= WANTED);
         queue.pending.push_back((0, 0, first, end));
+    }
+
+    /// Rows of 3,000 bytes of one file, in order, or at pseudo-random places (as random
+    /// token windows are).
+    struct Rows {
+        len: u64,
+        random: bool,
+    }
+
+    impl Dataset for Rows {
+        fn len(&self) -> u64 {
+            self.len
+        }
+        fn columns(&self) -> &[crate::dataset::Column] {
+            &[]
+        }
+        fn gather(&self, _: u64, _: &[u64], _: &mut [&mut [u8]]) -> crate::Result<()> {
+            Ok(())
+        }
+        fn locate(&self, _: u64, index: u64, each: &mut dyn FnMut(usize, usize, usize)) {
+            let at = match self.random {
+                true => crate::util::mix(index) % self.len,
+                false => index,
+            };
+            each(0, at as usize * 3000, 3000);
+        }
+    }
+
+    fn is_scattered(rows: Rows, shuffle: Shuffle, world: u64) -> bool {
+        let shard = crate::sampler::Shard::new(0, world).unwrap();
+        let order = crate::sampler::Order::new(rows.len, shuffle, shard, 256, false).unwrap();
+        scattered(&rows, &order.epoch(0), 0)
+    }
+
+    #[test]
+    fn rows_are_read_one_by_one_only_where_they_are_scattered() {
+        let rows = |random| Rows {
+            len: 200_000,
+            random,
+        };
+        // The loader's default: about 1 MiB of rows per block, 16 blocks a window.
+        let block = Shuffle::Block {
+            seed: 1,
+            block_rows: 350,
+            window: 16,
+        };
+        assert!(is_scattered(rows(false), Shuffle::Full { seed: 1 }, 1));
+        assert!(!is_scattered(rows(false), Shuffle::None, 1));
+        assert!(!is_scattered(rows(false), block, 1));
+        // Each rank of two needs half the rows of each block: still read whole.
+        assert!(!is_scattered(rows(false), block, 2));
+        // Of eight, an eighth: reading the blocks whole would read 8x.
+        assert!(is_scattered(rows(false), block, 8));
+        // Random places in file order (random token windows).
+        assert!(is_scattered(rows(true), Shuffle::None, 1));
     }
 
     #[test]

@@ -44,6 +44,11 @@ pub(crate) struct Job {
     pub(crate) delivered: AtomicU64,
     /// What storage does this epoch, decided as it started.
     pub(crate) storage: super::Storage,
+    /// Whether the epoch's rows are scattered over their files ([`plan::scattered`]):
+    /// read one by one, not in runs with the pages between them.
+    ///
+    /// [`plan::scattered`]: super::plan::scattered
+    pub(crate) scattered: bool,
     /// Each file's plan (mode and residency as the epoch started), for the planner to
     /// take.
     pub(crate) plans: std::sync::Mutex<Vec<super::plan::FilePlan>>,
