@@ -159,10 +159,11 @@ impl LoaderBuilder {
     /// in memory while images stream). Kept files are read in during the first epoch
     /// that finds them cold: the rows of the next batches first, the rest sequentially
     /// in the background. The others are streamed straight from storage, bypassing the
-    /// page cache (see [`direct_reads`](LoaderBuilder::direct_reads)): under a full
-    /// shuffle each worker reads its batch's rows (`O_DIRECT` through io_uring); under a
-    /// block shuffle the planner reads the next windows' blocks into the loader's own
-    /// buffers, and the workers copy rows from them. `0` streams every file (a set
+    /// page cache (see [`direct_reads`](LoaderBuilder::direct_reads)): rows scattered
+    /// over their file (a full shuffle, random token windows) are read by each worker
+    /// (`O_DIRECT` through io_uring); rows in runs (a block shuffle's windows, file
+    /// order) are read by the planner into the loader's own buffers, and the workers
+    /// copy them from there. `0` streams every file (a set
     /// larger than memory, simulated). Either way the batches are the same; see
     /// [`Storage`].
     pub fn page_cache_budget(mut self, bytes: u64) -> Self {
@@ -180,12 +181,15 @@ impl LoaderBuilder {
     /// Whether streamed files are read with direct I/O (default true, where the file
     /// system and the kernel allow it).
     ///
-    /// - Under a full shuffle, each worker reads its batch's rows with `O_DIRECT`
-    ///   through io_uring, for files whose rows are at least 1 KiB (shorter rows share
-    ///   pages, and are read through the page cache).
-    /// - Under a block shuffle (or none), the planner reads the runs of the next
-    ///   windows' blocks with `O_DIRECT` into buffers of the loader's own, up to 1 MiB
-    ///   each, a few reads in flight, and the workers copy rows from them.
+    /// - Where the next batches' rows are scattered over their files (a full shuffle,
+    ///   random token windows, a block shuffle sharded over many ranks: judged from
+    ///   their pages as each epoch starts), each worker reads its batch's rows with
+    ///   `O_DIRECT` through io_uring, for files whose rows are at least 1 KiB (shorter
+    ///   rows share pages, and are read through the page cache).
+    /// - Where they come in runs (a block shuffle's windows, file order), the planner
+    ///   reads the runs of the next windows' blocks with `O_DIRECT` into buffers of the
+    ///   loader's own, up to 1 MiB each, a few reads in flight, and the workers copy
+    ///   rows from them.
     ///
     /// Without it, or where it is refused, streamed rows are read through the page
     /// cache: their pages are asked for ahead and dropped behind, at the cost of reading
@@ -365,7 +369,7 @@ fn direct_sources(
     Some(sources)
 }
 
-/// The extents of the files streamed under a block shuffle (or none), read with
+/// The extents of the files streamed in runs (a block shuffle's windows), read with
 /// `O_DIRECT` (their mode becomes [`plan::Mode::Window`]). `None`, the plans untouched,
 /// where no streamed file can be read so, or a file is not watched for changes (the
 /// workers copy what no extent holds from the mapping, guarded by the watch).
@@ -743,7 +747,7 @@ impl Loader {
         self.budget
     }
 
-    /// Whether files streamed under a full shuffle are read with direct I/O here: asked
+    /// Whether files streamed with their rows scattered are read with direct I/O here: asked
     /// for ([`LoaderBuilder::direct_reads`]), reads planned, and io_uring available.
     /// Each epoch still falls back to the page cache for a file system without
     /// `O_DIRECT`.

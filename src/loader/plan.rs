@@ -10,16 +10,17 @@
 //! - **warming**: every file is kept. One planner thread per loader reads the files
 //!   that are not resident sequentially, in the larger requests the device takes
 //!   (`madvise(MADV_WILLNEED)`), so epoch 0 costs about one sequential read of them.
-//! - **streaming**: some file exceeds the budget. Under a full shuffle its rows are
-//!   scattered, and the workers read each batch's rows straight from storage
-//!   ([`direct`](super::direct), nothing left in the page cache). Otherwise (a block
-//!   shuffle's windows, or where direct I/O is refused) the planner asks for the pages
-//!   of the next batches, with the gaps between them in a block shuffle, so that a
-//!   window's blocks are read in long runs; pages are dropped once gathered unless a
-//!   planned row still needs them, so the page cache the loader fills stays near the
-//!   planned window. These asks go to storage in the order the batches need them, a
-//!   few requests at a time ([`Queue`]): the block layer serves what it holds in the
-//!   order of the sectors.
+//! - **streaming**: some file exceeds the budget. Where its rows are [`scattered`] (a
+//!   full shuffle, random token windows), the workers read each batch's rows straight
+//!   from storage ([`direct`](super::direct), nothing left in the page cache).
+//!   Otherwise (a block shuffle's windows) the planner plans the pages of the next
+//!   batches, with the gaps between them, so that a window's blocks are read in long
+//!   runs: into the loader's own buffers with `O_DIRECT` ([`extents`](super::extents)),
+//!   or, where direct I/O is refused, through the page cache; pages are dropped once
+//!   gathered unless a planned row still needs them, so the page cache the loader fills
+//!   stays near the planned window. These reads go to storage in the order the batches
+//!   need them, a few requests at a time ([`Queue`]): the block layer serves what it
+//!   holds in the order of the sectors.
 //!
 //! The mappings of the files the planner reads are set to `MADV_RANDOM`: a fault on a
 //! page not read yet then reads that page, not a window of `read_ahead_kb`. The plan is
