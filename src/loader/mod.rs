@@ -747,8 +747,9 @@ impl Loader {
         self.budget
     }
 
-    /// Whether files streamed with their rows scattered are read with direct I/O here: asked
-    /// for ([`LoaderBuilder::direct_reads`]), reads planned, and io_uring available.
+    /// Whether files streamed with their rows scattered are read with direct I/O here:
+    /// asked for ([`LoaderBuilder::direct_reads`]), reads planned, and io_uring
+    /// available.
     /// Each epoch still falls back to the page cache for a file system without
     /// `O_DIRECT`.
     pub fn direct_reads(&self) -> bool {
