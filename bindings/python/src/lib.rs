@@ -256,6 +256,8 @@ struct Options {
     held: Option<usize>,
     shard: Shard,
     page_cache_budget: Option<u64>,
+    /// Whether streamed files are read with direct I/O.
+    direct_reads: bool,
     progress: Option<bool>,
     /// `"cuda"` or `"cuda:N"`: batches are copied to that device.
     device: Option<String>,
@@ -291,6 +293,7 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
         held,
         shard,
         page_cache_budget,
+        direct_reads,
         progress,
         device,
         data,
@@ -309,7 +312,8 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
         .batch_size(batch_size)
         .shuffle(shuffle)
         .shard(shard)
-        .drop_last(drop_last);
+        .drop_last(drop_last)
+        .direct_reads(direct_reads);
     if let Some(w) = workers {
         b = b.workers(w);
     }
@@ -385,7 +389,7 @@ impl Loader {
 impl Loader {
     /// Builds a loader over `dataset` (from `_Dataset.npy` or `_Dataset.tokens`).
     #[new]
-    #[pyo3(signature = (dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held, rank, world_size, page_cache_budget, progress, device=None))]
+    #[pyo3(signature = (dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held, rank, world_size, page_cache_budget, progress, device=None, direct_reads=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         dataset: PyRef<'_, OpenDataset>,
@@ -401,6 +405,7 @@ impl Loader {
         page_cache_budget: Option<u64>,
         progress: Option<bool>,
         device: Option<String>,
+        direct_reads: bool,
     ) -> PyResult<Loader> {
         let options = Options {
             batch_size,
@@ -411,6 +416,7 @@ impl Loader {
             held,
             shard: shard(rank, world_size)?,
             page_cache_budget,
+            direct_reads,
             progress,
             device,
             data: dataset.data.clone(),

@@ -98,6 +98,23 @@ def test_shuffles_and_drop_last(cols, shuffle):
         np.testing.assert_array_equal(all_indices(loader, 0), np.arange(900))
 
 
+@pytest.mark.parametrize("shuffle", ["full", "block"])
+def test_streamed_batches_are_the_same_with_or_without_direct_reads(cols, shuffle):
+    def loader(direct):
+        return stokehold.Loader(
+            cols, batch_size=64, shuffle=shuffle, seed=4, page_cache_budget=0, direct_reads=direct
+        )
+
+    direct, cached = loader(True), loader(False)
+    assert cached.info()["direct_reads"] is False
+    n = 0
+    for a, b in zip(direct.epoch(1), cached.epoch(1)):
+        for name in ("x", "y"):
+            np.testing.assert_array_equal(a[name], b[name])
+        n += len(a)
+    assert n == N
+
+
 def test_resume_exactly_through_json(cols):
     whole = all_indices(stokehold.Loader(cols, batch_size=40, seed=9), 2)
     loader = stokehold.Loader(cols, batch_size=40, seed=9)

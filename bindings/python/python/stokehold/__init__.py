@@ -183,6 +183,11 @@ class Loader:
     every buffer is held. ``progress`` draws a per-epoch bar on stderr (default: when
     stderr is a terminal).
 
+    ``page_cache_budget`` is how many bytes of page cache the loader may fill with the
+    files (default: half the available memory); larger files stream straight from
+    storage, with ``O_DIRECT`` unless ``direct_reads=False`` (for a file system where
+    direct reads are slow), which streams them through the page cache instead.
+
     ``device="cuda"`` (or ``"cuda:N"``) gathers batches into page-locked memory and
     copies each to the GPU on stokehold's own stream: the epoch yields ``DeviceBatch``es,
     whose columns export DLPack (``torch.from_dlpack``) without a copy. The device holds
@@ -210,16 +215,18 @@ class Loader:
         held: Optional[int] = None,
         progress: Optional[bool] = None,
         device: Optional[str] = None,
+        direct_reads: bool = True,
     ):
         cols = None if columns is None else [str(c) for c in columns]
         dataset = _stokehold._Dataset.npy(None if path is None else str(path), cols)
         self._build(
             dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
             rank, world_size, page_cache_budget, progress, device,
+            direct_reads=direct_reads,
         )
 
-    def _build(self, dataset: Any, *options: Any) -> None:
-        self._raw = _stokehold._Loader(dataset, *options)
+    def _build(self, dataset: Any, *options: Any, direct_reads: bool = True) -> None:
+        self._raw = _stokehold._Loader(dataset, *options, direct_reads=direct_reads)
         device = options[-1]
         self._device = None if device in (None, "cpu") else device
         self._columns = {
@@ -285,11 +292,13 @@ class TokenLoader(Loader):
         held: Optional[int] = None,
         progress: Optional[bool] = None,
         device: Optional[str] = None,
+        direct_reads: bool = True,
     ):
         dataset = _stokehold._Dataset.tokens(str(path), seq_len, windows, seed, dtype)
         self._build(
             dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
             rank, world_size, page_cache_budget, progress, device,
+            direct_reads=direct_reads,
         )
 
 
