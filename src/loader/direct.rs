@@ -80,6 +80,17 @@ impl Source {
     }
 }
 
+/// The alignment direct reads of the file at `path` need ([`direct_align`]), or `None`
+/// where it cannot be opened with `O_DIRECT`.
+pub(crate) fn path_align(path: &std::path::Path) -> Option<u64> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .ok()?;
+    direct_align(&file)
+}
+
 /// The alignment direct reads of `file` need (offset, length and memory), from
 /// `statx(STATX_DIOALIGN)`; the page size where the kernel does not say; `None` where
 /// the file system does not do direct I/O, or needs more memory alignment than the

@@ -402,6 +402,12 @@ fn window_sources(
     Some(Arc::new(extents::Extents::new(sources)))
 }
 
+/// The alignment direct reads of the file at `path` need, or `None` where it cannot be
+/// read with `O_DIRECT` (for tests, through [`crate::testing`]).
+pub(crate) fn direct_align(path: &std::path::Path) -> Option<u64> {
+    direct::path_align(path)
+}
+
 /// The shortest row a streamed file is read directly for: a quarter of a page.
 const DIRECT_ROW: usize = 1024;
 
@@ -556,8 +562,10 @@ impl Loader {
         // Direct reads of single rows suit rows scattered over the whole file; a block
         // shuffle's windows are read whole, in runs of its blocks, into extents.
         let order = self.order.epoch(epoch);
-        let scattered =
-            storage == Storage::Streaming && plan::scattered(self.dataset.as_ref(), &order, start);
+        let scattered = storage == Storage::Streaming && {
+            let streamed: Vec<bool> = plans.iter().map(|p| p.mode == plan::Mode::Stream).collect();
+            plan::scattered(self.dataset.as_ref(), &order, start, &streamed)
+        };
         let streaming = storage == Storage::Streaming && self.direct;
         let direct = match streaming && scattered && self.uring {
             true => direct_sources(self.dataset.as_ref(), &mut plans),

@@ -148,41 +148,73 @@ const WARMING: usize = 64 << 20;
 /// [`scattered`]: about a block of a block shuffle.
 const GAP: usize = 1 << 20;
 
-/// Batches, and rows at most, whose layout [`scattered`] looks at.
+/// Batches, and rows at most (one batch more), whose layout [`scattered`] looks at.
 const SAMPLE: (u64, usize) = (64, 1 << 14);
 
-/// Whether the rows of `order`'s batches from `first` on are scattered over their
-/// files, and best read one by one (straight from storage, each in its sectors), rather
-/// than in runs of the pages around them (extents, or the page cache). Judged on the
-/// next [`SAMPLE`] batches: their rows' pages, merged where at most [`GAP`] apart, make
-/// runs shorter than 32 pages on average, or runs more than twice the pages the rows
-/// need. A full shuffle always is; a block shuffle's windows, or file order, are not;
-/// random token windows in file order are.
-pub(crate) fn scattered(dataset: &dyn Dataset, order: &EpochOrder, first: u64) -> bool {
+/// Whether the rows of `order`'s batches from `first` on are scattered over the files
+/// `streamed` marks, and best read one by one (straight from storage, each in its
+/// sectors), rather than in runs of the pages around them (extents, or the page cache).
+/// Judged on the next [`SAMPLE`] batches: their rows' pages, merged where at most
+/// [`GAP`] apart, make runs shorter than 32 pages on average, or runs more than twice
+/// the pages the rows need. A full shuffle always is; a block shuffle's windows, or
+/// file order, are not; random token windows in file order are. A block shuffle with
+/// about one row per block in each batch (default 1 MiB blocks, window 16, batches of
+/// about 16 rows or fewer) is too: its planned runs would come a row at a time anyway.
+pub(crate) fn scattered(
+    dataset: &dyn Dataset,
+    order: &EpochOrder,
+    first: u64,
+    streamed: &[bool],
+) -> bool {
     if matches!(order.shuffle(), Shuffle::Full { .. }) {
         return true;
     }
     let page = page_size();
-    let (mut idx, mut pages) = (Vec::new(), Vec::new());
+    // Each row's pages, `(file, first, end)`: one entry a row, whatever its length.
+    let (mut idx, mut rows) = (Vec::new(), Vec::new());
     let last = first.saturating_add(SAMPLE.0).min(order.batches());
     for b in first..last {
-        if pages.len() >= 2 * SAMPLE.1 {
+        if rows.len() >= SAMPLE.1 {
             break;
         }
         order.batch(b, &mut idx);
         for &i in &idx {
             dataset.locate(order.epoch(), i, &mut |f, off, len| {
-                pages.extend((off / page..(off + len).div_ceil(page)).map(|p| (f, p)));
+                if len > 0 && streamed.get(f) == Some(&true) {
+                    rows.push((f, off / page, (off + len).div_ceil(page)));
+                }
             });
         }
     }
-    pages.sort_unstable();
-    pages.dedup();
-    let needed = pages.len();
-    let (mut runs, mut spanned) = (0usize, 0usize);
-    for (_, first, end) in runs_of(&mut pages, GAP / page) {
+    rows.sort_unstable();
+    // Pages the rows need, and the runs they make with gaps of up to `GAP` filled.
+    let (mut needed, mut runs, mut spanned) = (0usize, 0usize, 0usize);
+    let (mut need_end, mut run) = (None::<(usize, usize)>, None::<(usize, usize, usize)>);
+    for &(f, a, b) in &rows {
+        let from = match need_end {
+            Some((g, e)) if g == f => a.max(e),
+            _ => a,
+        };
+        needed += b.saturating_sub(from);
+        need_end = Some((
+            f,
+            need_end
+                .filter(|&(g, _)| g == f)
+                .map_or(b, |(_, e)| e.max(b)),
+        ));
+        run = match run {
+            Some((g, s, e)) if g == f && a <= e + GAP / page => Some((f, s, e.max(b))),
+            Some((_, s, e)) => {
+                runs += 1;
+                spanned += e - s;
+                Some((f, a, b))
+            }
+            None => Some((f, a, b)),
+        };
+    }
+    if let Some((_, s, e)) = run {
         runs += 1;
-        spanned += end - first;
+        spanned += e - s;
     }
     runs > 0 && (spanned < 32 * runs || spanned > 2 * needed)
 }
@@ -293,25 +325,31 @@ fn plan_epoch(job: &Job, ahead: u64) {
     let Some(extents) = &job.extents else {
         return plan_files(job, ahead, None);
     };
+    let alive = &std::sync::atomic::AtomicUsize::new(READERS);
     std::thread::scope(|s| {
         // Closed before the scope waits for the readers, even when unwinding.
         let _closing = Closing(extents);
         let mut readers = 0;
         for k in 0..READERS {
             // A reader that cannot start, or that panics, leaves its reads to the
-            // workers (and does not take the planner down with it).
+            // workers (and does not take the planner down with it); once none is
+            // left, no worker waits for the planner to queue extents.
             let planner = std::thread::current();
             let serve = move || {
                 let _ = catch_unwind(AssertUnwindSafe(|| extents.serve(&planner)));
+                if alive.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    extents.close();
+                }
             };
             let spawned = std::thread::Builder::new()
                 .name(format!("stokehold-read-{k}"))
                 .spawn_scoped(s, serve);
             readers += usize::from(spawned.is_ok());
         }
-        // With no reader, the extents are read by the workers that reach them, and
-        // none waits for the planner to queue them.
-        if readers == 0 {
+        // Readers that did not start count as gone: with none, the extents are read
+        // by the workers that reach them, and none waits for the planner to queue them.
+        let failed = READERS - readers;
+        if failed > 0 && alive.fetch_sub(failed, Ordering::AcqRel) == failed {
             extents.close();
         }
         plan_files(job, ahead, Some(extents));
@@ -490,6 +528,11 @@ fn ask_runs(
     for (f, first, end) in runs_of(wanted, gap) {
         let p = &mut pages[f];
         for k in first..end {
+            // A page resident as the epoch started that no row asked for stays as it
+            // was: not read, and not dropped with this batch.
+            if p.state[k] & (CACHED | WANTED) == CACHED {
+                continue;
+            }
             if p.want(k) && p.streamed() {
                 p.refs[k] = p.refs[k].saturating_add(1);
                 filled.push((f, k));
@@ -743,7 +786,7 @@ mod tests {
     fn is_scattered(rows: Rows, shuffle: Shuffle, world: u64) -> bool {
         let shard = crate::sampler::Shard::new(0, world).unwrap();
         let order = crate::sampler::Order::new(rows.len, shuffle, shard, 256, false).unwrap();
-        scattered(&rows, &order.epoch(0), 0)
+        scattered(&rows, &order.epoch(0), 0, &[true])
     }
 
     #[test]
