@@ -58,11 +58,16 @@ fn loader(ds: &Arc<dyn Dataset>, shuffle: Shuffle, direct: bool) -> Loader {
 /// one) and `/proc/self/io` says what was read; `None`, saying so, elsewhere.
 fn measured(dir: &Path, samples: u64) -> Option<Arc<dyn Dataset>> {
     let ds = dataset(dir, samples);
-    if !evicts(ds.as_ref()) || storage_read_bytes().is_none() {
+    measurable(ds.as_ref()).then_some(ds)
+}
+
+/// Whether storage figures can be had for `ds` here (see [`measured`]); says so if not.
+fn measurable(ds: &dyn Dataset) -> bool {
+    let yes = evicts(ds) && storage_read_bytes().is_some();
+    if !yes {
         eprintln!("skipped: no eviction or no /proc/self/io here");
-        return None;
     }
-    Some(ds)
+    yes
 }
 
 /// Whether evicting works here (not on tmpfs, for one): the figures need it.
@@ -374,8 +379,7 @@ fn random_token_windows_in_file_order_are_read_row_by_row() {
     let windows = stokehold::Windows::Random { seed: 3 };
     let tokens = TokenDataset::open_bin(&path, DType::U16, 1024, windows).unwrap();
     let ds: Arc<dyn Dataset> = Arc::new(tokens);
-    if !evicts(ds.as_ref()) || storage_read_bytes().is_none() {
-        eprintln!("skipped: no eviction or no /proc/self/io here");
+    if !measurable(ds.as_ref()) {
         return;
     }
     // In 4 KiB sectors a window costs one or two of them whichever way it is read.

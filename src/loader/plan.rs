@@ -186,37 +186,30 @@ pub(crate) fn scattered(
             });
         }
     }
-    rows.sort_unstable();
-    // Pages the rows need, and the runs they make with gaps of up to `GAP` filled.
-    let (mut needed, mut runs, mut spanned) = (0usize, 0usize, 0usize);
-    let (mut need_end, mut run) = (None::<(usize, usize)>, None::<(usize, usize, usize)>);
-    for &(f, a, b) in &rows {
-        let from = match need_end {
-            Some((g, e)) if g == f => a.max(e),
-            _ => a,
-        };
-        needed += b.saturating_sub(from);
-        need_end = Some((
-            f,
-            need_end
-                .filter(|&(g, _)| g == f)
-                .map_or(b, |(_, e)| e.max(b)),
-        ));
-        run = match run {
-            Some((g, s, e)) if g == f && a <= e + GAP / page => Some((f, s, e.max(b))),
-            Some((_, s, e)) => {
-                runs += 1;
-                spanned += e - s;
-                Some((f, a, b))
-            }
-            None => Some((f, a, b)),
-        };
-    }
-    if let Some((_, s, e)) = run {
-        runs += 1;
-        spanned += e - s;
-    }
+    let pages = |runs: &[(usize, usize, usize)]| runs.iter().map(|r| r.2 - r.1).sum::<usize>();
+    // The pages the rows need, then the runs they make with gaps of up to `GAP` filled.
+    merge(&mut rows, 0);
+    let needed = pages(&rows);
+    merge(&mut rows, GAP / page);
+    let (runs, spanned) = (rows.len(), pages(&rows));
     runs > 0 && (spanned < 32 * runs || spanned > 2 * needed)
+}
+
+/// Sorts `runs` (`(file, first page, end page)`) and merges, in place, those of one
+/// file at most `gap` pages apart (overlapping or touching, for 0).
+fn merge(runs: &mut Vec<(usize, usize, usize)>, gap: usize) {
+    runs.sort_unstable();
+    let mut merged = 0;
+    for k in 0..runs.len() {
+        let r = runs[k];
+        if merged > 0 && runs[merged - 1].0 == r.0 && runs[merged - 1].2 + gap >= r.1 {
+            runs[merged - 1].2 = runs[merged - 1].2.max(r.2);
+        } else {
+            runs[merged] = r;
+            merged += 1;
+        }
+    }
+    runs.truncate(merged);
 }
 
 /// Starts the planner: it serves jobs until its channel closes.
@@ -306,18 +299,7 @@ fn batch_pages(
             }
         });
     }
-    runs.sort_unstable();
-    let mut merged = 0;
-    for k in 0..runs.len() {
-        let r = runs[k];
-        if merged > 0 && runs[merged - 1].0 == r.0 && runs[merged - 1].2 >= r.1 {
-            runs[merged - 1].2 = runs[merged - 1].2.max(r.2);
-        } else {
-            runs[merged] = r;
-            merged += 1;
-        }
-    }
-    runs.truncate(merged);
+    merge(runs, 0);
 }
 
 /// Plans `job`, with the threads that read its extents when it has windowed files.
