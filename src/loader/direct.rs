@@ -123,6 +123,20 @@ fn direct_align(file: &File) -> Option<u64> {
     Some(offset.max(memory).max(1))
 }
 
+/// Checks, after rows were read outside the mappings, that no file changed meanwhile: a
+/// file rewritten in place keeps its length, and its modification time tells.
+///
+/// # Errors
+/// [`Error::Dataset`] naming a file that changed since it was opened.
+pub(crate) fn unchanged(files: &[MappedFile<'_>]) -> Result<()> {
+    for f in files {
+        if let Some(w) = f.watched() {
+            w.check_recently()?;
+        }
+    }
+    Ok(())
+}
+
 /// One row of one column, as [`Dataset::locate`] gave it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Row {
@@ -308,12 +322,7 @@ impl Reader {
             let to = row.sample as usize * len;
             out[row.column as usize][to..to + len].copy_from_slice(&buf[from..from + len]);
         }
-        // A file rewritten in place keeps its length: its modification time tells.
-        for f in &files {
-            if let Some(w) = f.watched() {
-                w.check_recently()?;
-            }
-        }
+        unchanged(&files)?;
         Ok(true)
     }
 

@@ -30,7 +30,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::direct::{locate, Row, Source};
+use super::direct::{locate, unchanged, Row, Source};
 use super::pool::{HostAlloc, HostMemory, PlainAlloc};
 use crate::dataset::{check_out, Dataset, MappedFile};
 use crate::error::{Error, Result};
@@ -390,12 +390,7 @@ impl Extents {
             k = end;
         }
         pieces.clear();
-        // A file rewritten in place keeps its length: its modification time tells.
-        for f in &files {
-            if let Some(w) = f.watched() {
-                w.check_recently()?;
-            }
-        }
+        unchanged(&files)?;
         Ok(true)
     }
 
