@@ -63,8 +63,8 @@ pub mod testing;
 
 pub use backend::Trainer;
 pub use dataset::{
-    Column, DType, Dataset, Element, MappedFile, NpyArray, NpyDataset, NpyHeader, TokenDataset,
-    Windows,
+    Column, DType, Dataset, Element, MappedFile, NpyArray, NpyDataset, NpyHeader, Subset,
+    TokenDataset, Windows,
 };
 pub use error::{Error, NpyProblem, Result};
 pub use loader::{

@@ -3,6 +3,7 @@
 //! - [`NpyArray`]: one `.npy` file, validated at open time.
 //! - [`NpyDataset`]: several `.npy` columns with one first dimension (`x.npy`, `y.npy`).
 //! - [`TokenDataset`]: a flat token stream cut into windows of `seq_len + 1` tokens.
+//! - [`Subset`]: a contiguous range of another dataset's samples.
 //!
 //! Anything implementing [`Dataset`] can be fed to a [`Loader`](crate::Loader).
 
@@ -10,6 +11,7 @@ mod columns;
 mod dtype;
 pub(crate) mod guard;
 mod npy;
+mod subset;
 mod tokens;
 
 use std::path::Path;
@@ -17,6 +19,7 @@ use std::path::Path;
 pub use columns::NpyDataset;
 pub use dtype::{DType, Element};
 pub use npy::{shape_string, NpyArray, NpyHeader};
+pub use subset::Subset;
 pub use tokens::{TokenDataset, Windows};
 
 use crate::error::Result;

@@ -5,5 +5,8 @@
 #[cfg(feature = "candle")]
 pub mod candle;
 
+#[cfg(feature = "burn")]
+pub mod burn;
+
 #[cfg(feature = "candle-cuda")]
 pub mod candle_cuda;

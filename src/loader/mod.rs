@@ -77,7 +77,8 @@ pub struct Startup {
     pub threads: Duration,
 }
 
-/// Configures a [`Loader`].
+/// Configures a [`Loader`]. Cloning it gives the same configuration for another loader.
+#[derive(Clone)]
 pub struct LoaderBuilder {
     dataset: Arc<dyn Dataset>,
     batch_size: usize,
@@ -95,6 +96,15 @@ pub struct LoaderBuilder {
 }
 
 impl LoaderBuilder {
+    /// The same configuration over another dataset, with no resume state: what
+    /// `interop::burn`'s `slice` builds its loader from.
+    #[cfg_attr(not(feature = "burn"), allow(dead_code))]
+    pub(crate) fn over(mut self, dataset: Arc<dyn Dataset>) -> Self {
+        self.dataset = dataset;
+        self.resume = None;
+        self
+    }
+
     /// Samples per batch (default 256).
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = n;
