@@ -8,7 +8,7 @@
 //! the same `Arc<dyn DataLoader<_>>`.
 //!
 //! ```sh
-//! cargo run --release --features burn --example 08_burn
+//! cargo run --release --features burn-example --example 08_burn
 //! ```
 
 use std::sync::Arc;

@@ -6,7 +6,7 @@ mod common;
 
 use candle_core::{DType as CDType, Device};
 use stokehold::interop::candle::{column, tensors};
-use stokehold::{DType, Loader, NpyDataset, Shuffle, TokenDataset, Windows};
+use stokehold::{Loader, NpyDataset, Shuffle};
 
 const DIGITS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
 
@@ -32,17 +32,7 @@ fn columns_become_tensors_of_the_same_values() {
 #[test]
 fn token_ids_widen_to_u32() {
     // candle has no u16: token windows arrive as u32, same values.
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/npy/llmc_gpt2.bin"
-    );
-    let ds = TokenDataset::open_bin(path, DType::U16, 8, Windows::Consecutive).unwrap();
-    let mut loader = Loader::builder(ds)
-        .batch_size(4)
-        .shuffle(Shuffle::None)
-        .build()
-        .unwrap();
-    let batch = loader.epoch(0).unwrap().next().unwrap().unwrap();
+    let batch = common::llmc_tokens(4);
     let t = column(&batch, 0, &Device::Cpu).unwrap();
     assert_eq!((t.dims(), t.dtype()), (&[4, 9][..], CDType::U32));
     let ids: Vec<u32> = t.flatten_all().unwrap().to_vec1().unwrap();
@@ -58,29 +48,7 @@ fn token_ids_widen_to_u32() {
 
 #[test]
 fn example_07_trains_a_candle_model_as_well_as_the_built_in_step() {
-    // `cargo test --features candle` builds the example next to this binary's directory.
-    let example = common::example("07_candle");
-    // With `--test candle` alone cargo does not build examples: `.ci/run` builds it first.
-    let out = std::process::Command::new(&example)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!(
-                "{}: {e}; build it with `cargo build --features candle --example 07_candle`",
-                example.display()
-            )
-        });
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let last: f64 = text
-        .lines()
-        .last()
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|a| a.parse().ok())
-        .unwrap_or_else(|| panic!("no accuracy in {text}"));
+    let last = common::example_accuracy("07_candle", "candle");
     // The built-in step reaches 92.9% in 10 epochs on the same data and settings.
-    assert!(last >= 0.90, "accuracy {last} after 10 epochs:\n{text}");
+    assert!(last >= 0.90, "accuracy {last} after 10 epochs");
 }

@@ -163,8 +163,8 @@ mod tests {
         let mut out = [0u8; 1];
         let e = s.gather(0, &[10], &mut [&mut out[..]]).unwrap_err();
         assert!(matches!(e, Error::OutOfRange { index: 10, len: 10 }), "{e}");
-        for range in [5..5, 6..5, 90..101] {
-            let e = Subset::new(bytes(100), range).unwrap_err();
+        for (start, end) in [(5, 5), (6, 5), (90, 101)] {
+            let e = Subset::new(bytes(100), start..end).unwrap_err();
             assert!(e.to_string().contains("subset"), "{e}");
         }
     }

@@ -22,7 +22,11 @@
 //! pool has room for [`LoaderBuilder::held`] batches held while the next ones are made
 //! (default 2); keep at most that many batches' tensors alive at once, or raise it.
 //!
-//! ```
+//! The example below runs on burn's CPU backend (`Device::flex()`, burn-core's `flex`
+//! feature, which `burn-example` turns on):
+//!
+#![cfg_attr(feature = "burn-example", doc = "```")]
+#![cfg_attr(not(feature = "burn-example"), doc = "```ignore")]
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use burn_core::data::dataloader::DataLoader;
 //! use burn_core::tensor::{Device, Int, Tensor};
