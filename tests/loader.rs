@@ -721,3 +721,124 @@ fn the_roofline_keeps_its_threads_from_pass_to_pass() {
         .pass(0, (0..100).collect::<Vec<u64>>().into())
         .is_err());
 }
+
+/// Global positions `from..to` of `epoch`'s order under `shuffle`: the samples there.
+fn global_samples(n: u64, shuffle: Shuffle, epoch: u64, from: u64, to: u64) -> Vec<u64> {
+    let order = stokehold::Order::new(n, shuffle, Shard::single(), 1, false).unwrap();
+    let e = order.epoch(epoch);
+    (from..to).map(|p| e.global(p)).collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn an_elastic_resume_takes_each_sample_left_once_over_the_new_ranks(
+        s in setup_strategy(),
+        cut in 0.0f64..1.0,
+        world in 1u64..6,
+        batch in 1usize..40,
+        tail in prop_oneof![Just(ShardTail::Pad), Just(ShardTail::Drop)],
+        drop_last in any::<bool>(),
+        later in 0.0f64..1.0,
+    ) {
+        // Every old rank takes the same k batches, as data-parallel steps do.
+        let Ok(probe) = build(&s, 0, 1) else { return Ok(()); };
+        let k = (probe.batches() as f64 * cut) as u64;
+        let mut taken = Vec::new();
+        let mut state = LoaderState::default();
+        for rank in 0..s.world {
+            let mut old = build(&s, rank, 1).unwrap();
+            let mut it = old.epoch(s.epoch).unwrap();
+            for _ in 0..k { taken.extend_from_slice(it.next().unwrap().unwrap().indices()); }
+            state = it.state();
+        }
+        let at = (k * s.batch as u64 * s.world).min(s.n);
+        prop_assert_eq!(state.taken, at);
+        let mut want_taken = global_samples(s.n, s.shuffle, s.epoch, 0, at);
+        want_taken.sort_unstable();
+        taken.sort_unstable();
+        taken.dedup();
+        prop_assert_eq!(&taken, &want_taken, "the old ranks took a prefix of the global order");
+
+        // The new ranks: another world size, batch size, tail and drop_last.
+        let new = |rank: u64| Loader::builder(Synth::new(s.n))
+            .batch_size(batch).workers(2).drop_last(drop_last).shuffle(s.shuffle)
+            .shard(Shard::new(rank, world).unwrap().with_tail(tail));
+        let mut counts: HashMap<u64, u64> = HashMap::new();
+        for rank in 0..world {
+            let Ok(mut resumed) = new(rank).resume_elastic(state).build() else { return Ok(()); };
+            let batches = epoch_indices(&mut resumed, s.epoch);
+            for &i in batches.concat().iter() { *counts.entry(i).or_default() += 1; }
+            prop_assert_eq!(resumed.state(), LoaderState { epoch: s.epoch + 1, batch: 0, start: 0, taken: 0, ..resumed.state() });
+            // The epoch after is whole.
+            prop_assert_eq!(resumed.epoch(s.epoch + 1).unwrap().len() as u64, resumed.batches());
+            // A state saved inside the resumed epoch resumes exactly, on a new loader.
+            if rank == 0 && !batches.is_empty() {
+                let j = (batches.len() as f64 * later) as usize;
+                let mut first = new(0).resume_elastic(state).build().unwrap();
+                let mid = {
+                    let mut it = first.epoch(s.epoch).unwrap();
+                    for _ in 0..j { it.next().unwrap().unwrap(); }
+                    it.state()
+                };
+                prop_assert_eq!((mid.start, mid.batch), (at, j as u64));
+                let json = serde_json::to_string(&mid).unwrap();
+                let mut again = new(0).resume(serde_json::from_str(&json).unwrap()).build().unwrap();
+                let rest: Vec<Vec<u64>> = again.epoch(s.epoch).unwrap()
+                    .map(|b| b.unwrap().indices().to_vec()).collect();
+                prop_assert_eq!(&rest[..], &batches[j..]);
+            }
+        }
+        let left = global_samples(s.n, s.shuffle, s.epoch, at, s.n);
+        for i in &left {
+            let c = counts.get(i).copied().unwrap_or(0);
+            prop_assert!(!want_taken.contains(i) || c == 0, "sample {} taken twice", i);
+            if tail == ShardTail::Pad && !drop_last {
+                prop_assert!(c >= 1, "sample {} left out", i);
+            }
+        }
+        prop_assert!(counts.keys().all(|i| left.contains(i)), "only samples left are taken");
+        let rest = s.n - at;
+        let per_rank = match tail { ShardTail::Pad => rest.div_ceil(world), ShardTail::Drop => rest / world };
+        let per_rank = if drop_last { per_rank / batch as u64 * batch as u64 } else { per_rank };
+        prop_assert_eq!(counts.values().sum::<u64>(), per_rank * world);
+    }
+}
+
+#[test]
+fn an_elastic_resume_refuses_another_global_order_or_an_old_state() {
+    let b = |seed| {
+        Loader::builder(Synth::new(100))
+            .batch_size(10)
+            .shuffle(Shuffle::Full { seed })
+    };
+    let mut first = b(1).build().unwrap();
+    let state = {
+        let mut it = first.epoch(0).unwrap();
+        it.next().unwrap().unwrap();
+        it.state()
+    };
+    let e = b(2).resume_elastic(state).build().unwrap_err().to_string();
+    assert!(e.contains("another global order"), "{e}");
+    let e = b(1)
+        .resume_elastic(LoaderState::new(0, 1))
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("resume this one exactly"), "{e}");
+    // Another batch size resumes elastically, not exactly.
+    let e = b(1)
+        .batch_size(20)
+        .resume(state)
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("another order"), "{e}");
+    let mut resumed = b(1).batch_size(20).resume_elastic(state).build().unwrap();
+    assert_eq!(
+        resumed.epoch(0).unwrap().len(),
+        5,
+        "90 samples left, in 20s"
+    );
+}

@@ -152,6 +152,7 @@ impl<'a> Epoch<'a> {
         self.next += 1;
         self.job.delivered.store(self.next, Ordering::Release);
         self.state.batch = self.next;
+        self.state.taken = self.job.order.taken(self.next);
         self.stats.batches += 1;
         self.stats.samples += rows as u64;
         self.stats.gather += done.end - done.start;
@@ -181,6 +182,8 @@ impl Iterator for Epoch<'_> {
             self.done = true;
             self.state.epoch = self.epoch().saturating_add(1);
             self.state.batch = 0;
+            self.state.start = 0;
+            self.state.taken = 0;
             return None;
         }
         let asked = Instant::now();

@@ -46,6 +46,10 @@ pub const MAX_WORKERS: usize = 1024;
 /// `order` fingerprints what the order depends on (dataset length, shuffle and seed,
 /// shard, batch size, `drop_last`): resuming a loader configured differently is an
 /// error rather than a silently different epoch. `0` skips that check.
+///
+/// An elastic resume ([`LoaderBuilder::resume_elastic`]) goes on with another world
+/// size, batch size or tail: `global` fingerprints what every rank shares (dataset
+/// length, shuffle and seed), and `taken` is where the epoch's global order stands.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct LoaderState {
     /// The epoch.
@@ -55,6 +59,18 @@ pub struct LoaderState {
     /// Fingerprint of the loader's order ([`Order::fingerprint`]); 0 for unchecked.
     #[serde(default)]
     pub order: u64,
+    /// Positions of the epoch's global order taken before its first batch: 0, unless the
+    /// epoch was resumed elastically ([`EpochOrder::start`](crate::EpochOrder::start)).
+    #[serde(default)]
+    pub start: u64,
+    /// Positions of the epoch's global order taken once every rank has had `batch`
+    /// batches ([`EpochOrder::taken`](crate::EpochOrder::taken)).
+    #[serde(default)]
+    pub taken: u64,
+    /// Fingerprint of the global order ([`Order::global_fingerprint`]); 0 for unknown
+    /// (a state saved before elastic resumes, which resumes exactly only).
+    #[serde(default)]
+    pub global: u64,
 }
 
 impl LoaderState {
@@ -64,6 +80,22 @@ impl LoaderState {
             epoch,
             batch,
             order: 0,
+            start: 0,
+            taken: 0,
+            global: 0,
+        }
+    }
+
+    /// The state of a loader with order `order` after `batch` batches of `epoch`, whose
+    /// ranks started at position `start` of its global order.
+    pub(crate) fn at(order: &Order, epoch: u64, start: u64, batch: u64) -> LoaderState {
+        LoaderState {
+            epoch,
+            batch,
+            order: order.fingerprint(),
+            start,
+            taken: order.epoch_from(epoch, start).taken(batch),
+            global: order.global_fingerprint(),
         }
     }
 }
@@ -89,10 +121,20 @@ pub struct LoaderBuilder {
     held: usize,
     drop_last: bool,
     allocator: Arc<dyn HostAlloc>,
-    resume: Option<LoaderState>,
+    resume: Option<(LoaderState, Resume)>,
     budget: Option<u64>,
     plan: bool,
     direct: bool,
+}
+
+/// How a saved state is resumed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Resume {
+    /// By a loader with the same order: the rest of the epoch, batch for batch.
+    Exact,
+    /// By a loader with the same global order: the positions not yet taken, sharded
+    /// and batched its own way.
+    Elastic,
 }
 
 impl LoaderBuilder {
@@ -215,7 +257,22 @@ impl LoaderBuilder {
     /// batches after `state.batch` (once); asking for an earlier epoch first is an error,
     /// a later one abandons the resume.
     pub fn resume(mut self, state: LoaderState) -> Self {
-        self.resume = Some(state);
+        self.resume = Some((state, Resume::Exact));
+        self
+    }
+
+    /// Resume from a state saved by a loader over the same data, shuffle and seed, but
+    /// another world size, rank, batch size, `drop_last` or tail: [`Loader::epoch`] for
+    /// `state.epoch` yields this rank's share of the samples the saved loader's ranks
+    /// had not yet taken (`state.taken` on; any rank's state will do, saved when every
+    /// rank had taken the same number of batches, as data-parallel steps do). Together
+    /// the new ranks take each of those samples once (plus the padding their tail asks
+    /// for); later epochs are as this loader's own.
+    ///
+    /// [`build`](LoaderBuilder::build) refuses a state whose global order differs, or
+    /// one saved before elastic resumes existed (it resumes exactly only).
+    pub fn resume_elastic(mut self, state: LoaderState) -> Self {
+        self.resume = Some((state, Resume::Elastic));
         self
     }
 
@@ -263,9 +320,10 @@ impl LoaderBuilder {
             self.batch_size as u64,
             self.drop_last,
         )?;
-        if let Some(r) = self.resume {
-            check_resume(&order, r)?;
-        }
+        let resume = match self.resume {
+            Some((r, how)) => Some(check_resume(&order, r, how)?),
+            None => None,
+        };
         // Buffers hold the rows a batch can have; capped by usize::MAX, `batches` fits.
         let rows = (self.batch_size as u64).min(order.samples()) as usize;
         let batches = usize::try_from(order.batches()).unwrap_or(usize::MAX);
@@ -321,12 +379,8 @@ impl LoaderBuilder {
             pool,
             workers,
             prefetch,
-            state: self.resume.unwrap_or(LoaderState {
-                epoch: 0,
-                batch: 0,
-                order: order.fingerprint(),
-            }),
-            resume: self.resume,
+            state: resume.unwrap_or(LoaderState::at(&order, 0, 0, 0)),
+            resume,
             startup,
             last: None,
             planner,
@@ -421,8 +475,35 @@ pub(crate) fn direct_align(path: &std::path::Path) -> Option<u64> {
 /// The shortest row a streamed file is read directly for: a quarter of a page.
 const DIRECT_ROW: usize = 1024;
 
-/// Refuses a resume state saved under another order, or past the end of its epoch.
-fn check_resume(order: &Order, r: LoaderState) -> Result<()> {
+/// The state a loader with `order` resumes `r` from, or why it cannot: saved under
+/// another order (for an exact resume) or global order (for an elastic one), or past
+/// the end of its epoch.
+fn check_resume(order: &Order, r: LoaderState, how: Resume) -> Result<LoaderState> {
+    if how == Resume::Elastic {
+        if r.global == 0 {
+            return Err(Error::Config(
+                "an elastic resume needs a state saved by this version or later (it \
+                 records where the epoch's global order stands); resume this one exactly"
+                    .into(),
+            ));
+        }
+        if r.global != order.global_fingerprint() {
+            return Err(Error::Config(format!(
+                "the resume state was saved by a loader with another global order (dataset \
+                 length, shuffle or seed differ): fingerprint {:#x}, this loader's is {:#x}",
+                r.global,
+                order.global_fingerprint()
+            )));
+        }
+        if r.taken > order.len() {
+            return Err(Error::Config(format!(
+                "resume state has taken {} positions of an epoch of {}",
+                r.taken,
+                order.len()
+            )));
+        }
+        return Ok(LoaderState::at(order, r.epoch, r.taken, 0));
+    }
     if r.order != 0 && r.order != order.fingerprint() {
         return Err(Error::Config(format!(
             "the resume state was saved by a loader with another order (dataset \
@@ -432,15 +513,15 @@ fn check_resume(order: &Order, r: LoaderState) -> Result<()> {
             order.fingerprint()
         )));
     }
-    if r.batch > order.batches() {
+    let batches = order.epoch_from(r.epoch, r.start).batches();
+    if r.start > order.len() || r.batch > batches {
         return Err(Error::Config(format!(
-            "resume state is at batch {} of epoch {}, which has {} batches",
-            r.batch,
-            r.epoch,
-            order.batches()
+            "resume state is at batch {} of epoch {} (from position {}), which has {} \
+             batches",
+            r.batch, r.epoch, r.start, batches
         )));
     }
-    Ok(())
+    Ok(LoaderState::at(order, r.epoch, r.start, r.batch))
 }
 
 /// Refuses a pool of `buffers` buffers of `bytes` that the machine's memory cannot
@@ -554,15 +635,15 @@ impl Loader {
     /// instead of dropped (its buffers are lost; the loader's drop still returns).
     pub fn epoch(&mut self, epoch: u64) -> Result<Epoch<'_>> {
         self.check_last()?;
-        let start = match self.resume {
+        let (start, from) = match self.resume {
             Some(r) if epoch < r.epoch => {
                 return Err(Error::Config(format!(
                     "this loader resumes epoch {} at batch {}: epoch {epoch} comes before it",
                     r.epoch, r.batch
                 )))
             }
-            Some(r) if epoch == r.epoch => r.batch,
-            _ => 0,
+            Some(r) if epoch == r.epoch => (r.batch, r.start),
+            _ => (0, 0),
         };
         self.resume = None;
         let (storage, mut plans) = match self.planner {
@@ -571,7 +652,7 @@ impl Loader {
         };
         // Direct reads of single rows suit rows scattered over the whole file; a block
         // shuffle's windows are read whole, in runs of its blocks, into extents.
-        let order = self.order.epoch(epoch);
+        let order = self.order.epoch_from(epoch, from);
         let scattered = storage == Storage::Streaming && {
             let streamed: Vec<bool> = plans.iter().map(|p| p.mode == plan::Mode::Stream).collect();
             plan::scattered(self.dataset.as_ref(), &order, start, &streamed)
@@ -595,13 +676,21 @@ impl Loader {
         });
         let (results_tx, results_rx) = crossbeam_channel::unbounded();
         let (finished_tx, finished_rx) = crossbeam_channel::bounded(0);
+        self.state = LoaderState {
+            epoch,
+            batch: start,
+            order: self.order.fingerprint(),
+            start: from,
+            taken: order.taken(start),
+            global: self.order.global_fingerprint(),
+        };
         let job = Arc::new(Job {
+            end: order.batches(),
             order,
             dataset: Arc::clone(&self.dataset),
             layout: Arc::clone(&self.layout),
             pool: Arc::clone(&self.pool),
             next: AtomicU64::new(start),
-            end: self.order.batches(),
             cancelled: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             results: results_tx,
@@ -639,11 +728,6 @@ impl Loader {
             x.close();
         }
         drop(finished_tx);
-        self.state = LoaderState {
-            epoch,
-            batch: start,
-            order: self.order.fingerprint(),
-        };
         Ok(Epoch::new(
             &mut self.state,
             job,
@@ -750,12 +834,23 @@ impl Loader {
     /// [`Error::Config`] for a state saved by a loader with another order (its
     /// fingerprint differs) or past the end of its epoch; the loader is unchanged.
     pub fn resume(&mut self, state: LoaderState) -> Result<()> {
-        check_resume(&self.order, state)?;
+        self.resume_as(state, Resume::Exact)
+    }
+
+    /// Resumes from a state saved by a loader with another world size, rank, batch size
+    /// or tail, as [`LoaderBuilder::resume_elastic`] does for a new loader.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a state saved under another global order (dataset length,
+    /// shuffle or seed), or one that does not record it; the loader is unchanged.
+    pub fn resume_elastic(&mut self, state: LoaderState) -> Result<()> {
+        self.resume_as(state, Resume::Elastic)
+    }
+
+    fn resume_as(&mut self, state: LoaderState, how: Resume) -> Result<()> {
+        let state = check_resume(&self.order, state, how)?;
         self.resume = Some(state);
-        self.state = LoaderState {
-            order: self.order.fingerprint(),
-            ..state
-        };
+        self.state = state;
         Ok(())
     }
 

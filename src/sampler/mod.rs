@@ -77,6 +77,13 @@ impl Shuffle {
     }
 }
 
+/// A non-zero hash of `parts`.
+fn fold(parts: &[u64]) -> u64 {
+    parts.iter().fold(0x006f_7264_6572u64, |h, &v| {
+        mix(h ^ mix(v.wrapping_add(0x9e37_79b9_7f4a_7c15)))
+    }) | 1
+}
+
 /// The per-rank batching of epochs of a dataset.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Order {
@@ -138,6 +145,30 @@ impl Order {
     /// A non-zero fingerprint of everything the order depends on: equal fingerprints
     /// give equal epochs.
     pub fn fingerprint(&self) -> u64 {
+        let tail = match self.shard.tail() {
+            ShardTail::Pad => 1,
+            ShardTail::Drop => 2,
+        };
+        let mut parts = self.global_parts().to_vec();
+        parts.extend([
+            self.shard.rank(),
+            self.shard.world_size(),
+            tail,
+            self.batch_size,
+            u64::from(self.drop_last),
+        ]);
+        fold(&parts)
+    }
+
+    /// A non-zero fingerprint of the epochs' global order alone (dataset length, shuffle
+    /// and seed): the same for every rank, world size and batch size, which an elastic
+    /// resume ([`LoaderBuilder::resume_elastic`](crate::LoaderBuilder::resume_elastic))
+    /// may change.
+    pub fn global_fingerprint(&self) -> u64 {
+        fold(&self.global_parts())
+    }
+
+    fn global_parts(&self) -> [u64; 5] {
         let (kind, seed, rows, window) = match self.shuffle {
             Shuffle::None => (1, 0, 0, 0),
             Shuffle::Full { seed } => (2, seed, 0, 0),
@@ -147,26 +178,7 @@ impl Order {
                 window,
             } => (3, seed, block_rows, window),
         };
-        let tail = match self.shard.tail() {
-            ShardTail::Pad => 1,
-            ShardTail::Drop => 2,
-        };
-        [
-            self.len,
-            kind,
-            seed,
-            rows,
-            window,
-            self.shard.rank(),
-            self.shard.world_size(),
-            tail,
-            self.batch_size,
-            u64::from(self.drop_last),
-        ]
-        .iter()
-        .fold(0x006f_7264_6572u64, |h, &v| {
-            mix(h ^ mix(v.wrapping_add(0x9e37_79b9_7f4a_7c15)))
-        }) | 1
+        [self.len, kind, seed, rows, window]
     }
 
     /// Samples per epoch in the whole dataset.
@@ -211,6 +223,14 @@ impl Order {
 
     /// The order of `epoch`.
     pub fn epoch(&self, epoch: u64) -> EpochOrder {
+        self.epoch_from(epoch, 0)
+    }
+
+    /// The order of the rest of `epoch` after its first `start` positions of the global
+    /// order were taken (by ranks of another world size or batch size, say): this rank
+    /// takes interleaved positions of what is left, `start + i * world + rank`, with
+    /// its own batch size and tail. `start` at or past the end leaves no batch.
+    pub fn epoch_from(&self, epoch: u64, start: u64) -> EpochOrder {
         let kind = match self.shuffle {
             Shuffle::None => Kind::Sequential,
             Shuffle::Full { seed } => {
@@ -231,6 +251,7 @@ impl Order {
             order: *self,
             epoch,
             kind,
+            start: start.min(self.len),
         }
     }
 }
@@ -241,6 +262,8 @@ pub struct EpochOrder {
     order: Order,
     epoch: u64,
     kind: Kind,
+    /// Positions of the global order taken before this rank's batches start.
+    start: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -278,15 +301,58 @@ impl EpochOrder {
         }
     }
 
+    /// The global position of this rank's `i`-th sample (wrapped into what is left of
+    /// the epoch for padding).
+    #[inline]
+    fn position(&self, i: u64) -> u64 {
+        let left = self.order.len - self.start;
+        self.start + self.order.shard.global_position(i, left)
+    }
+
     /// This rank's `i`-th sample of the epoch.
+    ///
+    /// # Panics
+    /// If `i >= samples()`.
     #[inline]
     pub fn sample(&self, i: u64) -> u64 {
-        self.global(self.order.shard.global_position(i, self.order.len))
+        assert!(i < self.samples(), "sample {i} past the epoch");
+        self.global(self.position(i))
+    }
+
+    /// Positions of the global order taken before this rank's batches start (0 unless
+    /// the epoch was resumed elastically).
+    pub const fn start(&self) -> u64 {
+        self.start
+    }
+
+    /// Samples this rank sees in the epoch (before `drop_last`).
+    pub const fn samples(&self) -> u64 {
+        match self.start {
+            0 => self.order.samples(),
+            s => self.order.shard.samples(self.order.len - s),
+        }
     }
 
     /// Batches in the epoch.
     pub const fn batches(&self) -> u64 {
-        self.order.batches()
+        let s = self.samples();
+        if self.order.drop_last {
+            s / self.order.batch_size
+        } else {
+            s.div_ceil(self.order.batch_size)
+        }
+    }
+
+    /// Positions of the global order taken once every rank has had `batch` batches of
+    /// the epoch (as data-parallel steps do): what an elastic resume starts after.
+    pub fn taken(&self, batch: u64) -> u64 {
+        let per_batch = self
+            .order
+            .batch_size
+            .saturating_mul(self.order.shard.world_size());
+        self.start
+            .saturating_add(batch.saturating_mul(per_batch))
+            .min(self.order.len)
     }
 
     /// Samples in batch `b` (the last one may be short unless `drop_last`).
@@ -296,7 +362,7 @@ impl EpochOrder {
     pub fn batch_len(&self, b: u64) -> usize {
         assert!(b < self.batches(), "batch {b} past the epoch");
         let start = b * self.order.batch_size;
-        (self.order.samples() - start).min(self.order.batch_size) as usize
+        (self.samples() - start).min(self.order.batch_size) as usize
     }
 
     /// Writes the sample indices of batch `b` into `out` (cleared first).
@@ -307,10 +373,7 @@ impl EpochOrder {
         assert!(b < self.batches(), "batch {b} past the epoch");
         out.clear();
         let start = b * self.order.batch_size;
-        let (shard, len) = (self.order.shard, self.order.len);
-        out.extend(
-            (start..start + self.batch_len(b) as u64).map(|i| shard.global_position(i, len)),
-        );
+        out.extend((start..start + self.batch_len(b) as u64).map(|i| self.position(i)));
         match &self.kind {
             Kind::Sequential => {}
             Kind::Full(p) => p.apply_in_place(out),
