@@ -504,11 +504,18 @@ impl Loader {
     }
 
     /// Resumes from a state saved by `state_json` (ending the running epoch): the next
-    /// `epoch(e)` for the saved epoch yields exactly the rest of it.
-    fn resume_json(&mut self, py: Python<'_>, json: &str) -> PyResult<()> {
+    /// `epoch(e)` for the saved epoch yields exactly the rest of it, or, `elastic`, this
+    /// rank's share of what the saving loader's ranks had not taken.
+    #[pyo3(signature = (json, elastic=false))]
+    fn resume_json(&mut self, py: Python<'_>, json: &str, elastic: bool) -> PyResult<()> {
         let state: LoaderState = serde_json::from_str(json)
             .map_err(|e| Error::new_err(format!("a loader state: {e}")))?;
-        self.idle(py).resume(state).map_err(error)
+        let loader = self.idle(py);
+        match elastic {
+            true => loader.resume_elastic(state),
+            false => loader.resume(state),
+        }
+        .map_err(error)
     }
 
     /// Runs epoch `epoch` in Rust, taking every batch and dropping it, with the GIL

@@ -144,6 +144,33 @@ def test_a_state_from_another_configuration_raises(cols):
         other.load_state_dict([1, 2])
 
 
+def test_an_elastic_resume_goes_on_with_another_world_size(cols):
+    # Two ranks of batch 40 take 5 batches each; the job restarts on three ranks of 32.
+    old = [stokehold.Loader(cols, batch_size=40, seed=9, rank=r, world_size=2) for r in range(2)]
+    taken = []
+    for loader in old:
+        it = loader.epoch(1)
+        taken += [next(it).indices.copy() for _ in range(5)]
+        state = json.loads(json.dumps(loader.state_dict()))
+        del it
+    assert state["taken"] == 400 and state["start"] == 0
+    rest = []
+    for r in range(3):
+        new = stokehold.Loader(cols, batch_size=32, seed=9, rank=r, world_size=3)
+        with pytest.raises(stokehold.Error, match="another order"):
+            new.load_state_dict(state)
+        new.load_state_dict(state, elastic=True)
+        rest.append(all_indices(new, 1))
+        assert new.state_dict()["epoch"] == 2
+    # 600 samples left over 3 ranks: 200 each, every one once, none taken before.
+    assert [len(r) for r in rest] == [200, 200, 200]
+    everything = np.concatenate(taken + rest)
+    np.testing.assert_array_equal(np.sort(everything), np.arange(N))
+    other = stokehold.Loader(cols, batch_size=32, seed=10)
+    with pytest.raises(stokehold.Error, match="another global order"):
+        other.load_state_dict(state, elastic=True)
+
+
 def test_bad_input_raises_naming_the_file(tmp_path):
     assert issubclass(stokehold.Error, Exception)
     with pytest.raises(stokehold.Error, match="nowhere"):

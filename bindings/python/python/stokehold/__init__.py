@@ -251,15 +251,25 @@ class Loader:
 
     def state_dict(self) -> Dict[str, int]:
         """Where the loader is, as a plain JSON-serialisable dict: ``epoch``, ``batch``
-        (batches consumed) and ``order`` (a fingerprint of the configuration)."""
+        (batches consumed) and ``order`` (a fingerprint of the configuration), and for
+        elastic resumes ``start``, ``taken`` (positions of the epoch's global order taken
+        before the first batch, and once every rank has had ``batch`` batches) and
+        ``global`` (a fingerprint of the data, shuffle and seed)."""
         return json.loads(self._raw.state_json())
 
-    def load_state_dict(self, state: Dict[str, int]) -> None:
+    def load_state_dict(self, state: Dict[str, int], elastic: bool = False) -> None:
         """Resume: the next ``epoch(e)`` for the saved epoch yields exactly the rest of
-        it. A state from a differently configured loader raises ``stokehold.Error``."""
+        it. A state from a differently configured loader raises ``stokehold.Error``.
+
+        With ``elastic=True`` the state may come from a loader with another world
+        size, rank, batch size or ``drop_last`` (after a job restarts on more or fewer
+        GPUs, say; any rank's state, saved when every rank had taken the same number of
+        batches): the saved epoch then yields this rank's share of the samples the old
+        ranks had not taken, and the new ranks together take each of them once. Only
+        another dataset, shuffle or seed raises."""
         if not isinstance(state, dict):
             raise Error(f"a loader state is a dict, not {type(state).__name__}")
-        self._raw.resume_json(json.dumps(state))
+        self._raw.resume_json(json.dumps(state), elastic)
 
     def info(self) -> Dict[str, Any]:
         """What the loader runs with: workers, prefetch, buffers, pool_bytes,
