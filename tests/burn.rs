@@ -48,7 +48,7 @@ fn columns_are_the_loaders_buffer_not_a_copy() {
     let (x, y) = {
         let mut epoch = loader.epoch(0).unwrap();
         let batch = Batch::new(epoch.next().unwrap().unwrap());
-        let (x, y) = (batch.data(0), batch.data_named("y").unwrap());
+        let (x, y) = (batch.data(0).unwrap(), batch.data_named("y").unwrap());
         assert_eq!(x.shape().as_slice(), &[100, 8, 8]);
         assert_eq!((x.dtype(), y.dtype()), (BurnDType::U8, BurnDType::I64));
         assert_eq!(y.shape().as_slice(), &[100]);
@@ -82,10 +82,10 @@ fn burn_computes_on_the_buffer_in_place_or_converts() {
         let pixels: u64 = batch.host().bytes(0).iter().map(|&v| v as u64).sum();
         let labels = batch.host().column::<i64>(1).unwrap().to_vec();
         // u8 images as the device's float type: converted (a copy burn makes).
-        let x = Tensor::<3>::from_data(batch.data(0), &device);
+        let x = Tensor::<3>::from_data(batch.data(0).unwrap(), &device);
         assert_eq!(x.clone().sum().into_scalar::<f32>(), pixels as f32);
         // i64 labels as i64 int tensors: burn's CPU backend keeps the loader's bytes.
-        let y = Tensor::<1, Int>::from_data(batch.data(1), (&device, BurnDType::I64));
+        let y = Tensor::<1, Int>::from_data(batch.data(1).unwrap(), (&device, BurnDType::I64));
         (y, labels)
     };
     assert_eq!(kept.to_data().as_slice::<i64>().unwrap(), &labels[..]);
@@ -226,7 +226,7 @@ fn errors_are_items_that_name_the_problem() {
     let errors: Vec<String> = bad.iter().map(|b| b.unwrap_err().to_string()).collect();
     assert_eq!(errors.len(), 1);
     assert!(
-        errors[0].contains("1700..1900 of a dataset of 1797"),
+        errors[0].contains("items 1700..1900 of a loader of 1797"),
         "{errors:?}"
     );
     // A file truncated under the loader: the error names it.
@@ -244,6 +244,104 @@ fn errors_are_items_that_name_the_problem() {
     x.set_len(4096).unwrap();
     let e = loader.iter().find_map(|b| b.err()).unwrap().to_string();
     assert!(e.contains("x.npy: changed while it was mapped"), "{e}");
+}
+
+#[test]
+fn burn_never_writes_to_the_loaders_buffer() {
+    // An in-place operation on a tensor that is the buffer's only user copies first.
+    let device = Device::flex();
+    let mut loader = digits().build().unwrap();
+    let batch = Batch::new(loader.epoch(0).unwrap().next().unwrap().unwrap());
+    let before = batch.host().column::<i64>(1).unwrap().to_vec();
+    let y = Tensor::<1, Int>::from_data(batch.data(1).unwrap(), (&device, BurnDType::I64));
+    let y = y.add_scalar(1).mul_scalar(3);
+    let after = y.into_data();
+    assert_eq!(batch.host().column::<i64>(1).unwrap(), &before[..]);
+    let want: Vec<i64> = before.iter().map(|v| (v + 1) * 3).collect();
+    assert_eq!(after.as_slice::<i64>().unwrap(), &want[..]);
+}
+
+#[test]
+fn a_dropped_panicked_or_leaked_iterator_leaves_the_loader_as_it_should() {
+    let loader = indices_and_labels(digits());
+    // Dropped after two batches: the next iter() and the state are the next epoch's.
+    let mut it = loader.iter();
+    it.next().unwrap().unwrap();
+    it.next().unwrap().unwrap();
+    drop(it);
+    assert_eq!((loader.epoch(), loader.state().unwrap().batch), (1, 0));
+    assert_eq!(loader.state().unwrap().epoch, 1);
+    // A batcher that panics unwinds through the iterator, which lets the loader go.
+    let panicky = BurnLoader::new(digits(), Device::flex(), |batch, _| {
+        assert!(batch.len() > 1000, "a batcher bug");
+        Ok(())
+    })
+    .unwrap();
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        panicky.iter().next();
+    }));
+    assert!(caught.is_err());
+    assert!(panicky.state().is_ok(), "the loader is free again");
+    // A leaked iterator keeps it for good, without unsoundness: an error item.
+    std::mem::forget(loader.iter());
+    let e = loader.iter().next().unwrap().unwrap_err().to_string();
+    assert!(e.contains("one epoch at a time"), "{e}");
+}
+
+#[test]
+fn splitting_a_sharded_or_drop_last_loader_still_covers_the_dataset() {
+    // Synth's column `id` holds each sample's index in the whole dataset.
+    let n = 1000;
+    for (world, drop_last) in [(1, false), (2, false), (1, true), (3, true)] {
+        let mut seen = BTreeSet::new();
+        let mut taken = 0;
+        for rank in 0..world {
+            let builder = Loader::builder(common::Synth::new(n))
+                .batch_size(64)
+                .drop_last(drop_last)
+                .shard(stokehold::Shard::new(rank, world).unwrap());
+            let loader = BurnLoader::new(builder, Device::flex(), |batch, _| {
+                Ok(batch.data_named("id")?.as_slice::<u64>().unwrap().to_vec())
+            })
+            .unwrap();
+            let loader: Arc<dyn DataLoader<Vec<u64>>> = Arc::new(loader);
+            for part in split_dataloader(loader, &[Device::flex(), Device::flex()]) {
+                for ids in part.iter() {
+                    let ids = ids.unwrap();
+                    taken += ids.len();
+                    seen.extend(ids);
+                }
+            }
+        }
+        // Each part of each rank drops at most its short last batch.
+        let lost = n - seen.len() as u64;
+        let bound = if drop_last { 2 * world * 64 } else { 0 };
+        assert!(
+            lost <= bound,
+            "world {world}, drop_last {drop_last}: {lost} never seen"
+        );
+        assert!(
+            lost < n / 2,
+            "world {world}: the parts cover the dataset, not one share of it"
+        );
+        assert_eq!(taken, seen.len(), "no sample twice");
+    }
+}
+
+#[test]
+fn an_empty_slice_is_an_empty_loader() {
+    let loader: Arc<dyn DataLoader<(Vec<u64>, Vec<i64>)>> = Arc::new(indices_and_labels(digits()));
+    let empty = loader.slice(500, 500);
+    assert_eq!(empty.num_items(), 0);
+    assert!(empty.iter().next().is_none());
+    // More devices than items, as burn's split allows.
+    let tiny = loader.slice(0, 2);
+    let parts = split_dataloader(tiny, &[Device::flex(), Device::flex(), Device::flex()]);
+    let items: usize = parts
+        .iter()
+        .map(|p| p.iter().map(|b| b.unwrap().0.len()).sum::<usize>())
+        .sum();
+    assert_eq!(items, 2);
 }
 
 #[test]

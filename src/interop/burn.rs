@@ -2,13 +2,15 @@
 //! `burn`, burn 0.22).
 //!
 //! - [`Batch::data`] turns a column into a `burn::tensor::TensorData` **without a copy**:
-//!   the data is the loader's own host buffer (page-locked when the loader was built
-//!   with the CUDA backend's allocator, and then marked so to burn), kept out of the
-//!   loader's pool until the last `TensorData` or tensor made from it is dropped. burn's
-//!   pure-Rust CPU backend (`Device::flex()`) computes on those bytes in place;
+//!   the data is the loader's own host buffer, kept out of the loader's pool until the
+//!   last `TensorData` or tensor made from it is dropped. burn's pure-Rust CPU backend
+//!   (`Device::flex()`) reads those bytes in place (an operation that would write to
+//!   them copies them first: the loader's buffer is never written by burn);
 //!   `Tensor::from_data(data, &device)` converts where the device's default element
 //!   type differs (images stored as `u8` become `f32` there), and a GPU backend copies
-//!   them to the device.
+//!   them to the device. (The bytes are handed over as ordinary memory even when the
+//!   loader's buffers are page-locked: burn's GPU backends hold page-locked uploads
+//!   until a flush, which would keep the pool's buffers from the loader.)
 //! - [`BurnLoader`] is a `burn::data::dataloader::DataLoader`: each `iter()` is the next
 //!   epoch of a stokehold [`Loader`], its batches turned into your batch type by a
 //!   closure, so burn's `Learner` (or your own loop) trains on it as on burn's own
@@ -111,23 +113,30 @@ impl Batch {
     /// Column `c` as burn tensor data of shape `[samples, sample shape...]`, without a
     /// copy.
     ///
+    /// # Errors
+    /// [`Error::Config`] if the column's sample shape does not hold its bytes (a
+    /// [`Dataset`] of your own whose columns disagree with themselves).
+    ///
     /// # Panics
     /// If `c` is not a column of the batch.
-    pub fn data(&self, c: usize) -> TensorData {
+    pub fn data(&self, c: usize) -> Result<TensorData> {
         let col = &self.host.columns()[c];
         let mut shape = Vec::with_capacity(col.shape.len() + 1);
         shape.push(self.host.len());
         shape.extend(col.shape.iter().map(|&d| d as usize));
-        let property = match self.host.allocator().starts_with("pinned") {
-            true => AllocationProperty::Pinned,
-            false => AllocationProperty::Native,
-        };
         let owner = ColumnBytes {
             batch: Arc::clone(&self.host),
             c,
         };
-        let bytes = Bytes::from_shared(bytes::Bytes::from_owner(owner), property);
-        TensorData::from_bytes(bytes, shape, dtype(col.dtype))
+        // `Native` even for page-locked buffers: a GPU backend keeps `Pinned` bytes
+        // until its uploads are flushed, which would hold the pool's few buffers.
+        let bytes = Bytes::from_shared(bytes::Bytes::from_owner(owner), AllocationProperty::Native);
+        TensorData::try_from_bytes(bytes, shape, dtype(col.dtype)).map_err(|e| {
+            Error::Config(format!(
+                "column {}: its sample shape {:?} does not hold its {} bytes per sample ({e})",
+                col.name, col.shape, col.row_bytes
+            ))
+        })
     }
 
     /// The column named `name` (a file stem such as `x`, or `tokens`) as burn tensor
@@ -138,7 +147,7 @@ impl Batch {
     pub fn data_named(&self, name: &str) -> Result<TensorData> {
         let columns = self.host.columns();
         match columns.iter().position(|c| c.name == name) {
-            Some(c) => Ok(self.data(c)),
+            Some(c) => self.data(c),
             None => Err(Error::Config(format!(
                 "no column named {name:?} (the batch has {})",
                 columns
@@ -151,7 +160,10 @@ impl Batch {
     }
 
     /// Every column as burn tensor data, in column order, without a copy.
-    pub fn columns(&self) -> Vec<TensorData> {
+    ///
+    /// # Errors
+    /// As [`data`](Batch::data).
+    pub fn columns(&self) -> Result<Vec<TensorData>> {
         (0..self.host.columns().len())
             .map(|c| self.data(c))
             .collect()
@@ -192,58 +204,79 @@ type Batcher<O> = dyn Fn(Batch, &Device) -> Result<O> + Send + Sync;
 /// - One epoch at a time: an `iter()` while another epoch's iterator is alive yields
 ///   one error instead of batches.
 /// - `num_items()` is the samples one epoch delivers on this rank (after `drop_last`).
-/// - `to_device(d)` shares the loader (and its epoch count) and builds batches for `d`.
-/// - `slice(start, end)` is a new loader, configured the same, over samples
-///   `start..end` of the dataset ([`Subset`]): how burn's `split_dataloader` gives each
-///   device its part.
+/// - `to_device(d)` shares the loader (and its epoch count) and builds batches for `d`:
+///   iterate one of them at a time. For one loader per device, `slice` it.
+/// - `slice(start, end)` is a new loader (its own threads and buffers), configured the
+///   same and starting at this one's next epoch, over the part of the dataset that
+///   items `start..end` of `num_items()` stand for ([`Subset`]; the dataset's samples
+///   in proportion, so a sharded or `drop_last` loader's parts still cover all of it):
+///   how burn's `split_dataloader` gives each device its part. An empty range is an
+///   empty loader.
+/// - An iterator that is leaked (`mem::forget`) keeps the loader for good: later
+///   `iter()`s yield the "one epoch at a time" error.
 /// - Errors (a failed read, a batcher's `Err`, a bad slice) are items:
 ///   `burn::data::dataset::DatasetError` wrapping the [`Error`], which names the file.
 pub struct BurnLoader<O> {
-    shared: std::result::Result<Arc<Shared>, String>,
+    source: Source,
     device: Device,
     batcher: Arc<Batcher<O>>,
 }
 
+/// Where a [`BurnLoader`]'s batches come from.
+#[derive(Clone)]
+enum Source {
+    /// A loader, shared with the copies `to_device` made.
+    Loader(Arc<Shared>),
+    /// An empty slice.
+    Empty,
+    /// A slice that could not be built: the reason, yielded as an error item.
+    Failed(String),
+}
+
 /// The loader behind a [`BurnLoader`] and its copies for other devices.
 struct Shared {
-    /// Reached mutably only by the holder of `busy`.
-    loader: UnsafeCell<Loader>,
-    /// Set while an epoch's iterator (or a state call) holds the loader.
-    busy: AtomicBool,
+    loader: Exclusive,
     /// The epoch the next `iter()` runs.
     next: AtomicU64,
     /// The loader's configuration and dataset, for `slice`.
     builder: LoaderBuilder,
     dataset: Arc<dyn Dataset>,
-    /// Samples per epoch on this rank, and per batch.
+    /// Samples per epoch on this rank.
     items: usize,
-    batch_size: usize,
 }
 
-// SAFETY: the loader is `Send`; it is only reached through `&mut` by whoever set `busy`
-// from false to true, and `busy` is released (with `Release`, after the `&mut` is gone)
-// only by that holder, so no two threads ever hold a reference to it at once.
-unsafe impl Sync for Shared {}
+/// The loader, reached mutably by one holder at a time.
+struct Exclusive {
+    /// Reached only by the holder of `busy`.
+    loader: UnsafeCell<Loader>,
+    /// Set while an epoch's iterator (or a `state` call) holds the loader.
+    busy: AtomicBool,
+}
 
-impl Shared {
-    fn new(builder: LoaderBuilder) -> Result<Shared> {
-        let loader = builder.clone().build()?;
-        let order = loader.order();
-        let items = (order.batches() * order.batch_size()).min(order.samples()) as usize;
-        Ok(Shared {
-            next: AtomicU64::new(loader.state().epoch),
-            dataset: Arc::clone(loader.dataset()),
-            batch_size: order.batch_size() as usize,
-            loader: UnsafeCell::new(loader),
-            busy: AtomicBool::new(false),
-            builder,
-            items,
-        })
+// SAFETY: the loader is `Send` (checked below); it is only reached through `&mut` by
+// whoever set `busy` from false to true, and `busy` is released (with `Release`, after
+// that `&mut` is gone) only by that holder's `Held`, so no two threads ever hold a
+// reference to it at once.
+unsafe impl Sync for Exclusive {}
+
+const _: () = {
+    const fn send<T: Send>() {}
+    send::<Loader>()
+};
+
+/// Holds the loader of an [`Exclusive`]; dropping it lets the next holder in.
+struct Held<'a>(&'a Exclusive);
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.0.busy.store(false, Ordering::Release);
     }
+}
 
-    /// The loader, if no epoch holds it; `busy` stays set until [`release`](Self::release).
+impl Exclusive {
+    /// The loader and the token that holds it, if no one else holds it.
     #[allow(clippy::mut_from_ref)] // exclusive through `busy`, as the SAFETY note says
-    fn take(&self) -> Result<&mut Loader> {
+    fn take(&self) -> Result<(&mut Loader, Held<'_>)> {
         if self
             .busy
             .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
@@ -256,12 +289,29 @@ impl Shared {
             ));
         }
         // SAFETY: this thread just set `busy`, so no other reference to the loader
-        // exists until it calls `release`, after dropping this one.
-        Ok(unsafe { &mut *self.loader.get() })
+        // exists until the `Held` returned with it is dropped; its holder drops the
+        // reference (or what borrows it) first.
+        Ok((unsafe { &mut *self.loader.get() }, Held(self)))
     }
+}
 
-    fn release(&self) {
-        self.busy.store(false, Ordering::Release);
+impl Shared {
+    /// The loader `builder` configures; its first `iter()` runs `first`, or the epoch
+    /// of the loader's state.
+    fn new(builder: LoaderBuilder, first: Option<u64>) -> Result<Shared> {
+        let loader = builder.clone().build()?;
+        let order = loader.order();
+        let items = (order.batches() * order.batch_size()).min(order.samples()) as usize;
+        Ok(Shared {
+            next: AtomicU64::new(first.unwrap_or(loader.state().epoch)),
+            dataset: Arc::clone(loader.dataset()),
+            loader: Exclusive {
+                loader: UnsafeCell::new(loader),
+                busy: AtomicBool::new(false),
+            },
+            builder,
+            items,
+        })
     }
 }
 
@@ -276,7 +326,7 @@ impl<O> BurnLoader<O> {
         F: Fn(Batch, &Device) -> Result<O> + Send + Sync + 'static,
     {
         Ok(BurnLoader {
-            shared: Ok(Arc::new(Shared::new(builder)?)),
+            source: Source::Loader(Arc::new(Shared::new(builder, None)?)),
             device,
             batcher: Arc::new(batcher),
         })
@@ -284,40 +334,47 @@ impl<O> BurnLoader<O> {
 
     /// The epoch the next `iter()` runs.
     pub fn epoch(&self) -> u64 {
-        self.shared
-            .as_ref()
-            .map_or(0, |s| s.next.load(Ordering::Acquire))
+        match &self.source {
+            Source::Loader(s) => s.next.load(Ordering::Acquire),
+            _ => 0,
+        }
     }
 
     /// Makes the next `iter()` run epoch `epoch`.
     pub fn set_epoch(&self, epoch: u64) {
-        if let Ok(s) = &self.shared {
+        if let Source::Loader(s) = &self.source {
             s.next.store(epoch, Ordering::Release);
         }
     }
 
-    /// Where the loader stands, for a checkpoint: after a whole epoch `e`, `(e + 1, 0)`.
+    /// Where the loader stands, for a checkpoint ([`LoaderBuilder::resume`] takes it):
+    /// the next epoch's start, `(e + 1, 0)` after epoch `e`, whether `e`'s iterator ran
+    /// to its end or was dropped before (the next `iter()` runs `e + 1` either way), or
+    /// the point a resumed epoch starts from before its `iter()`.
     ///
     /// # Errors
     /// [`Error::Config`] while an epoch is being iterated, or for a loader whose slice
-    /// could not be built.
+    /// could not be built or is empty.
     pub fn state(&self) -> Result<LoaderState> {
-        let shared = self.shared()?;
-        let state = shared.take()?.state();
-        shared.release();
-        Ok(state)
-    }
-
-    /// The loader behind it, or the reason there is none.
-    fn shared(&self) -> Result<&Arc<Shared>> {
-        self.shared.as_ref().map_err(|e| Error::Config(e.clone()))
+        let shared = match &self.source {
+            Source::Loader(s) => s,
+            Source::Empty => return Err(Error::Config("an empty slice has no state".into())),
+            Source::Failed(e) => return Err(Error::Config(e.clone())),
+        };
+        let (loader, _held) = shared.loader.take()?;
+        let next = shared.next.load(Ordering::Acquire);
+        let state = loader.state();
+        Ok(match state.epoch == next {
+            true => state,
+            false => LoaderState::at(loader.order(), next, 0, 0),
+        })
     }
 }
 
 impl<O> Clone for BurnLoader<O> {
     fn clone(&self) -> Self {
         BurnLoader {
-            shared: self.shared.clone(),
+            source: self.source.clone(),
             device: self.device.clone(),
             batcher: Arc::clone(&self.batcher),
         }
@@ -327,9 +384,10 @@ impl<O> Clone for BurnLoader<O> {
 impl<O> std::fmt::Debug for BurnLoader<O> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mut d = f.debug_struct("BurnLoader");
-        match &self.shared {
-            Ok(s) => d.field("items", &s.items).field("epoch", &self.epoch()),
-            Err(e) => d.field("error", e),
+        match &self.source {
+            Source::Loader(s) => d.field("items", &s.items).field("epoch", &self.epoch()),
+            Source::Empty => d.field("items", &0),
+            Source::Failed(e) => d.field("error", e),
         };
         d.field("device", &self.device).finish()
     }
@@ -339,42 +397,50 @@ impl<O: 'static> DataLoader<O> for BurnLoader<O> {
     fn iter<'a>(&'a self) -> Box<dyn DataLoaderIterator<O> + 'a> {
         let mut it = Iter {
             epoch: None,
-            lock: None,
+            held: None,
             failed: None,
             batcher: self.batcher.as_ref(),
             device: &self.device,
             processed: 0,
-            total: self.num_items(),
+            total: 0,
         };
-        let shared = match self.shared() {
-            Ok(s) => s,
+        let shared = match &self.source {
+            Source::Loader(s) => s,
+            Source::Empty => return Box::new(it),
+            Source::Failed(e) => {
+                it.failed = Some(Error::Config(e.clone()));
+                return Box::new(it);
+            }
+        };
+        let (loader, held) = match shared.loader.take() {
+            Ok(taken) => taken,
             Err(e) => {
                 it.failed = Some(e);
                 return Box::new(it);
             }
         };
-        let loader = match shared.take() {
-            Ok(l) => l,
-            Err(e) => {
-                it.failed = Some(e);
-                return Box::new(it);
-            }
-        };
-        let e = shared.next.fetch_add(1, Ordering::AcqRel);
-        it.lock = Some(shared);
+        let e = shared.next.load(Ordering::Acquire);
         match loader.epoch(e) {
             Ok(epoch) => {
-                let resumed = epoch.first_batch() as usize;
-                it.processed = resumed.saturating_mul(shared.batch_size).min(it.total);
+                shared.next.store(e.saturating_add(1), Ordering::Release);
+                // What this epoch yields (a resumed one, less), and where it starts.
+                let order = epoch.order();
+                let size = order.batch_size();
+                it.total = (order.batches().saturating_mul(size)).min(order.samples()) as usize;
+                it.processed = (epoch.first_batch().saturating_mul(size) as usize).min(it.total);
                 it.epoch = Some(epoch);
             }
             Err(err) => it.failed = Some(err),
         }
+        it.held = Some(held);
         Box::new(it)
     }
 
     fn num_items(&self) -> usize {
-        self.shared.as_ref().map_or(0, |s| s.items)
+        match &self.source {
+            Source::Loader(s) => s.items,
+            _ => 0,
+        }
     }
 
     fn to_device(&self, device: &Device) -> Arc<dyn DataLoader<O>> {
@@ -385,23 +451,56 @@ impl<O: 'static> DataLoader<O> for BurnLoader<O> {
     }
 
     fn slice(&self, start: usize, end: usize) -> Arc<dyn DataLoader<O>> {
-        let shared = self.shared().and_then(|s| {
-            let part = Subset::new(Arc::clone(&s.dataset), start as u64..end as u64)?;
-            Shared::new(s.builder.clone().over(Arc::new(part)))
-        });
+        let source = match &self.source {
+            Source::Loader(s) => match part(s, start, end) {
+                Ok(Some(shared)) => Source::Loader(Arc::new(shared)),
+                Ok(None) => Source::Empty,
+                Err(Error::Config(why)) => Source::Failed(why),
+                Err(e) => Source::Failed(e.to_string()),
+            },
+            Source::Empty if start == end => Source::Empty,
+            Source::Empty => Source::Failed(format!(
+                "items {start}..{end} of an empty slice: a slice needs a range inside it"
+            )),
+            Source::Failed(e) => Source::Failed(e.clone()),
+        };
         Arc::new(BurnLoader {
-            shared: shared.map(Arc::new).map_err(|e| e.to_string()),
+            source,
             device: self.device.clone(),
             batcher: Arc::clone(&self.batcher),
         })
     }
 }
 
+/// The loader over the part of `shared`'s dataset that its items `start..end` stand
+/// for, starting at its next epoch; `None` for an empty range.
+fn part(shared: &Shared, start: usize, end: usize) -> Result<Option<Shared>> {
+    let (n, items) = (shared.dataset.len(), shared.items as u64);
+    if start > end || end as u64 > items {
+        return Err(Error::Config(format!(
+            "items {start}..{end} of a loader of {items}: a slice needs a range inside it"
+        )));
+    }
+    // Items to samples in proportion: the identity for one rank without `drop_last`.
+    let at = |i: usize| match i as u64 == items {
+        true => n,
+        false => (i as u128 * n as u128 / items.max(1) as u128) as u64,
+    };
+    let (from, to) = (at(start), at(end));
+    if from == to {
+        return Ok(None);
+    }
+    let dataset = Subset::new(Arc::clone(&shared.dataset), from..to)?;
+    let next = shared.next.load(Ordering::Acquire);
+    Shared::new(shared.builder.clone().over(Arc::new(dataset)), Some(next)).map(Some)
+}
+
 /// One epoch of a [`BurnLoader`].
 struct Iter<'a, O> {
-    /// Dropped before `lock` is released.
+    /// Declared before `held`: the epoch (and its `&mut` to the loader) is dropped
+    /// first, then the loader is let go.
     epoch: Option<Epoch<'a>>,
-    lock: Option<&'a Shared>,
+    held: Option<Held<'a>>,
     /// An error to yield once, in place of the epoch.
     failed: Option<Error>,
     batcher: &'a Batcher<O>,
@@ -410,23 +509,19 @@ struct Iter<'a, O> {
     total: usize,
 }
 
-fn dataset_error(e: Error) -> DatasetError {
-    DatasetError::new(e)
-}
-
 impl<O> Iterator for Iter<'_, O> {
     type Item = std::result::Result<O, DatasetError>;
 
     fn next(&mut self) -> Option<Self::Item> {
         if let Some(e) = self.failed.take() {
-            return Some(Err(dataset_error(e)));
+            return Some(Err(DatasetError::new(e)));
         }
         let batch = match self.epoch.as_mut()?.next()? {
             Ok(b) => b,
-            Err(e) => return Some(Err(dataset_error(e))),
+            Err(e) => return Some(Err(DatasetError::new(e))),
         };
         self.processed += batch.len();
-        Some((self.batcher)(Batch::new(batch), self.device).map_err(dataset_error))
+        Some((self.batcher)(Batch::new(batch), self.device).map_err(DatasetError::new))
     }
 }
 
@@ -436,16 +531,6 @@ impl<O> DataLoaderIterator<O> for Iter<'_, O> {
             items_processed: self.processed,
             items_total: self.total,
             unit: None,
-        }
-    }
-}
-
-impl<O> Drop for Iter<'_, O> {
-    fn drop(&mut self) {
-        // The epoch (and its `&mut` to the loader) goes first, then the loader is free.
-        self.epoch = None;
-        if let Some(shared) = self.lock {
-            shared.release();
         }
     }
 }

@@ -300,12 +300,6 @@ impl HostBatch {
         self.column(c)
     }
 
-    /// The name of the allocator of its buffer (`plain`, `pinned`...).
-    #[cfg_attr(not(feature = "burn"), allow(dead_code))]
-    pub(crate) fn allocator(&self) -> &'static str {
-        self.lease.pool().allocator()
-    }
-
     /// The whole buffer (every column at its offset, padding included): what a single
     /// host-to-device copy moves.
     pub fn as_bytes(&self) -> &[u8] {

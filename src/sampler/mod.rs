@@ -319,6 +319,11 @@ impl EpochOrder {
         self.global(self.position(i))
     }
 
+    /// Samples per batch (the last batch may hold fewer).
+    pub const fn batch_size(&self) -> u64 {
+        self.order.batch_size
+    }
+
     /// Positions of the global order taken before this rank's batches start (0 unless
     /// the epoch was resumed elastically).
     pub const fn start(&self) -> u64 {
