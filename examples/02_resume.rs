@@ -6,8 +6,9 @@
 //! ```
 //!
 //! The order of every epoch is a pure function of `(seed, epoch, rank, world_size)`, so
-//! a checkpoint only needs the loader's position: a [`LoaderState`], two integers that
-//! serialise to JSON next to the model weights.
+//! a checkpoint only needs the loader's position: a [`LoaderState`], a few integers that
+//! serialise to JSON next to the model weights. Step 5 resumes the same checkpoint
+//! elastically, as a job restarted on three GPUs instead of one would.
 
 use stokehold::{HostBatch, Loader, LoaderBuilder, LoaderState, NpyDataset, Shuffle};
 
@@ -104,6 +105,36 @@ fn main() -> stokehold::Result<()> {
         before_crash.len(),
         after_restart.len(),
         reference.len()
+    );
+
+    // 5. Elastic: the job restarts as 3 ranks with batches of 64. Each rank resumes the
+    //    same checkpoint; together they take the rest of epoch 1.
+    let mut rest: Vec<u64> = Vec::new();
+    for rank in 0..3 {
+        let mut loader = builder(2)?
+            .batch_size(64)
+            .shard(stokehold::Shard::new(rank, 3)?)
+            .resume_elastic(state)
+            .build()?;
+        for batch in loader.epoch(state.epoch)? {
+            rest.extend_from_slice(batch?.indices());
+        }
+    }
+    let mut left: Vec<u64> = reference
+        .iter()
+        .filter(|s| s.epoch == 1 && s.number >= state.batch)
+        .flat_map(|s| s.indices.iter().copied())
+        .collect();
+    left.sort_unstable();
+    rest.sort_unstable();
+    let taken = rest.len();
+    rest.dedup();
+    assert_eq!(rest, left);
+    println!(
+        "elastic restart on 3 ranks of 64: the {} samples left of epoch 1, each taken \
+         ({} repeated to even out the ranks' shares, as a sharded epoch pads)",
+        rest.len(),
+        taken - rest.len()
     );
     Ok(())
 }

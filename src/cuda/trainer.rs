@@ -227,8 +227,10 @@ impl CudaTrainer {
         progress: &mut dyn FnMut(u64, f64),
     ) -> Result<EpochOutcome> {
         self.step.reset_metrics()?;
-        // A whole epoch, started from its first batch, fills the cache on the way.
-        let filling = epoch.first_batch() == 0 && self.cache.as_ref().is_some_and(|c| !c.filled());
+        // A whole epoch, started from its first batch (and not resumed elastically, after
+        // other ranks took part of it), fills the cache on the way.
+        let whole = epoch.first_batch() == 0 && epoch.order().start() == 0;
+        let filling = whole && self.cache.as_ref().is_some_and(|c| !c.filled());
         let epoch_order = epoch.order().clone();
         if filling {
             if let Some(c) = &mut self.cache {
@@ -289,7 +291,8 @@ fn marks_for<'a>(
 
 impl Trainer for CudaTrainer {
     fn train(&mut self, from: &mut Loader, epoch: u64, progress: Progress) -> Result<EpochOutcome> {
-        if self.cache_filled() {
+        // A resumed epoch goes through the loader: the cache would replay all of it.
+        if self.cache_filled() && !from.resumes(epoch) {
             self.train_epoch_cached(&from.order().epoch(epoch), progress)
         } else {
             self.train_epoch_with(from.epoch(epoch)?, progress)

@@ -495,14 +495,21 @@ fn check_resume(order: &Order, r: LoaderState, how: Resume) -> Result<LoaderStat
                 order.global_fingerprint()
             )));
         }
-        if r.taken > order.len() {
+        // Saved by a loader configured as this one: where it stands follows from its
+        // batch, whatever `taken` says.
+        let taken = match r.order == order.fingerprint() {
+            true => check_resume(order, r, Resume::Exact)?.taken,
+            false => r.taken,
+        };
+        if r.start > taken || taken > order.len() {
             return Err(Error::Config(format!(
-                "resume state has taken {} positions of an epoch of {}",
-                r.taken,
+                "resume state has taken positions {}..{} of an epoch of {}",
+                r.start,
+                taken,
                 order.len()
             )));
         }
-        return Ok(LoaderState::at(order, r.epoch, r.taken, 0));
+        return Ok(LoaderState::at(order, r.epoch, taken, 0));
     }
     if r.order != 0 && r.order != order.fingerprint() {
         return Err(Error::Config(format!(
@@ -835,6 +842,13 @@ impl Loader {
     /// fingerprint differs) or past the end of its epoch; the loader is unchanged.
     pub fn resume(&mut self, state: LoaderState) -> Result<()> {
         self.resume_as(state, Resume::Exact)
+    }
+
+    /// Whether [`epoch`](Loader::epoch)`(epoch)` will start part of the way into the
+    /// epoch: a resume is pending for it.
+    pub fn resumes(&self, epoch: u64) -> bool {
+        self.resume
+            .is_some_and(|r| r.epoch == epoch && (r.batch > 0 || r.start > 0))
     }
 
     /// Resumes from a state saved by a loader with another world size, rank, batch size

@@ -349,8 +349,12 @@ impl EpochOrder {
     }
 
     /// Positions of the global order taken once every rank has had `batch` batches of
-    /// the epoch (as data-parallel steps do): what an elastic resume starts after.
+    /// the epoch (as data-parallel steps do): what an elastic resume starts after. After
+    /// the last batch, the whole epoch (what a tail or `drop_last` left out included).
     pub fn taken(&self, batch: u64) -> u64 {
+        if batch >= self.batches() {
+            return self.order.len;
+        }
         let per_batch = self
             .order
             .batch_size

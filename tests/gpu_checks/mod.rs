@@ -197,6 +197,37 @@ pub fn the_device_cache_gives_the_same_epochs(c: Cuda) {
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
     assert!(worst < 1e-5, "weights differ by {worst}");
+
+    // A resumed epoch (elastic here, after 5 batches) lacks rows: it must not fill the
+    // cache, and `Trainer::train` sends a pending resume through the loader.
+    let (mut loader, mlp, norm, kernels) = setup(&c, DIGITS.as_ref(), 64, 32, 0.1);
+    let layout = loader.layout().clone();
+    let mut t = CudaTrainer::new(c, kernels, &mlp, norm, &layout, (0, 1), 3).unwrap();
+    t.enable_device_cache(loader.order(), 0.5).unwrap();
+    let saved = {
+        let mut it = loader.epoch(0).unwrap();
+        for _ in 0..5 {
+            it.next().unwrap().unwrap();
+        }
+        it.state()
+    };
+    loader.resume_elastic(saved).unwrap();
+    let part = t.train(&mut loader, 0, &mut |_, _| {}).unwrap();
+    assert_eq!(part.metrics.samples, 1797 - 5 * 64);
+    assert!(!t.cache_filled(), "a partial epoch filled the device cache");
+    t.train(&mut loader, 1, &mut |_, _| {}).unwrap();
+    assert!(t.cache_filled());
+    let at = stokehold::LoaderState {
+        batch: 3,
+        ..loader.state()
+    };
+    loader.resume(at).unwrap();
+    let rest = t.train(&mut loader, 2, &mut |_, _| {}).unwrap();
+    assert_eq!(
+        rest.metrics.samples,
+        1797 - 3 * 64,
+        "the cache replayed a resumed epoch"
+    );
 }
 
 /// Three epochs of digits through the feeder (overlapped, or serialised on one stream)
