@@ -78,6 +78,7 @@ impl<'a> Epoch<'a> {
         results: Receiver<Done>,
         finished: Receiver<()>,
         start: u64,
+        read_at_start: Option<u64>,
     ) -> Epoch<'a> {
         let ring = job.pool.size();
         Epoch {
@@ -91,7 +92,7 @@ impl<'a> Epoch<'a> {
             done: false,
             started: Instant::now(),
             stats: EpochStats::default(),
-            read_at_start: crate::pagecache::storage_read_bytes(),
+            read_at_start,
         }
     }
 

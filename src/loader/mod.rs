@@ -653,6 +653,9 @@ impl Loader {
             _ => (0, 0),
         };
         self.resume = None;
+        // Storage's count before any worker or the planner has the job: counted after,
+        // the reads they issued at once went missing from the epoch's figure.
+        let read_at_start = crate::pagecache::storage_read_bytes();
         let (storage, mut plans) = match self.planner {
             Some(_) => plan::snapshot(self.dataset.as_ref(), self.budget),
             None => (Storage::Warm, Vec::new()),
@@ -741,6 +744,7 @@ impl Loader {
             results_rx,
             finished_rx,
             start,
+            read_at_start,
         ))
     }
 
