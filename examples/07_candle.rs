@@ -19,8 +19,8 @@
 use candle_core::{DType, Device, Module, D};
 use candle_nn::{linear, loss, Optimizer, VarBuilder, VarMap, SGD};
 use stokehold::interop::candle::tensors;
-use stokehold::model::Normalize;
-use stokehold::{Dataset, Loader, NpyDataset, Shuffle};
+use stokehold::model::fit_classifier;
+use stokehold::{Loader, NpyDataset, Shuffle};
 
 /// Where the batches go: candle's CPU device, or its CUDA device through stokehold's
 /// copy stream.
@@ -65,10 +65,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("device: {device:?}");
     let ds = NpyDataset::open(concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits"))?;
     // The built-in step's input normalisation, fitted on the first 512 samples.
-    let probe: Vec<u64> = (0..512).collect();
-    let (mut x, mut y) = (vec![0u8; 512 * 64], vec![0u8; 512 * 8]);
-    ds.gather(0, &probe, &mut [&mut x, &mut y])?;
-    let norm = Normalize::fit(&x);
+    let (norm, _classes) = fit_classifier(&ds)?;
     let builder = Loader::builder(ds)
         .batch_size(256)
         .shuffle(Shuffle::Full { seed: 0 })

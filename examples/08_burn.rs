@@ -22,8 +22,8 @@ use burn_nn::loss::CrossEntropyLossConfig;
 use burn_nn::{Linear, LinearConfig};
 use burn_optim::{GradientsParams, SgdConfig};
 use stokehold::interop::burn::BurnLoader;
-use stokehold::model::Normalize;
-use stokehold::{Dataset, Loader, NpyDataset, Shuffle};
+use stokehold::model::fit_classifier;
+use stokehold::{Loader, NpyDataset, Shuffle};
 
 #[derive(Module, Debug)]
 struct Mlp {
@@ -41,10 +41,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let device = Device::flex().autodiff();
     let ds = NpyDataset::open(concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits"))?;
     // The built-in step's input normalisation, fitted on the first 512 samples.
-    let probe: Vec<u64> = (0..512).collect();
-    let (mut x, mut y) = (vec![0u8; 512 * 64], vec![0u8; 512 * 8]);
-    ds.gather(0, &probe, &mut [&mut x, &mut y])?;
-    let norm = Normalize::fit(&x);
+    let (norm, _classes) = fit_classifier(&ds)?;
 
     let builder = Loader::builder(ds)
         .batch_size(256)

@@ -238,9 +238,8 @@ struct Shared {
     loader: Exclusive,
     /// The epoch the next `iter()` runs.
     next: AtomicU64,
-    /// The loader's configuration and dataset, for `slice`.
+    /// The loader's configuration (and dataset), for `slice`.
     builder: LoaderBuilder,
-    dataset: Arc<dyn Dataset>,
     /// Samples per epoch on this rank.
     items: usize,
 }
@@ -300,11 +299,9 @@ impl Shared {
     /// of the loader's state.
     fn new(builder: LoaderBuilder, first: Option<u64>) -> Result<Shared> {
         let loader = builder.clone().build()?;
-        let order = loader.order();
-        let items = (order.batches() * order.batch_size()).min(order.samples()) as usize;
+        let items = loader.order().epoch(0).items() as usize;
         Ok(Shared {
             next: AtomicU64::new(first.unwrap_or(loader.state().epoch)),
-            dataset: Arc::clone(loader.dataset()),
             loader: Exclusive {
                 loader: UnsafeCell::new(loader),
                 busy: AtomicBool::new(false),
@@ -425,9 +422,9 @@ impl<O: 'static> DataLoader<O> for BurnLoader<O> {
                 shared.next.store(e.saturating_add(1), Ordering::Release);
                 // What this epoch yields (a resumed one, less), and where it starts.
                 let order = epoch.order();
-                let size = order.batch_size();
-                it.total = (order.batches().saturating_mul(size)).min(order.samples()) as usize;
-                it.processed = (epoch.first_batch().saturating_mul(size) as usize).min(it.total);
+                it.total = order.items() as usize;
+                let before = epoch.first_batch().saturating_mul(order.batch_size());
+                it.processed = (before as usize).min(it.total);
                 it.epoch = Some(epoch);
             }
             Err(err) => it.failed = Some(err),
@@ -475,7 +472,8 @@ impl<O: 'static> DataLoader<O> for BurnLoader<O> {
 /// The loader over the part of `shared`'s dataset that its items `start..end` stand
 /// for, starting at its next epoch; `None` for an empty range.
 fn part(shared: &Shared, start: usize, end: usize) -> Result<Option<Shared>> {
-    let (n, items) = (shared.dataset.len(), shared.items as u64);
+    let dataset = shared.builder.dataset();
+    let (n, items) = (dataset.len(), shared.items as u64);
     if start > end || end as u64 > items {
         return Err(Error::Config(format!(
             "items {start}..{end} of a loader of {items}: a slice needs a range inside it"
@@ -490,7 +488,7 @@ fn part(shared: &Shared, start: usize, end: usize) -> Result<Option<Shared>> {
     if from == to {
         return Ok(None);
     }
-    let dataset = Subset::new(Arc::clone(&shared.dataset), from..to)?;
+    let dataset = Subset::new(Arc::clone(dataset), from..to)?;
     let next = shared.next.load(Ordering::Acquire);
     Shared::new(shared.builder.clone().over(Arc::new(dataset)), Some(next)).map(Some)
 }

@@ -28,7 +28,7 @@ pub use pool::{HostAlloc, HostMemory, PlainAlloc, BUFFER_ALIGN};
 
 use crate::dataset::Dataset;
 use crate::error::{Error, Result};
-use crate::sampler::{Order, Shard, Shuffle};
+use crate::sampler::{EpochOrder, Order, Shard, Shuffle};
 use pool::Pool;
 use worker::{Assignment, Job};
 
@@ -89,12 +89,17 @@ impl LoaderState {
     /// The state of a loader with order `order` after `batch` batches of `epoch`, whose
     /// ranks started at position `start` of its global order.
     pub(crate) fn at(order: &Order, epoch: u64, start: u64, batch: u64) -> LoaderState {
+        LoaderState::of(order, &order.epoch_from(epoch, start), batch)
+    }
+
+    /// The same, for `epoch`, an epoch of `order`.
+    fn of(order: &Order, epoch: &EpochOrder, batch: u64) -> LoaderState {
         LoaderState {
-            epoch,
+            epoch: epoch.epoch(),
             batch,
             order: order.fingerprint(),
-            start,
-            taken: order.epoch_from(epoch, start).taken(batch),
+            start: epoch.start(),
+            taken: epoch.taken(batch),
             global: order.global_fingerprint(),
         }
     }
@@ -145,6 +150,12 @@ impl LoaderBuilder {
         self.dataset = dataset;
         self.resume = None;
         self
+    }
+
+    /// The dataset the loader will read.
+    #[cfg_attr(not(feature = "burn"), allow(dead_code))]
+    pub(crate) fn dataset(&self) -> &Arc<dyn Dataset> {
+        &self.dataset
     }
 
     /// Samples per batch (default 256).
@@ -520,15 +531,18 @@ fn check_resume(order: &Order, r: LoaderState, how: Resume) -> Result<LoaderStat
             order.fingerprint()
         )));
     }
-    let batches = order.epoch_from(r.epoch, r.start).batches();
-    if r.start > order.len() || r.batch > batches {
+    let epoch = order.epoch_from(r.epoch, r.start);
+    if r.start > order.len() || r.batch > epoch.batches() {
         return Err(Error::Config(format!(
             "resume state is at batch {} of epoch {} (from position {}), which has {} \
              batches",
-            r.batch, r.epoch, r.start, batches
+            r.batch,
+            r.epoch,
+            r.start,
+            epoch.batches()
         )));
     }
-    Ok(LoaderState::at(order, r.epoch, r.start, r.batch))
+    Ok(LoaderState::of(order, &epoch, r.batch))
 }
 
 /// Refuses a pool of `buffers` buffers of `bytes` that the machine's memory cannot
@@ -686,14 +700,7 @@ impl Loader {
         });
         let (results_tx, results_rx) = crossbeam_channel::unbounded();
         let (finished_tx, finished_rx) = crossbeam_channel::bounded(0);
-        self.state = LoaderState {
-            epoch,
-            batch: start,
-            order: self.order.fingerprint(),
-            start: from,
-            taken: order.taken(start),
-            global: self.order.global_fingerprint(),
-        };
+        self.state = LoaderState::of(&self.order, &order, start);
         let job = Arc::new(Job {
             end: order.batches(),
             order,

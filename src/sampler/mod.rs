@@ -78,8 +78,8 @@ impl Shuffle {
 }
 
 /// A non-zero hash of `parts`.
-fn fold(parts: &[u64]) -> u64 {
-    parts.iter().fold(0x006f_7264_6572u64, |h, &v| {
+fn fold(parts: impl IntoIterator<Item = u64>) -> u64 {
+    parts.into_iter().fold(0x006f_7264_6572u64, |h, v| {
         mix(h ^ mix(v.wrapping_add(0x9e37_79b9_7f4a_7c15)))
     }) | 1
 }
@@ -149,15 +149,14 @@ impl Order {
             ShardTail::Pad => 1,
             ShardTail::Drop => 2,
         };
-        let mut parts = self.global_parts().to_vec();
-        parts.extend([
+        let shard = [
             self.shard.rank(),
             self.shard.world_size(),
             tail,
             self.batch_size,
             u64::from(self.drop_last),
-        ]);
-        fold(&parts)
+        ];
+        fold(self.global_parts().into_iter().chain(shard))
     }
 
     /// A non-zero fingerprint of the epochs' global order alone (dataset length, shuffle
@@ -165,7 +164,7 @@ impl Order {
     /// resume ([`LoaderBuilder::resume_elastic`](crate::LoaderBuilder::resume_elastic))
     /// may change.
     pub fn global_fingerprint(&self) -> u64 {
-        fold(&self.global_parts())
+        fold(self.global_parts())
     }
 
     fn global_parts(&self) -> [u64; 5] {
@@ -213,11 +212,16 @@ impl Order {
 
     /// Batches per epoch on this rank.
     pub const fn batches(&self) -> u64 {
-        let s = self.samples();
+        self.batches_of(self.samples())
+    }
+
+    /// Batches of `samples` samples on this rank (the last one short unless
+    /// `drop_last`).
+    const fn batches_of(&self, samples: u64) -> u64 {
         if self.drop_last {
-            s / self.batch_size
+            samples / self.batch_size
         } else {
-            s.div_ceil(self.batch_size)
+            samples.div_ceil(self.batch_size)
         }
     }
 
@@ -332,19 +336,22 @@ impl EpochOrder {
 
     /// Samples this rank sees in the epoch (before `drop_last`).
     pub const fn samples(&self) -> u64 {
-        match self.start {
-            0 => self.order.samples(),
-            s => self.order.shard.samples(self.order.len - s),
-        }
+        self.order.shard.samples(self.order.len - self.start)
     }
 
     /// Batches in the epoch.
     pub const fn batches(&self) -> u64 {
-        let s = self.samples();
-        if self.order.drop_last {
-            s / self.order.batch_size
+        self.order.batches_of(self.samples())
+    }
+
+    /// Samples the epoch's batches hold: [`samples`](EpochOrder::samples), less what
+    /// `drop_last` leaves out.
+    pub const fn items(&self) -> u64 {
+        let whole = self.batches() * self.order.batch_size;
+        if whole < self.samples() {
+            whole
         } else {
-            s.div_ceil(self.order.batch_size)
+            self.samples()
         }
     }
 
