@@ -1,7 +1,7 @@
 //! # stokehold
 //!
 //! Keeps a GPU fed: a prefetching, shuffling, multi-threaded loader over memory-mapped
-//! datasets (NumPy `.npy` files, flat token streams) that streams epochs of batches into
+//! datasets (NumPy `.npy` files, flat token streams, variable-length documents) that streams epochs of batches into
 //! a fixed pool of host buffers.
 //!
 //! ```
@@ -63,8 +63,8 @@ pub mod testing;
 
 pub use backend::Trainer;
 pub use dataset::{
-    Column, DType, Dataset, Element, MappedFile, NpyArray, NpyDataset, NpyHeader, Subset,
-    TokenDataset, Windows,
+    Column, DType, Dataset, Documents, Element, MappedFile, NpyArray, NpyDataset, NpyHeader,
+    Subset, TokenDataset, Windows,
 };
 pub use error::{Error, NpyProblem, Result};
 pub use loader::{

@@ -549,6 +549,38 @@ fn a_resume_is_neither_lost_nor_misapplied() {
 }
 
 #[test]
+fn an_epoch_served_elsewhere_moves_the_state_past_it() {
+    let mk = || {
+        Loader::builder(Synth::new(100))
+            .batch_size(10)
+            .shuffle(Shuffle::Full { seed: 4 })
+    };
+    let mut loader = mk().build().unwrap();
+    // A device cache served epoch 2 whole: a checkpoint now resumes epoch 3.
+    loader.served(2).unwrap();
+    let state = loader.state();
+    assert_eq!((state.epoch, state.batch, state.taken), (3, 0, 0));
+    let mut resumed = mk().resume(state).build().unwrap();
+    assert_eq!(resumed.epoch(3).unwrap().len(), 10);
+    // Part of epoch 5 was taken: it cannot be served whole, nor can an epoch before it.
+    let part = {
+        let mut it = loader.epoch(5).unwrap();
+        it.next().unwrap().unwrap();
+        it.state()
+    };
+    loader.resume(part).unwrap();
+    for e in [4, 5] {
+        let err = loader.served(e).unwrap_err();
+        assert!(err.to_string().contains("resumes epoch 5"), "{err}");
+    }
+    assert_eq!(loader.state(), part, "a refused call changed the state");
+    assert_eq!(loader.epoch(5).unwrap().len(), 9);
+    // A leaked epoch is refused here as by `epoch`.
+    std::mem::forget(loader.epoch(6).unwrap());
+    assert!(matches!(loader.served(6), Err(Error::EpochLeaked { .. })));
+}
+
+#[test]
 fn digits_end_to_end() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
     let x = NpyArray::open(format!("{dir}/x.npy")).unwrap();

@@ -3,11 +3,14 @@
 //! - [`NpyArray`]: one `.npy` file, validated at open time.
 //! - [`NpyDataset`]: several `.npy` columns with one first dimension (`x.npy`, `y.npy`).
 //! - [`TokenDataset`]: a flat token stream cut into windows of `seq_len + 1` tokens.
+//! - [`Documents`]: variable-length token sequences (a Megatron indexed dataset, or
+//!   tokens and offsets in `.npy`), padded to one row width, with their lengths.
 //! - [`Subset`]: a contiguous range of another dataset's samples.
 //!
 //! Anything implementing [`Dataset`] can be fed to a [`Loader`](crate::Loader).
 
 mod columns;
+mod documents;
 mod dtype;
 pub(crate) mod guard;
 mod npy;
@@ -17,6 +20,7 @@ mod tokens;
 use std::path::Path;
 
 pub use columns::NpyDataset;
+pub use documents::Documents;
 pub use dtype::{DType, Element};
 pub use npy::{shape_string, NpyArray, NpyHeader};
 pub use subset::Subset;
@@ -182,6 +186,28 @@ pub(crate) fn open_regular(path: &Path) -> Result<std::fs::File> {
         return Err(crate::Error::dataset(path, problem));
     }
     std::fs::File::open(path).map_err(|e| crate::Error::io(path, e))
+}
+
+/// Opens the `.npy` at `path`, which must be a 1-d integer array: `what` says what it
+/// holds in the error otherwise ("a token stream": "a token stream is a 1-d integer
+/// array, this is float32 of shape (5, 3)").
+///
+/// # Errors
+/// Anything [`NpyArray::open`] returns; [`Error::Dataset`](crate::Error::Dataset) for
+/// another shape or type.
+pub(crate) fn open_integers(path: &Path, what: &str) -> Result<NpyArray> {
+    let array = NpyArray::open(path)?;
+    if array.shape().len() != 1 || !array.dtype().is_integer() {
+        return Err(crate::Error::dataset(
+            path,
+            format!(
+                "{what} is a 1-d integer array, this is {} of shape {}",
+                array.dtype(),
+                shape_string(array.shape())
+            ),
+        ));
+    }
+    Ok(array)
 }
 
 /// Checks that `out` has one slice per column, each large enough for `n` rows.

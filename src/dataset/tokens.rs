@@ -6,7 +6,7 @@ use memmap2::Mmap;
 
 use super::guard::Watched;
 
-use super::{check_out, Column, DType, Dataset, MappedFile, NpyArray};
+use super::{check_out, Column, DType, Dataset, MappedFile};
 use crate::error::{Error, Result};
 use crate::util::mix;
 
@@ -189,17 +189,7 @@ impl TokenDataset {
         windows: Windows,
     ) -> Result<TokenDataset> {
         let path = path.as_ref();
-        let array = NpyArray::open(path)?;
-        if array.shape().len() != 1 || !array.dtype().is_integer() {
-            return Err(Error::dataset(
-                path,
-                format!(
-                    "a token stream is a 1-d integer array, this is {} of shape {}",
-                    array.dtype(),
-                    super::shape_string(array.shape())
-                ),
-            ));
-        }
+        let array = super::open_integers(path, "a token stream")?;
         let (offset, tokens, dtype) = (
             array.header().data_offset as usize,
             array.rows(),

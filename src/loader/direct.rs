@@ -189,6 +189,14 @@ pub(crate) fn locate(
     true
 }
 
+/// Whether `dataset`'s [`Dataset::locate`] describes its gather, judged on its first
+/// sample (see [`locate`]): only then can its rows be read outside the mappings. A
+/// dataset that pads or computes its rows ([`Documents`](crate::Documents)) does not.
+pub(crate) fn describes(dataset: &dyn Dataset) -> bool {
+    let mut rows = Vec::new();
+    !dataset.is_empty() && locate(dataset, dataset.files().len(), 0, &[0], &mut rows)
+}
+
 /// One read: aligned bytes of a file into the staging buffer at `at`.
 #[derive(Debug, Clone, Copy)]
 struct Read {

@@ -407,13 +407,14 @@ impl LoaderBuilder {
 /// [`DIRECT_ROW`] long; shorter rows share pages with the planned rows around them
 /// (labels: hundreds to a page), so those files stay streamed through the page cache,
 /// and the workers read them from there. `None`, the plans untouched, if a file cannot
-/// be opened so: every streamed page then goes through the page cache, as planned.
+/// be opened so, or the dataset's rows are not the ranges it locates (padded, computed):
+/// every streamed page then goes through the page cache, as planned.
 fn direct_sources(
     dataset: &dyn Dataset,
     plans: &mut [plan::FilePlan],
 ) -> Option<Vec<direct::Source>> {
     let files = dataset.files();
-    if files.len() != plans.len() || dataset.is_empty() {
+    if files.len() != plans.len() || !direct::describes(dataset) {
         return None;
     }
     let mut row = vec![0usize; files.len()];
@@ -446,14 +447,16 @@ fn direct_sources(
 
 /// The extents of the files streamed in runs (a block shuffle's windows), read with
 /// `O_DIRECT` (their mode becomes [`plan::Mode::Window`]). `None`, the plans untouched,
-/// where no streamed file can be read so, or a file is not watched for changes (the
-/// workers copy what no extent holds from the mapping, guarded by the watch).
+/// where no streamed file can be read so, a file is not watched for changes (the
+/// workers copy what no extent holds from the mapping, guarded by the watch), or the
+/// dataset's rows are not the ranges it locates.
 fn window_sources(
     dataset: &dyn Dataset,
     plans: &mut [plan::FilePlan],
 ) -> Option<Arc<extents::Extents>> {
     let files = dataset.files();
-    if files.len() != plans.len() || files.iter().any(|f| f.watched().is_none()) {
+    let watched = files.iter().all(|f| f.watched().is_some());
+    if files.len() != plans.len() || !watched || !direct::describes(dataset) {
         return None;
     }
     // Extents are whole pages: the alignment must divide the page.
@@ -842,6 +845,29 @@ impl Loader {
     /// The allocator's name.
     pub fn allocator(&self) -> &'static str {
         self.pool.allocator()
+    }
+
+    /// Records that the whole of `epoch` was served without the loader (a device cache
+    /// replayed it): [`state`](Loader::state) moves to the next epoch's start, as after
+    /// an [`Epoch`] run to its end, so a checkpoint taken now resumes after it.
+    ///
+    /// # Errors
+    /// [`Error::Config`] while a resume is pending for `epoch` or a later one (part of
+    /// `epoch` was taken already: serve it through [`epoch`](Loader::epoch));
+    /// [`Error::EpochLeaked`] as for [`epoch`](Loader::epoch). The loader is unchanged.
+    pub fn served(&mut self, epoch: u64) -> Result<()> {
+        self.check_last()?;
+        if let Some(r) = self.resume {
+            if r.epoch > epoch || self.resumes(epoch) {
+                return Err(Error::Config(format!(
+                    "this loader resumes epoch {} at batch {}: epoch {epoch} cannot be served whole",
+                    r.epoch, r.batch
+                )));
+            }
+        }
+        self.resume = None;
+        self.state = LoaderState::at(&self.order, epoch.saturating_add(1), 0, 0);
+        Ok(())
     }
 
     /// Resumes from a saved state, as [`LoaderBuilder::resume`] does for a new loader:

@@ -228,6 +228,13 @@ pub fn the_device_cache_gives_the_same_epochs(c: Cuda) {
         1797 - 3 * 64,
         "the cache replayed a resumed epoch"
     );
+    // A cached epoch moves the loader's state past it, as a loader's epoch does: a
+    // checkpoint taken after it resumes with the next epoch, not this one again.
+    assert_eq!(loader.state().epoch, 3);
+    let whole = t.train(&mut loader, 3, &mut |_, _| {}).unwrap();
+    assert_eq!(whole.metrics.samples, 1797);
+    let after = loader.state();
+    assert_eq!((after.epoch, after.batch, after.taken), (4, 0, 0));
 }
 
 /// Three epochs of digits through the feeder (overlapped, or serialised on one stream)

@@ -73,8 +73,6 @@ struct Shape {
     report: TrainReport,
     /// Bytes of one sample, all columns.
     bytes_per_sample: u64,
-    /// Samples per epoch on this rank.
-    samples: u64,
     /// Whether epochs draw a progress bar (`None`: on a terminal only).
     progress: Option<bool>,
     /// The device slots batches are copied into, with `device="cuda"`.
@@ -353,7 +351,6 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
         batches: loader.batches(),
         columns: loader.layout().columns().to_vec(),
         bytes_per_sample: loader.layout().data_bytes(1) as u64,
-        samples: loader.order().samples(),
         dataset,
         report,
         progress,
@@ -453,6 +450,13 @@ impl Loader {
         let started = py.detach(move || unsafe { (*loader.get()).epoch(epoch) });
         let started: stokehold::Epoch<'static> = started.map_err(error)?;
         let len = started.len();
+        // What the bar counts: the samples of the batches left (a resumed epoch starts
+        // part of the way in; `drop_last` leaves the tail out).
+        let samples = {
+            let order = started.order();
+            let taken = started.first_batch().saturating_mul(order.batch_size());
+            order.items() - taken.min(order.items())
+        };
         let generation = {
             let slot = Arc::clone(&slot);
             // Nobody else can hold the lock now (this thread holds the only `&mut`), but
@@ -464,7 +468,6 @@ impl Loader {
             })
         };
         let columns = slf.shape.columns.clone();
-        let samples = slf.shape.samples;
         let quiet = match slf.shape.progress {
             Some(on) => !on,
             None => !std::io::IsTerminal::is_terminal(&std::io::stderr()),

@@ -1,0 +1,305 @@
+//! Variable-length documents: Megatron indexed datasets and `.npy` tokens with offsets,
+//! read in place, padded to `max_len`, through the loader (fixtures in
+//! `tests/fixtures/npy`, written by `python3 tests/fixtures/make_npy.py`).
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use stokehold::{Dataset, Documents, Error, Loader, Shuffle};
+
+const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/npy");
+
+fn fx(name: &str) -> PathBuf {
+    Path::new(FIXTURES).join(name)
+}
+
+/// The fixtures' documents: 5, 0, 12, 3, 40 and 1 tokens, token `j` of document `i`
+/// being `100 * i + j`.
+fn docs() -> Vec<Vec<i64>> {
+    [5, 0, 12, 3, 40, 1]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| (0..n).map(|j| 100 * i as i64 + j).collect())
+        .collect()
+}
+
+/// Every sample of `ds` in file order through a loader with batches of 4: each row's
+/// tokens as `i64` (read with `tok`) and its length.
+fn rows(ds: Documents, tok: fn(&stokehold::HostBatch) -> Vec<i64>) -> Vec<(Vec<i64>, i64)> {
+    let width = ds.max_len();
+    let mut loader = Loader::builder(ds)
+        .batch_size(4)
+        .shuffle(Shuffle::None)
+        .build()
+        .unwrap();
+    let mut out = Vec::new();
+    for batch in loader.epoch(0).unwrap() {
+        let batch = batch.unwrap();
+        let tokens = tok(&batch);
+        let lens = batch.column_named::<i64>("len").unwrap();
+        for (k, &len) in lens.iter().enumerate() {
+            out.push((tokens[k * width..(k + 1) * width].to_vec(), len));
+        }
+    }
+    out
+}
+
+fn u16_tokens(b: &stokehold::HostBatch) -> Vec<i64> {
+    let t = b.column_named::<u16>("tokens").unwrap();
+    t.iter().map(|&x| i64::from(x)).collect()
+}
+
+fn i32_tokens(b: &stokehold::HostBatch) -> Vec<i64> {
+    let t = b.column_named::<i32>("tokens").unwrap();
+    t.iter().map(|&x| i64::from(x)).collect()
+}
+
+/// What a row of `doc` should hold: its first `max_len` tokens, then `pad`.
+fn expected(doc: &[i64], max_len: usize, pad: i64) -> (Vec<i64>, i64) {
+    let keep = doc.len().min(max_len);
+    let mut row = doc[..keep].to_vec();
+    row.resize(max_len, pad);
+    (row, keep as i64)
+}
+
+#[test]
+fn a_megatron_dataset_is_read_in_place_padded_and_cut() {
+    for name in ["megatron_u16", "megatron_u16.idx", "megatron_u16.bin"] {
+        let ds = Documents::open_megatron(fx(name), 16, 7).unwrap();
+        assert_eq!(ds.len(), 6);
+        assert_eq!((ds.tokens(), ds.longest(), ds.truncated()), (61, 40, 1));
+        let names: Vec<&str> = ds.columns().iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["tokens", "len"]);
+        assert_eq!(ds.columns()[0].shape, [16]);
+        assert_eq!(ds.length(4).unwrap(), 40);
+        let got = rows(ds, u16_tokens);
+        let want: Vec<_> = docs().iter().map(|d| expected(d, 16, 7)).collect();
+        assert_eq!(got, want, "{name}");
+    }
+}
+
+#[test]
+fn int32_megatron_tokens_and_npy_offsets_give_the_same_rows() {
+    // Sequences are the samples, whatever the document indices group.
+    let ds = Documents::open_megatron(fx("megatron_i32"), 8, -1).unwrap();
+    let want: Vec<_> = docs()
+        .iter()
+        .map(|d| {
+            let d: Vec<i64> = d.iter().map(|t| t * 70000 - 5).collect();
+            expected(&d, 8, -1)
+        })
+        .collect();
+    assert_eq!(rows(ds, i32_tokens), want);
+    for offsets in ["docs_offsets.npy", "docs_offsets_u32.npy"] {
+        let ds = Documents::open_npy(fx("docs_tokens.npy"), fx(offsets), 50, 0).unwrap();
+        assert_eq!((ds.len(), ds.truncated()), (6, 0));
+        let want: Vec<_> = docs().iter().map(|d| expected(d, 50, 0)).collect();
+        assert_eq!(rows(ds, i32_tokens), want, "{offsets}");
+    }
+}
+
+/// The error of opening a bad fixture, which must name `file` and say `problem`.
+fn refused(err: Error, file: &str, problem: &str) {
+    let Error::Dataset { path, .. } = &err else {
+        panic!("{file}: not a dataset error: {err}");
+    };
+    assert!(path.ends_with(file), "{err} names {}", path.display());
+    assert!(err.to_string().contains(problem), "{file}: {err}");
+}
+
+#[test]
+fn bad_megatron_indexes_are_errors_naming_the_file() {
+    for (name, problem) in [
+        ("megatron_bad_magic", "not a Megatron index"),
+        ("megatron_bad_version", "version 2"),
+        ("megatron_bad_float", "token type code 7"),
+        (
+            "megatron_bad_cut",
+            "60 bytes, but its header counts 6 sequences",
+        ),
+        (
+            "megatron_bad_pointer",
+            "document 5 (1 tokens at byte 200) lies outside",
+        ),
+        ("megatron_bad_documents", "document index 2 is 3"),
+    ] {
+        let err = Documents::open_megatron(fx(name), 16, 0).unwrap_err();
+        refused(err, &format!("{name}.idx"), problem);
+    }
+    // A missing half names itself.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(fx("megatron_u16.idx"), dir.path().join("half.idx")).unwrap();
+    let err = Documents::open_megatron(dir.path().join("half"), 16, 0).unwrap_err();
+    assert!(
+        matches!(&err, Error::Io { path, .. } if path.ends_with("half.bin")),
+        "{err}"
+    );
+    // A `.bin` that is not whole tokens.
+    std::fs::write(dir.path().join("half.bin"), [0u8; 123]).unwrap();
+    let err = Documents::open_megatron(dir.path().join("half"), 16, 0).unwrap_err();
+    refused(
+        err,
+        "half.bin",
+        "not a whole number of 2-byte uint16 tokens",
+    );
+}
+
+#[test]
+fn bad_offsets_are_errors_naming_the_file() {
+    for (name, problem) in [
+        ("docs_bad_falling.npy", "offset 2 is 4"),
+        ("docs_bad_past.npy", "offset 2 is 62"),
+        (
+            "docs_bad_2d.npy",
+            "a document offset list is a 1-d integer array",
+        ),
+        ("docs_bad_empty.npy", "no offsets"),
+    ] {
+        let err = Documents::open_npy(fx("docs_tokens.npy"), fx(name), 16, 0).unwrap_err();
+        refused(err, name, problem);
+    }
+    let err = Documents::open_npy(fx("good_v1_float32.npy"), fx("docs_offsets.npy"), 16, 0);
+    refused(
+        err.unwrap_err(),
+        "good_v1_float32.npy",
+        "the documents' token stream is a 1-d integer array",
+    );
+}
+
+#[test]
+fn bad_settings_are_config_errors() {
+    let open = |max_len, pad| Documents::open_megatron(fx("megatron_u16"), max_len, pad);
+    for (max_len, pad, problem) in [
+        (0, 0, "max_len 0"),
+        (usize::MAX, 0, "out of range"),
+        (16, -1, "pad -1 does not fit the uint16 tokens"),
+        (16, 65536, "pad 65536"),
+    ] {
+        match open(max_len, pad) {
+            Err(Error::Config(m)) => assert!(m.contains(problem), "{m}"),
+            other => panic!("{max_len} {pad}: {other:?}"),
+        }
+    }
+    assert!(open(16, 65535).is_ok());
+}
+
+#[test]
+fn a_token_file_cut_after_opening_is_an_error_not_a_signal() {
+    let dir = tempfile::tempdir().unwrap();
+    for ext in ["bin", "idx"] {
+        let to = dir.path().join(format!("d.{ext}"));
+        std::fs::copy(fx(&format!("megatron_u16.{ext}")), to).unwrap();
+    }
+    let ds = Documents::open_megatron(dir.path().join("d"), 64, 0).unwrap();
+    let bin = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.path().join("d.bin"))
+        .unwrap();
+    bin.set_len(10).unwrap();
+    let mut tokens = vec![0u8; 6 * 128];
+    let mut lens = vec![0u8; 6 * 8];
+    let err = ds
+        .gather(0, &[0, 1, 2, 3, 4, 5], &mut [&mut tokens, &mut lens])
+        .unwrap_err();
+    assert!(err.to_string().contains("d.bin"), "{err}");
+    let err = ds
+        .gather(0, &[6], &mut [&mut tokens, &mut lens])
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::OutOfRange { index: 6, len: 6 }),
+        "{err}"
+    );
+}
+
+/// A set of `n` documents of pseudo-random lengths up to 3000 `uint16` tokens, written
+/// as a Megatron dataset under `dir`; returns its prefix and the documents.
+fn write_megatron(dir: &Path, n: usize) -> (PathBuf, Vec<Vec<u16>>) {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let docs: Vec<Vec<u16>> = (0..n)
+        .map(|_| {
+            let len = (next() % 3000) as usize;
+            (0..len).map(|_| next() as u16).collect()
+        })
+        .collect();
+    let mut bin = Vec::new();
+    let mut idx = b"MMIDIDX\x00\x00".to_vec();
+    idx.extend(1u64.to_le_bytes());
+    idx.push(8);
+    idx.extend((n as u64).to_le_bytes());
+    idx.extend((n as u64 + 1).to_le_bytes());
+    let mut pointers = Vec::new();
+    for d in &docs {
+        idx.extend((d.len() as i32).to_le_bytes());
+        pointers.push(bin.len() as i64);
+        bin.extend(d.iter().flat_map(|t| t.to_le_bytes()));
+    }
+    idx.extend(pointers.iter().flat_map(|p| p.to_le_bytes()));
+    idx.extend((0..=n as i64).flat_map(|k| k.to_le_bytes()));
+    let prefix = dir.join("set");
+    // Synced, so that eviction can drop the pages (dirty ones stay).
+    for (ext, bytes) in [("bin", bin), ("idx", idx)] {
+        let mut f = std::fs::File::create(dir.join(format!("set.{ext}"))).unwrap();
+        std::io::Write::write_all(&mut f, &bytes).unwrap();
+        f.sync_all().unwrap();
+    }
+    (prefix, docs)
+}
+
+#[test]
+fn shuffled_and_streamed_epochs_serve_each_document_once_and_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let (prefix, docs) = write_megatron(dir.path(), 1500);
+    let max_len = 2048;
+    let check = |loader: &mut Loader, epoch: u64, cold: bool| {
+        // Evicted where eviction works (not on tmpfs): the epoch then streams.
+        let evicted = cold && {
+            let ds = loader.dataset().as_ref();
+            stokehold::pagecache::evict(ds).unwrap();
+            stokehold::pagecache::residency(ds).unwrap().fraction() < 0.5
+        };
+        let mut seen = HashSet::new();
+        let mut it = loader.epoch(epoch).unwrap();
+        for batch in it.by_ref() {
+            let batch = batch.unwrap();
+            let tokens = batch.column_named::<u16>("tokens").unwrap();
+            let lens = batch.column_named::<i64>("len").unwrap();
+            for (k, &i) in batch.indices().iter().enumerate() {
+                assert!(seen.insert(i), "document {i} twice");
+                let d = &docs[i as usize];
+                let keep = d.len().min(max_len);
+                let row = &tokens[k * max_len..(k + 1) * max_len];
+                assert_eq!(lens[k], keep as i64);
+                assert_eq!(&row[..keep], &d[..keep], "document {i}");
+                assert!(
+                    row[keep..].iter().all(|&t| t == 0),
+                    "document {i}'s padding"
+                );
+            }
+        }
+        assert_eq!(seen.len(), docs.len());
+        if evicted {
+            assert_eq!(it.stats().storage, stokehold::Storage::Streaming);
+        }
+    };
+    // Warm, then streamed under a zero page-cache budget (planned reads through the page
+    // cache: padded rows are not the ranges `locate` gives, so never direct reads).
+    for budget in [None, Some(0)] {
+        let mut b = Loader::builder(Documents::open_megatron(&prefix, max_len, 0).unwrap())
+            .batch_size(64)
+            .shuffle(Shuffle::Full { seed: 3 })
+            .workers(2);
+        if let Some(bytes) = budget {
+            b = b.page_cache_budget(bytes);
+        }
+        let mut loader = b.build().unwrap();
+        for epoch in 0..2 {
+            check(&mut loader, epoch, budget.is_some());
+        }
+    }
+}
