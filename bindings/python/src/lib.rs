@@ -20,8 +20,8 @@ use stokehold::model::Metrics;
 use stokehold::pagecache::{self, Residency};
 use stokehold::report::{EpochProgress, EpochRow, LoopTimes, Setup, TrainReport};
 use stokehold::{
-    Column, DType, Dataset, HostBatch, LoaderState, NpyDataset, Shard, Shuffle, TokenDataset,
-    Windows,
+    Column, DType, Dataset, Documents, HostBatch, LoaderState, NpyDataset, Shard, Shuffle,
+    TokenDataset, Windows,
 };
 
 pyo3::create_exception!(
@@ -178,9 +178,31 @@ impl OpenDataset {
             Ok(Arc::new(ds))
         })
     }
+
+    /// Variable-length documents padded to `max_len`: a Megatron indexed dataset
+    /// (`path` is its prefix, or its `.idx` or `.bin`) or, with `offsets`, a 1-d token
+    /// `.npy` at `path` and the `n + 1` offsets into it.
+    #[staticmethod]
+    #[pyo3(signature = (path, max_len, pad, offsets))]
+    fn documents(
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        max_len: usize,
+        pad: i64,
+        offsets: Option<std::path::PathBuf>,
+    ) -> PyResult<OpenDataset> {
+        let data = path.display().to_string();
+        Self::opened(py, data, move || {
+            let ds = match offsets {
+                Some(o) => Documents::open_npy(&path, o, max_len, pad)?,
+                None => Documents::open_megatron(&path, max_len, pad)?,
+            };
+            Ok(Arc::new(ds))
+        })
+    }
 }
 
-/// A loader over `.npy` columns or a token file.
+/// A loader over `.npy` columns, a token file or documents.
 ///
 /// The Rust loader lives on the heap behind `loader` and is reached only through this
 /// pointer: an epoch (`stokehold::Epoch<'static>` in `slot`) borrows it mutably, so the

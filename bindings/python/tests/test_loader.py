@@ -348,6 +348,77 @@ def test_token_loader(tmp_path):
         stokehold.TokenLoader(raw, seq_len=100_000)
 
 
+
+FIXTURES = REPO / "tests" / "fixtures" / "npy"
+# The fixtures' documents (tests/fixtures/make_npy.py): token j of document i is 100 i + j.
+DOCS = [[100 * i + j for j in range(n)] for i, n in enumerate([5, 0, 12, 3, 40, 1])]
+
+
+def padded(doc, max_len, pad):
+    row = doc[:max_len]
+    return row + [pad] * (max_len - len(row)), len(row)
+
+
+def test_document_loader_reads_megatron_and_offsets_in_place():
+    mega = stokehold.DocumentLoader(FIXTURES / "megatron_u16", max_len=16, batch_size=4,
+                                    pad=7, shuffle="none")
+    assert mega.columns == {"tokens": (np.dtype(np.uint16), (16,)), "len": (np.dtype(np.int64), ())}
+    rows = [(list(t), int(n)) for b in mega.epoch(0) for t, n in zip(b["tokens"], b["len"])]
+    assert rows == [padded(d, 16, 7) for d in DOCS]
+    npy = stokehold.DocumentLoader(FIXTURES / "docs_tokens.npy", max_len=8, batch_size=4,
+                                   offsets=FIXTURES / "docs_offsets.npy", pad=-1, shuffle="none")
+    batch = next(npy.epoch(0))
+    assert batch["tokens"].dtype == np.int32 and batch["tokens"].shape == (4, 8)
+    rows = [(list(t), int(n)) for t, n in zip(batch["tokens"], batch["len"])]
+    assert rows == [padded(d, 8, -1) for d in DOCS[:4]]
+    with pytest.raises(stokehold.Error, match="megatron_bad_pointer.idx.*lies outside"):
+        stokehold.DocumentLoader(FIXTURES / "megatron_bad_pointer", max_len=16)
+    with pytest.raises(stokehold.Error, match="docs_bad_falling.npy.*offset 2 is 4"):
+        stokehold.DocumentLoader(FIXTURES / "docs_tokens.npy", max_len=16,
+                                 offsets=FIXTURES / "docs_bad_falling.npy")
+    with pytest.raises(stokehold.Error, match="pad -1 does not fit"):
+        stokehold.DocumentLoader(FIXTURES / "megatron_u16", max_len=16, pad=-1)
+
+
+def test_documents_shuffle_once_per_epoch_and_resume_exactly(tmp_path):
+    # A Megatron set written as Megatron-Core's IndexedDatasetBuilder writes one.
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(0, 50_000, size=n, dtype=np.uint16) for n in rng.integers(0, 300, 500)]
+    lengths = np.array([len(d) for d in docs], dtype=np.int32)
+    pointers = np.concatenate([[0], np.cumsum(lengths[:-1].astype(np.int64) * 2)])
+    with open(tmp_path / "set.bin", "wb") as f:
+        for d in docs:
+            f.write(d.tobytes())
+    with open(tmp_path / "set.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + np.uint64(1).tobytes() + np.uint8(8).tobytes())
+        f.write(np.uint64(len(docs)).tobytes() + np.uint64(len(docs) + 1).tobytes())
+        f.write(lengths.tobytes() + pointers.astype(np.int64).tobytes())
+        f.write(np.arange(len(docs) + 1, dtype=np.int64).tobytes())
+
+    def make():
+        return stokehold.DocumentLoader(tmp_path / "set", max_len=256, batch_size=32, seed=9,
+                                        workers=2)
+
+    loader = make()
+    seen = []
+    for b in loader.epoch(1):
+        for i, t, n in zip(b.indices, b["tokens"], b["len"]):
+            d = docs[int(i)][:256]
+            assert n == len(d)
+            np.testing.assert_array_equal(t[:n], d)
+            assert not t[n:].any()
+            seen.append(int(i))
+    assert sorted(seen) == list(range(len(docs)))
+    it = make().epoch(2)
+    first = [next(it).indices.copy() for _ in range(3)]
+    state = json.loads(json.dumps(it.state_dict()))
+    again = make()
+    again.load_state_dict(state)
+    rest = [b.indices.copy() for b in again.epoch(2)]
+    whole = [b.indices.copy() for b in make().epoch(2)]
+    np.testing.assert_array_equal(np.concatenate(first + rest), np.concatenate(whole))
+
+
 def test_the_report(cols):
     loader = stokehold.Loader(cols, batch_size=100, workers=2)
     report = stokehold.TrainReport(loader)

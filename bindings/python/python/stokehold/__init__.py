@@ -26,6 +26,7 @@ from ._stokehold import Error, __version__
 __all__ = [
     "Batch",
     "DeviceBatch",
+    "DocumentLoader",
     "Epoch",
     "EpochTimer",
     "Error",
@@ -305,6 +306,51 @@ class TokenLoader(Loader):
         direct_reads: bool = True,
     ):
         dataset = _stokehold._Dataset.tokens(str(path), seq_len, windows, seed, dtype)
+        self._build(
+            dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
+            rank, world_size, page_cache_budget, progress, device,
+            direct_reads=direct_reads,
+        )
+
+
+
+class DocumentLoader(Loader):
+    """A loader over variable-length documents (token sequences of any length), read in
+    place: a Megatron-LM / Megatron-Core indexed dataset (``path`` is its prefix, or its
+    ``.idx`` or ``.bin``; each sequence is a sample), or, with ``offsets``, a 1-d
+    integer ``.npy`` of tokens at ``path`` and a 1-d integer ``.npy`` of ``n + 1``
+    offsets into it (document ``i`` is ``tokens[offsets[i]:offsets[i + 1]]``).
+
+    Each batch has two columns: ``"tokens"``, shape ``(B, max_len)`` in the files' token
+    type, each row a document's first ``max_len`` tokens followed by ``pad``; and
+    ``"len"``, ``int64``, how many of them are the document's (at most ``max_len``:
+    longer documents are served cut). ``batch["len"].max()`` is the batch's longest
+    row, to trim the padding off before the model. The other options are
+    ``Loader``'s."""
+
+    def __init__(
+        self,
+        path: PathLike,
+        max_len: int,
+        batch_size: int = 32,
+        offsets: Optional[PathLike] = None,
+        pad: int = 0,
+        shuffle: str = "full",
+        seed: int = 0,
+        workers: Optional[int] = None,
+        drop_last: bool = False,
+        prefetch: Optional[int] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        page_cache_budget: Optional[int] = None,
+        held: Optional[int] = None,
+        progress: Optional[bool] = None,
+        device: Optional[str] = None,
+        direct_reads: bool = True,
+    ):
+        dataset = _stokehold._Dataset.documents(
+            str(path), max_len, pad, None if offsets is None else str(offsets)
+        )
         self._build(
             dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
             rank, world_size, page_cache_budget, progress, device,
