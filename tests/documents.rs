@@ -303,3 +303,129 @@ fn shuffled_and_streamed_epochs_serve_each_document_once_and_whole() {
         }
     }
 }
+
+/// The share of a batch's tokens that is padding once the batch is cut to its longest
+/// row (what a model pays), over an epoch.
+fn padding(loader: &mut Loader, epoch: u64) -> f64 {
+    let (mut pad, mut total) = (0i64, 0i64);
+    for batch in loader.epoch(epoch).unwrap() {
+        let lens = batch.unwrap().column_named::<i64>("len").unwrap().to_vec();
+        let width = lens.iter().copied().max().unwrap_or(0);
+        pad += lens.iter().map(|&l| width - l).sum::<i64>();
+        total += width * lens.len() as i64;
+    }
+    pad as f64 / total.max(1) as f64
+}
+
+#[test]
+fn a_grouped_shuffle_batches_similar_lengths_and_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let (prefix, docs) = write_megatron(dir.path(), 1500);
+    let open = || Documents::open_megatron(&prefix, 2048, 0).unwrap();
+    let build = |shuffle, shard: stokehold::Shard| {
+        Loader::builder(open())
+            .batch_size(32)
+            .shard(shard)
+            .shuffle(shuffle)
+            .build()
+            .unwrap()
+    };
+    let single = stokehold::Shard::single();
+    let grouped = Shuffle::Grouped {
+        seed: 5,
+        group: 320,
+    };
+    let mut full = build(Shuffle::Full { seed: 5 }, single);
+    let mut by_length = build(grouped, single);
+    let (f, g) = (padding(&mut full, 0), padding(&mut by_length, 0));
+    println!("padding: full shuffle {f:.3}, grouped {g:.3}");
+    assert!(g < f / 4.0, "grouped {g} against full {f}");
+    // Each document once per epoch, epochs differ.
+    let ids = |loader: &mut Loader, epoch| -> Vec<u64> {
+        let it = loader.epoch(epoch).unwrap();
+        it.flat_map(|b| b.unwrap().indices().to_vec()).collect()
+    };
+    let (a, b) = (ids(&mut by_length, 1), ids(&mut by_length, 2));
+    assert_ne!(a, b);
+    let mut sorted = a.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, (0..docs.len() as u64).collect::<Vec<_>>());
+    // An exact resume.
+    let state = {
+        let mut it = by_length.epoch(3).unwrap();
+        it.nth(7).unwrap().unwrap();
+        it.state()
+    };
+    let mut resumed = Loader::builder(open())
+        .batch_size(32)
+        .shuffle(grouped)
+        .resume(state)
+        .build()
+        .unwrap();
+    let rest = ids(&mut resumed, 3);
+    assert_eq!(rest, ids(&mut by_length, 3)[8 * 32..]);
+    // An elastic one: two ranks take 5 batches each, three ranks take the rest.
+    let shard = |rank, world| stokehold::Shard::new(rank, world).unwrap();
+    let mut taken = Vec::new();
+    let mut saved = None;
+    for rank in 0..2 {
+        let mut loader = build(grouped, shard(rank, 2));
+        let mut it = loader.epoch(4).unwrap();
+        for _ in 0..5 {
+            taken.extend_from_slice(it.next().unwrap().unwrap().indices());
+        }
+        saved = Some(it.state());
+    }
+    for rank in 0..3 {
+        let mut loader = Loader::builder(open())
+            .batch_size(32)
+            .shard(shard(rank, 3))
+            .shuffle(grouped)
+            .resume_elastic(saved.unwrap())
+            .build()
+            .unwrap();
+        taken.extend(ids(&mut loader, 4));
+    }
+    let unique: HashSet<u64> = taken.iter().copied().collect();
+    assert_eq!(unique.len(), docs.len(), "each document taken, none lost");
+    // Fixed-size samples have no lengths to group by.
+    let digits = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
+    let npy = stokehold::NpyDataset::open(digits).unwrap();
+    let err = Loader::builder(npy).shuffle(grouped).build().err().unwrap();
+    assert!(err.to_string().contains("has none"), "{err}");
+}
+
+#[test]
+fn example_09_cuts_the_padding_by_grouping() {
+    let example = Path::new(&std::env::current_exe().unwrap())
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .join("examples/09_documents");
+    if !example.exists() {
+        // `cargo test` builds the examples; `cargo test --test documents` alone does not.
+        println!("skipping: {} is not built", example.display());
+        return;
+    }
+    let out = std::process::Command::new(&example).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let share = |name: &str| -> f64 {
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with(name))
+            .unwrap();
+        let pct = line
+            .rsplit(", ")
+            .next()
+            .unwrap()
+            .trim_end_matches("% padding");
+        pct.parse().unwrap_or_else(|_| panic!("{line}"))
+    };
+    let (full, grouped) = (share("full shuffle:"), share("grouped:"));
+    assert!(grouped < full / 2.0, "{text}");
+}

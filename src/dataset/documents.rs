@@ -515,6 +515,21 @@ impl Dataset for Documents {
         vec![self.stored.tokens.mapped(), self.stored.index.mapped()]
     }
 
+    /// Each document's length as served: its tokens, at most `max_len`.
+    fn lengths(&self) -> Result<Option<Vec<u32>>> {
+        let (layout, width) = (self.stored.layout, self.stored.dtype.size());
+        let cap = self.max_len.min(u32::MAX as usize) as u64;
+        let found = self.stored.index.read(|m| {
+            (0..self.stored.docs as usize)
+                .map(|i| layout.extent(m, i, width).map(|(_, n)| n.min(cap) as u32))
+                .collect::<Option<Vec<u32>>>()
+        })?;
+        let found = found.ok_or_else(|| {
+            Error::dataset(&self.stored.index.path, "changed since it was checked")
+        })?;
+        Ok(Some(found))
+    }
+
     /// The document's bytes in the token file (its first `max_len` tokens). The index
     /// is left out: at 12 bytes or less a document it is small, and once read it stays
     /// in the page cache (the planner drops only the rows it planned).

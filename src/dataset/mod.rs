@@ -138,6 +138,16 @@ pub trait Dataset: Send + Sync + 'static {
         Vec::new()
     }
 
+    /// Each sample's length (tokens, say), for a length-grouped shuffle
+    /// ([`Shuffle::Grouped`](crate::Shuffle::Grouped)); `None`, the default, for samples
+    /// that all have the same size.
+    ///
+    /// # Errors
+    /// Whatever reading them from the dataset's storage reports.
+    fn lengths(&self) -> Result<Option<Vec<u32>>> {
+        Ok(None)
+    }
+
     /// Where sample `index` of `epoch` lives: calls `each(file, offset, len)` for every
     /// byte range of [`files`](Dataset::files)`()[file]` that its gather reads. The
     /// loader plans its storage reads from this (see
@@ -245,6 +255,9 @@ impl<D: Dataset + ?Sized> Dataset for std::sync::Arc<D> {
     }
     fn files(&self) -> Vec<MappedFile<'_>> {
         (**self).files()
+    }
+    fn lengths(&self) -> Result<Option<Vec<u32>>> {
+        (**self).lengths()
     }
     fn locate(&self, epoch: u64, index: u64, each: &mut dyn FnMut(usize, usize, usize)) {
         (**self).locate(epoch, index, each)

@@ -86,6 +86,21 @@ impl Dataset for Subset {
         self.inner.files()
     }
 
+    fn lengths(&self) -> Result<Option<Vec<u32>>> {
+        let (start, len) = (self.start as usize, self.len as usize);
+        match self.inner.lengths()? {
+            None => Ok(None),
+            Some(l) => match l.get(start..start + len) {
+                Some(part) => Ok(Some(part.to_vec())),
+                None => Err(Error::Config(format!(
+                    "the dataset gave {} lengths for {} samples",
+                    l.len(),
+                    self.inner.len()
+                ))),
+            },
+        }
+    }
+
     fn locate(&self, epoch: u64, index: u64, each: &mut dyn FnMut(usize, usize, usize)) {
         if index < self.len {
             self.inner.locate(epoch, index + self.start, each);

@@ -181,7 +181,7 @@ impl TokenDataset {
     /// Opens a 1-d `.npy` array of integer tokens.
     ///
     /// # Errors
-    /// Anything [`NpyArray::open`] returns; [`Error::Dataset`] if the array is not 1-d
+    /// Anything [`NpyArray::open`](super::NpyArray::open) returns; [`Error::Dataset`] if the array is not 1-d
     /// integers or is too short for one window.
     pub fn open_npy(
         path: impl AsRef<Path>,

@@ -165,6 +165,8 @@ impl LoaderBuilder {
     }
 
     /// The order of samples (default [`Shuffle::Full`] with seed 0).
+    /// [`Shuffle::Grouped`] needs a dataset with [`Dataset::lengths`]: building fails
+    /// with [`Error::Config`] otherwise.
     pub fn shuffle(mut self, shuffle: Shuffle) -> Self {
         self.shuffle = shuffle;
         self
@@ -322,15 +324,31 @@ impl LoaderBuilder {
                     window,
                 }
             }
+            Shuffle::Grouped { seed, group: 0 } => Shuffle::Grouped {
+                seed,
+                group: (self.batch_size as u64)
+                    .saturating_mul(self.shard.world_size())
+                    .saturating_mul(64),
+            },
             other => other,
         };
-        let order = Order::new(
-            self.dataset.len(),
-            shuffle,
-            self.shard,
-            self.batch_size as u64,
-            self.drop_last,
-        )?;
+        let (bs, drop_last) = (self.batch_size as u64, self.drop_last);
+        let order = match shuffle {
+            Shuffle::Grouped { .. } => match self.dataset.lengths()? {
+                Some(lengths) => {
+                    if lengths.len() as u64 != self.dataset.len() {
+                        return Err(Error::Config(format!(
+                            "the dataset gave {} lengths for {} samples",
+                            lengths.len(),
+                            self.dataset.len()
+                        )));
+                    }
+                    Order::with_lengths(lengths.into(), shuffle, self.shard, bs, drop_last)?
+                }
+                None => Order::new(self.dataset.len(), shuffle, self.shard, bs, drop_last)?,
+            },
+            _ => Order::new(self.dataset.len(), shuffle, self.shard, bs, drop_last)?,
+        };
         let resume = match self.resume {
             Some((r, how)) => Some(check_resume(&order, r, how)?),
             None => None,
@@ -383,6 +401,7 @@ impl LoaderBuilder {
             pool_alloc: pool.alloc_time(),
             threads: threads_start.elapsed(),
         };
+        let state = resume.unwrap_or_else(|| LoaderState::at(&order, 0, 0, 0));
         Ok(Loader {
             dataset: self.dataset,
             order,
@@ -390,7 +409,7 @@ impl LoaderBuilder {
             pool,
             workers,
             prefetch,
-            state: resume.unwrap_or(LoaderState::at(&order, 0, 0, 0)),
+            state,
             resume,
             startup,
             last: None,

@@ -156,7 +156,7 @@ const SAMPLE: (u64, usize) = (64, 1 << 14);
 /// sectors), rather than in runs of the pages around them (extents, or the page cache).
 /// Judged on the next [`SAMPLE`] batches: their rows' pages, merged where at most
 /// [`GAP`] apart, make runs shorter than 32 pages on average, or runs more than twice
-/// the pages the rows need. A full shuffle always is; a block shuffle's windows, or
+/// the pages the rows need. A full (or grouped) shuffle always is; a block shuffle's windows, or
 /// file order, are not; random token windows in file order are. A block shuffle with
 /// about one row per block in each batch (default 1 MiB blocks, window 16, batches of
 /// about 16 rows or fewer) is too: its planned runs would come a row at a time anyway.
@@ -166,7 +166,10 @@ pub(crate) fn scattered(
     first: u64,
     streamed: &[bool],
 ) -> bool {
-    if matches!(order.shuffle(), Shuffle::Full { .. }) {
+    if matches!(
+        order.shuffle(),
+        Shuffle::Full { .. } | Shuffle::Grouped { .. }
+    ) {
         return true;
     }
     let page = page_size();

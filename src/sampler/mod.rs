@@ -7,6 +7,10 @@
 //! [`Order`] turns a dataset length, a [`Shuffle`], a [`Shard`] and a batch size into
 //! [`EpochOrder`]s, which compute the sample at any position directly (no table): a
 //! loader resumed at batch `k` computes batch `k` without replaying the ones before.
+//! The one exception is [`Shuffle::Grouped`], whose epochs sort runs of their
+//! positions by length: each epoch computes its order once, a table of 8 bytes a sample.
+
+use std::sync::Arc;
 
 mod permutation;
 mod shard;
@@ -44,14 +48,28 @@ pub enum Shuffle {
         /// Blocks whose rows are mixed together.
         window: u64,
     },
+    /// Length-grouped, for variable-length samples ([`Documents`](crate::Documents)): a
+    /// full shuffle, then each run of `group` consecutive positions sorted by the
+    /// samples' lengths, longest first (ties keep their shuffled order). The samples of
+    /// a training step, consecutive positions whichever ranks take them, then have
+    /// similar lengths, so little of a batch is padding. Needs the samples' lengths
+    /// ([`Dataset::lengths`](crate::Dataset::lengths)).
+    Grouped {
+        /// The seed.
+        seed: u64,
+        /// Positions sorted together; `0` lets the loader pick 64 training steps
+        /// (`64 * batch_size * world_size`). Give it to resume elastically on another
+        /// world size or batch size (it is part of the global order).
+        group: u64,
+    },
 }
 
 impl Shuffle {
     /// The orders [`named`](Shuffle::named) knows.
-    pub const NAMES: [&'static str; 3] = ["full", "block", "none"];
+    pub const NAMES: [&'static str; 4] = ["full", "block", "grouped", "none"];
 
-    /// The order called `name` (`full`, `block` with the default block size, `none`)
-    /// under `seed`.
+    /// The order called `name` (`full`, `block` with the default block size, `grouped`
+    /// with the default group, `none`) under `seed`.
     ///
     /// # Errors
     /// [`Error::Config`] for any other name.
@@ -59,9 +77,10 @@ impl Shuffle {
         match name {
             "full" => Ok(Shuffle::Full { seed }),
             "block" => Ok(Shuffle::block(seed)),
+            "grouped" => Ok(Shuffle::Grouped { seed, group: 0 }),
             "none" => Ok(Shuffle::None),
             _ => Err(Error::Config(format!(
-                "shuffle {name:?}: expected full, block or none"
+                "shuffle {name:?}: expected full, block, grouped or none"
             ))),
         }
     }
@@ -84,14 +103,42 @@ fn fold(parts: impl IntoIterator<Item = u64>) -> u64 {
     }) | 1
 }
 
+/// The samples' lengths a [`Shuffle::Grouped`] order sorts by, with their fingerprint.
+#[derive(Clone)]
+struct Lengths {
+    of: Arc<[u32]>,
+    fingerprint: u64,
+}
+
+impl PartialEq for Lengths {
+    fn eq(&self, other: &Lengths) -> bool {
+        self.of.len() == other.of.len() && self.fingerprint == other.fingerprint
+    }
+}
+
+impl Eq for Lengths {}
+
+impl std::fmt::Debug for Lengths {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Lengths({} samples, {:#x})",
+            self.of.len(),
+            self.fingerprint
+        )
+    }
+}
+
 /// The per-rank batching of epochs of a dataset.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Order {
     len: u64,
     shuffle: Shuffle,
     shard: Shard,
     batch_size: u64,
     drop_last: bool,
+    /// The samples' lengths, for a grouped shuffle.
+    lengths: Option<Lengths>,
 }
 
 impl Order {
@@ -99,7 +146,8 @@ impl Order {
     ///
     /// # Errors
     /// [`Error::Config`] for `len == 0`, `batch_size == 0`, a block shuffle with zero
-    /// rows per block or a zero window, or a shard that leaves this rank no batch.
+    /// rows per block or a zero window, a grouped shuffle (it needs the lengths:
+    /// [`Order::with_lengths`]), or a shard that leaves this rank no batch.
     pub fn new(
         len: u64,
         shuffle: Shuffle,
@@ -107,6 +155,13 @@ impl Order {
         batch_size: u64,
         drop_last: bool,
     ) -> Result<Order> {
+        if let Shuffle::Grouped { .. } = shuffle {
+            return Err(Error::Config(
+                "a grouped shuffle sorts by the samples' lengths: this dataset has none \
+                 (variable-length documents have)"
+                    .into(),
+            ));
+        }
         if len == 0 {
             return Err(Error::Config("the dataset is empty".into()));
         }
@@ -129,6 +184,7 @@ impl Order {
             shard,
             batch_size,
             drop_last,
+            lengths: None,
         };
         if order.batches() == 0 {
             return Err(Error::Config(format!(
@@ -139,6 +195,38 @@ impl Order {
                 if drop_last { "full" } else { "single" },
             )));
         }
+        Ok(order)
+    }
+
+    /// The order of a dataset whose samples have `lengths` (in tokens, say), which a
+    /// [`Shuffle::Grouped`] sorts by; any other shuffle ignores them.
+    ///
+    /// # Errors
+    /// As [`Order::new`], and for a grouped shuffle with `group == 0`.
+    pub fn with_lengths(
+        lengths: Arc<[u32]>,
+        shuffle: Shuffle,
+        shard: Shard,
+        batch_size: u64,
+        drop_last: bool,
+    ) -> Result<Order> {
+        let len = lengths.len() as u64;
+        let mut order = match shuffle {
+            Shuffle::Grouped { group: 0, .. } => {
+                return Err(Error::Config("a grouped shuffle needs group >= 1".into()))
+            }
+            // The batches do not depend on the shuffle.
+            Shuffle::Grouped { .. } => {
+                Order::new(len, Shuffle::None, shard, batch_size, drop_last)?
+            }
+            other => Order::new(len, other, shard, batch_size, drop_last)?,
+        };
+        let fingerprint = fold(lengths.iter().map(|&l| u64::from(l)));
+        order.shuffle = shuffle;
+        order.lengths = Some(Lengths {
+            of: lengths,
+            fingerprint,
+        });
         Ok(order)
     }
 
@@ -176,6 +264,10 @@ impl Order {
                 block_rows,
                 window,
             } => (3, seed, block_rows, window),
+            Shuffle::Grouped { seed, group } => {
+                let lengths = self.lengths.as_ref().map_or(0, |l| l.fingerprint);
+                (4, seed, group, lengths)
+            }
         };
         [self.len, kind, seed, rows, window]
     }
@@ -250,9 +342,15 @@ impl Order {
                 window,
                 epoch_key(seed, epoch),
             )),
+            Shuffle::Grouped { seed, group } => Kind::Grouped(Arc::new(Lazy {
+                lengths: self.lengths.clone().expect("made with lengths"),
+                group,
+                key: epoch_key(seed, epoch),
+                order: std::sync::OnceLock::new(),
+            })),
         };
         EpochOrder {
-            order: *self,
+            order: self.clone(),
             epoch,
             kind,
             start: start.min(self.len),
@@ -275,6 +373,39 @@ enum Kind {
     Sequential,
     Full(Permutation),
     Block(BlockOrder),
+    /// The epoch's whole global order, computed on first use (an epoch order made only
+    /// for its counts, such as a [`LoaderState`](crate::LoaderState)'s, never sorts).
+    Grouped(Arc<Lazy>),
+}
+
+/// A grouped epoch's global order, and what it is computed from.
+#[derive(Debug)]
+struct Lazy {
+    lengths: Lengths,
+    group: u64,
+    key: u64,
+    order: std::sync::OnceLock<Box<[u64]>>,
+}
+
+impl Lazy {
+    fn get(&self) -> &[u64] {
+        self.order
+            .get_or_init(|| grouped(&self.lengths.of, self.group, self.key))
+    }
+}
+
+/// The global order of a grouped epoch: the permutation of `key`, each run of `group`
+/// positions then sorted by length, longest first (a stable sort: ties keep their
+/// shuffled order).
+fn grouped(lengths: &[u32], group: u64, key: u64) -> Box<[u64]> {
+    let n = lengths.len() as u64;
+    let mut order: Vec<u64> = (0..n).collect();
+    Permutation::new(n, key).apply_in_place(&mut order);
+    let group = usize::try_from(group).unwrap_or(usize::MAX);
+    for run in order.chunks_mut(group) {
+        run.sort_by_key(|&s| std::cmp::Reverse(lengths[s as usize]));
+    }
+    order.into()
 }
 
 impl EpochOrder {
@@ -302,6 +433,7 @@ impl EpochOrder {
             Kind::Sequential => position,
             Kind::Full(p) => p.apply(position),
             Kind::Block(b) => b.index(position),
+            Kind::Grouped(t) => t.get()[position as usize],
         }
     }
 
@@ -394,6 +526,10 @@ impl EpochOrder {
             Kind::Sequential => {}
             Kind::Full(p) => p.apply_in_place(out),
             Kind::Block(o) => out.iter_mut().for_each(|x| *x = o.index(*x)),
+            Kind::Grouped(t) => {
+                let t = t.get();
+                out.iter_mut().for_each(|x| *x = t[*x as usize]);
+            }
         }
     }
 }
@@ -484,6 +620,55 @@ mod tests {
     fn is_permutation(mut v: Vec<u64>, n: u64) -> bool {
         v.sort_unstable();
         v == (0..n).collect::<Vec<_>>()
+    }
+
+    #[test]
+    fn grouped_epochs_are_shuffles_sorted_by_length_within_each_group() {
+        let lengths: Arc<[u32]> = (0..1000u64).map(|i| (mix(i) % 500) as u32).collect();
+        let grouped = |seed, group| {
+            let s = Shuffle::Grouped { seed, group };
+            Order::with_lengths(Arc::clone(&lengths), s, Shard::single(), 10, false).unwrap()
+        };
+        let o = grouped(1, 100);
+        let (e0, e1) = (all(&o, 0), all(&o, 1));
+        assert!(is_permutation(e0.clone(), 1000) && is_permutation(e1.clone(), 1000));
+        assert_ne!(e0, e1, "epochs differ");
+        assert_eq!(
+            e0,
+            all(&grouped(1, 100), 0),
+            "a pure function of seed and epoch"
+        );
+        for run in e0.chunks(100) {
+            let l: Vec<u32> = run.iter().map(|&s| lengths[s as usize]).collect();
+            assert!(l.windows(2).all(|w| w[0] >= w[1]), "sorted within a group");
+        }
+        // Each run is the same set of samples as the full shuffle's run of that epoch.
+        let full = Order::new(1000, Shuffle::Full { seed: 1 }, Shard::single(), 10, false);
+        let f0 = all(&full.unwrap(), 0);
+        for (g, f) in e0.chunks(100).zip(f0.chunks(100)) {
+            let (mut g, mut f) = (g.to_vec(), f.to_vec());
+            g.sort_unstable();
+            f.sort_unstable();
+            assert_eq!(g, f);
+        }
+        // Positions computed one by one agree with batches.
+        let e = o.epoch(0);
+        assert!((0..1000).all(|p| e.global(p) == e0[p as usize]));
+        // The group, the seed and the lengths are part of the global order.
+        let fp = |o: &Order| o.global_fingerprint();
+        assert_ne!(fp(&grouped(1, 100)), fp(&grouped(1, 50)));
+        assert_ne!(fp(&grouped(1, 100)), fp(&grouped(2, 100)));
+        let other: Arc<[u32]> = lengths.iter().map(|&l| l + 1).collect();
+        let s = Shuffle::Grouped {
+            seed: 1,
+            group: 100,
+        };
+        let o2 = Order::with_lengths(other, s, Shard::single(), 10, false).unwrap();
+        assert_ne!(fp(&grouped(1, 100)), fp(&o2));
+        // Without lengths, or with a zero group, there is no grouped order.
+        assert!(Order::new(1000, s, Shard::single(), 10, false).is_err());
+        let zero = Shuffle::Grouped { seed: 1, group: 0 };
+        assert!(Order::with_lengths(lengths, zero, Shard::single(), 10, false).is_err());
     }
 
     #[test]

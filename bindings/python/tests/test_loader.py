@@ -418,6 +418,24 @@ def test_documents_shuffle_once_per_epoch_and_resume_exactly(tmp_path):
     whole = [b.indices.copy() for b in make().epoch(2)]
     np.testing.assert_array_equal(np.concatenate(first + rest), np.concatenate(whole))
 
+    # Grouped by length: each document once, and far less padding once each batch is
+    # cut to its longest row.
+    def padding(shuffle):
+        loader = stokehold.DocumentLoader(tmp_path / "set", max_len=256, batch_size=16,
+                                          shuffle=shuffle, seed=1)
+        seen, pad, total = [], 0, 0
+        for b in loader.epoch(0):
+            seen.extend(int(i) for i in b.indices)
+            n = b["len"]
+            pad += int((n.max() - n).sum())
+            total += int(n.max()) * len(n)
+        assert sorted(seen) == list(range(len(docs)))
+        return pad / total
+
+    assert padding("grouped") < padding("full") / 3
+    with pytest.raises(stokehold.Error, match="grouped shuffle"):
+        stokehold.Loader(FIXTURES / "dir", shuffle="grouped")
+
 
 def test_the_report(cols):
     loader = stokehold.Loader(cols, batch_size=100, workers=2)

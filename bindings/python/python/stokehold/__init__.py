@@ -177,7 +177,8 @@ class Loader:
 
     ``path`` is a directory (every ``.npy`` in it becomes a column named by its stem,
     ``x`` and ``y`` first), or give ``columns``, a list of ``.npy`` paths.
-    ``shuffle`` is ``"full"``, ``"block"`` or ``"none"``. ``rank``/``world_size``
+    ``shuffle`` is ``"full"``, ``"block"`` or ``"none"`` (``"grouped"``, by length, is
+    for ``DocumentLoader``). ``rank``/``world_size``
     default from torchrun, Slurm or Open MPI variables. ``held`` is how many batches
     the loop may keep alive at once beyond the prefetched ones (default 2): a loop that
     keeps more (a list, a queue) needs a larger ``held``, or the loader reports that
@@ -326,7 +327,9 @@ class DocumentLoader(Loader):
     ``"len"``, ``int64``, how many of them are the document's (at most ``max_len``:
     longer documents are served cut). ``batch["len"].max()`` is the batch's longest
     row, to trim the padding off before the model. The other options are
-    ``Loader``'s."""
+    ``Loader``'s; ``shuffle="grouped"`` sorts runs of the shuffled order by length (64
+    training steps' worth), so each step's batches hold documents of similar lengths and
+    little padding."""
 
     def __init__(
         self,
