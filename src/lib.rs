@@ -25,9 +25,10 @@
 //! ```
 //!
 //! The order of every epoch is a pure function of `(seed, epoch, rank, world_size)`
-//! (block shuffle's default block, about 1 MiB of rows, adds the row width in bytes):
-//! never of the worker count or timing. See [`sampler`] for the permutations and
-//! [`Loader`] for buffers, prefetch, resumption and failure handling.
+//! (block shuffle's default block, about 1 MiB of rows, adds the row width in bytes; a
+//! grouped shuffle adds the samples' lengths): never of the worker count or timing.
+//! See [`sampler`] for the permutations and [`Loader`] for buffers, prefetch,
+//! resumption and failure handling.
 
 #![warn(missing_docs)]
 

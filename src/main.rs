@@ -30,9 +30,10 @@ enum Command {
     Train(TrainArgs),
     /// Write a learnable classification set (x.npy u8, y.npy i64), or a token stream.
     Gen(GenArgs),
-    /// Print each .npy file's shape, dtype, rows, bytes and page-cache residency.
+    /// Print each .npy file's (or Megatron .idx dataset's) shape, dtype, rows, bytes and
+    /// page-cache residency.
     Inspect {
-        /// .npy files or directories of them.
+        /// .npy or Megatron .idx files, or directories of them.
         #[arg(required = true)]
         paths: Vec<PathBuf>,
     },
@@ -48,8 +49,8 @@ struct TrainArgs {
     /// Epochs.
     #[arg(long, default_value_t = 5)]
     epochs: u64,
-    /// Sample order.
-    #[arg(long, default_value = "full", value_parser = Shuffle::NAMES)]
+    /// Sample order (`grouped`, by length, is for documents, which `train` does not read).
+    #[arg(long, default_value = "full", value_parser = ["full", "block", "none"])]
     shuffle: String,
     /// Seed of the order and the weights.
     #[arg(long, default_value_t = 0)]

@@ -38,6 +38,22 @@ fn inspect_prints_good_files_and_fails_on_bad_ones() {
     // The good file is still listed.
     assert!(String::from_utf8_lossy(&out.stdout).contains("float32"));
 
+    // A Megatron indexed dataset, named by its index: 6 documents, the longest 40 tokens.
+    let out = stokehold(&["inspect", &fixture("megatron_u16.idx")]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("(6, <=40)") && text.contains("uint16"),
+        "{text}"
+    );
+    let out = stokehold(&["inspect", &fixture("megatron_bad_pointer.idx")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        err.contains("megatron_bad_pointer.idx") && err.contains("lies outside"),
+        "{err}"
+    );
+
     let out = stokehold(&["inspect", "/no/such/file.npy"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("/no/such/file.npy"));

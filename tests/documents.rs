@@ -78,6 +78,25 @@ fn a_megatron_dataset_is_read_in_place_padded_and_cut() {
     }
 }
 
+fn u32_tokens(b: &stokehold::HostBatch) -> Vec<i64> {
+    let t = b.column_named::<u32>("tokens").unwrap();
+    t.iter().map(|&x| i64::from(x)).collect()
+}
+
+#[test]
+fn a_fairseq_dataset_is_told_apart_by_its_length() {
+    let ds = Documents::open_megatron(fx("fairseq_u32"), 16, 9).unwrap();
+    assert_eq!((ds.len(), ds.dtype()), (6, stokehold::DType::U32));
+    let want: Vec<_> = docs()
+        .iter()
+        .map(|d| {
+            let d: Vec<i64> = d.iter().map(|t| t * 100_000).collect();
+            expected(&d, 16, 9)
+        })
+        .collect();
+    assert_eq!(rows(ds, u32_tokens), want);
+}
+
 #[test]
 fn int32_megatron_tokens_and_npy_offsets_give_the_same_rows() {
     // Sequences are the samples, whatever the document indices group.
@@ -110,12 +129,12 @@ fn refused(err: Error, file: &str, problem: &str) {
 #[test]
 fn bad_megatron_indexes_are_errors_naming_the_file() {
     for (name, problem) in [
-        ("megatron_bad_magic", "not a Megatron index"),
+        ("megatron_bad_magic", "not a Megatron or fairseq index"),
         ("megatron_bad_version", "version 2"),
         ("megatron_bad_float", "token type code 7"),
         (
             "megatron_bad_cut",
-            "60 bytes, but its header counts 6 sequences",
+            "60 bytes, which fits neither layout for its header's 6 sequences",
         ),
         (
             "megatron_bad_pointer",

@@ -570,13 +570,19 @@ fn an_epoch_served_elsewhere_moves_the_state_past_it() {
     };
     loader.resume(part).unwrap();
     for e in [4, 5] {
+        assert!(loader.can_serve(e).is_err());
         let err = loader.served(e).unwrap_err();
         assert!(err.to_string().contains("resumes epoch 5"), "{err}");
     }
     assert_eq!(loader.state(), part, "a refused call changed the state");
     assert_eq!(loader.epoch(5).unwrap().len(), 9);
     // A leaked epoch is refused here as by `epoch`.
+    assert!(loader.can_serve(6).is_ok());
     std::mem::forget(loader.epoch(6).unwrap());
+    assert!(matches!(
+        loader.can_serve(7),
+        Err(Error::EpochLeaked { .. })
+    ));
     assert!(matches!(loader.served(6), Err(Error::EpochLeaked { .. })));
 }
 

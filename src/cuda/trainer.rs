@@ -293,8 +293,10 @@ impl Trainer for CudaTrainer {
     fn train(&mut self, from: &mut Loader, epoch: u64, progress: Progress) -> Result<EpochOutcome> {
         // A resumed epoch goes through the loader: the cache would replay all of it.
         if self.cache_filled() && !from.resumes(epoch) {
+            // Refused before any step, as the loader would refuse the epoch; once done,
+            // the loader's state moves past it, as if it had served it.
+            from.can_serve(epoch)?;
             let out = self.train_epoch_cached(&from.order().epoch(epoch), progress)?;
-            // The loader's state moves past the epoch, as if it had served it.
             from.served(epoch)?;
             Ok(out)
         } else {

@@ -10,16 +10,18 @@ use super::guard::Watched;
 use super::{check_out, Column, DType, Dataset, MappedFile, NpyArray};
 use crate::error::{Error, Result};
 
-/// The first bytes of a Megatron-LM / Megatron-Core (and fairseq `MMapIndexedDataset`)
+/// The first bytes of a Megatron-LM / Megatron-Core and a fairseq `MMapIndexedDataset`
 /// index file.
 const MEGATRON_MAGIC: &[u8; 9] = b"MMIDIDX\x00\x00";
 /// Magic, version (`<Q`), dtype code (`<B`), sequence count (`<Q`), document count
-/// (`<Q`): the arrays start after these.
+/// (`<Q`): Megatron's arrays start after these.
 const MEGATRON_HEADER: usize = 9 + 8 + 1 + 8 + 8;
+/// fairseq's header has no document count (nor document indices after the arrays).
+const FAIRSEQ_HEADER: usize = 9 + 8 + 1 + 8;
 
-/// The token types of Megatron's dtype codes (Megatron-Core `DType`: 1 uint8, 2 int8,
-/// 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16; fairseq's codes agree on
-/// the integers).
+/// The token types of the index files' dtype codes (Megatron-Core `DType`: 1 uint8,
+/// 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16; fairseq's agree on
+/// the integers and add 9 uint32, 10 uint64, which it picks for large vocabularies).
 fn megatron_dtype(code: u8) -> Option<DType> {
     Some(match code {
         1 => DType::U8,
@@ -28,6 +30,8 @@ fn megatron_dtype(code: u8) -> Option<DType> {
         4 => DType::I32,
         5 => DType::I64,
         8 => DType::U16,
+        9 => DType::U32,
+        10 => DType::U64,
         _ => return None,
     })
 }
@@ -129,8 +133,9 @@ struct Scan {
 ///
 /// Two layouts open in place:
 /// - Megatron-LM / Megatron-Core indexed datasets (`prefix.bin` + `prefix.idx`, as
-///   `tools/preprocess_data.py` writes them; fairseq's `mmap` datasets are the same
-///   format): each of its sequences is a sample.
+///   `tools/preprocess_data.py` writes them), and fairseq's `mmap` datasets (the same
+///   format without document indices, and with `uint32`/`uint64` tokens too): each of
+///   their sequences is a sample.
 /// - A 1-d integer `.npy` of tokens with a 1-d integer `.npy` of `n + 1` offsets into it
 ///   (`np.cumsum` of the lengths with a leading 0, the layout of Arrow's list columns).
 ///
@@ -159,8 +164,9 @@ struct Stored {
 }
 
 impl Documents {
-    /// Opens a Megatron indexed dataset: `prefix.idx` and `prefix.bin` (a `prefix`
-    /// ending in `.idx` or `.bin` names the pair too). Its sequences are the samples.
+    /// Opens a Megatron (or fairseq `mmap`) indexed dataset: `prefix.idx` and
+    /// `prefix.bin` (a `prefix` ending in `.idx` or `.bin` names the pair too). Its
+    /// sequences are the samples. Which of the two an index is follows from its length.
     ///
     /// # Errors
     /// [`Error::Io`] for a file that cannot be read; [`Error::Dataset`] naming the index
@@ -181,47 +187,54 @@ impl Documents {
         let index = Mapped::open(&with(".idx"))?;
         let tokens = Mapped::open(&with(".bin"))?;
         let bad = |problem: String| Error::dataset(&index.path, problem);
-        let head = index.read(|m| m.get(..MEGATRON_HEADER).map(<[u8]>::to_vec))?;
-        let Some(head) = head else {
+        let len = index.watched.len();
+        let head = index.read(|m| m[..m.len().min(MEGATRON_HEADER)].to_vec())?;
+        if head.len() < FAIRSEQ_HEADER {
             return Err(bad(format!(
-                "{} bytes, shorter than a Megatron index header ({MEGATRON_HEADER} bytes)",
-                index.watched.len()
+                "{len} bytes, shorter than an index header ({FAIRSEQ_HEADER} bytes for \
+                 fairseq, {MEGATRON_HEADER} for Megatron)"
             )));
-        };
+        }
         if &head[..9] != MEGATRON_MAGIC {
             return Err(bad(
-                "not a Megatron index: it does not start with MMIDIDX\\0\\0".into(),
+                "not a Megatron or fairseq index: it does not start with MMIDIDX\\0\\0".into(),
             ));
         }
-        let word = |at: usize| u64::from_le_bytes(le(&head, at).expect("within the header"));
-        let version = word(9);
+        let word = |at: usize| le(&head, at).map(u64::from_le_bytes);
+        let version = word(9).expect("within the header");
         if version != 1 {
             return Err(bad(format!(
-                "Megatron index version {version}: stokehold reads version 1"
+                "index version {version}: stokehold reads version 1"
             )));
         }
         let code = head[17];
         let Some(dtype) = megatron_dtype(code) else {
             return Err(bad(format!(
-                "token type code {code}: tokens are integers (codes 1 to 5 and 8)"
+                "token type code {code}: tokens are integers (codes 1 to 5 and 8 to 10)"
             )));
         };
-        let (docs, doc_count) = (word(18), word(26));
-        // Lengths, pointers, document indices; optionally one mode byte per sequence
-        // (Megatron-Core's multimodal datasets).
-        let arrays = docs
-            .checked_mul(12)
-            .and_then(|b| b.checked_add(doc_count.checked_mul(8)?))
-            .and_then(|b| b.checked_add(MEGATRON_HEADER as u64));
-        let len = index.watched.len();
-        if !arrays.is_some_and(|a| len == a || Some(len) == a.checked_add(docs)) {
-            return Err(bad(format!(
-                "{len} bytes, but its header counts {docs} sequences and {doc_count} \
-                 document indices ({} bytes)",
-                arrays.map_or("more than 2^64".into(), |a| a.to_string())
-            )));
-        }
-        let lengths = MEGATRON_HEADER;
+        let docs = word(18).expect("within the header");
+        let arrays = docs.checked_mul(12);
+        // Megatron: lengths, pointers, document indices, and optionally one mode byte per
+        // sequence (Megatron-Core's multimodal sets). fairseq: lengths and pointers.
+        let doc_count = word(26);
+        let megatron = doc_count.and_then(|d| {
+            let a = arrays?.checked_add(d.checked_mul(8)?)?.checked_add(34)?;
+            (len == a || Some(len) == a.checked_add(docs)).then_some(d)
+        });
+        let fairseq = arrays.and_then(|a| a.checked_add(26)) == Some(len);
+        let (lengths, doc_count) = match (megatron, fairseq) {
+            (Some(d), _) => (MEGATRON_HEADER, d),
+            (None, true) => (FAIRSEQ_HEADER, 0),
+            (None, false) => {
+                return Err(bad(format!(
+                    "{len} bytes, which fits neither layout for its header's {docs} \
+                     sequences: Megatron's 34 + 12 x sequences + 8 x document indices \
+                     ({} counted) bytes, nor fairseq's 26 + 12 x sequences",
+                    doc_count.map_or("none".into(), |d| d.to_string())
+                )))
+            }
+        };
         let pointers = lengths + 4 * docs as usize;
         let documents = pointers + 8 * docs as usize;
         let width = dtype.size() as u64;
@@ -237,10 +250,12 @@ impl Documents {
         // The document indices: 0, then where each document's sequences end, the last at
         // the sequence count.
         let list = index.read(|m| {
-            let at = |k: u64| i64::from_le_bytes(le(m, documents + 8 * k as usize).expect("sized"));
             let mut last = 0i64;
             for k in 0..doc_count {
-                let d = at(k);
+                let at = documents + 8 * k as usize;
+                let Some(d) = le(m, at).map(i64::from_le_bytes) else {
+                    return Err(format!("cut short at document index {k}"));
+                };
                 let ok = if k == 0 { d == 0 } else { d >= last };
                 if !ok || d as u64 > docs {
                     return Err(format!(
@@ -369,7 +384,7 @@ impl Documents {
                         tokens.path.display()
                     ));
                 }
-                scan.tokens += len;
+                scan.tokens = scan.tokens.saturating_add(len);
                 scan.longest = scan.longest.max(len);
                 scan.truncated += u64::from(len > max_len as u64);
             }
@@ -531,8 +546,8 @@ impl Dataset for Documents {
     }
 
     /// The document's bytes in the token file (its first `max_len` tokens). The index
-    /// is left out: at 12 bytes or less a document it is small, and once read it stays
-    /// in the page cache (the planner drops only the rows it planned).
+    /// is left out: it is small (8 to 12 bytes a document), and once read it stays in
+    /// the page cache (the planner drops only the rows it planned).
     fn locate(&self, _epoch: u64, index: u64, each: &mut dyn FnMut(usize, usize, usize)) {
         let width = self.stored.dtype.size();
         let found = (index < self.stored.docs)

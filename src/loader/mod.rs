@@ -49,7 +49,8 @@ pub const MAX_WORKERS: usize = 1024;
 ///
 /// An elastic resume ([`LoaderBuilder::resume_elastic`]) goes on with another world
 /// size, batch size or tail: `global` fingerprints what every rank shares (dataset
-/// length, shuffle and seed), and `taken` is where the epoch's global order stands.
+/// length, shuffle and seed; for a grouped shuffle its group and the samples'
+/// lengths), and `taken` is where the epoch's global order stands.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct LoaderState {
     /// The epoch.
@@ -523,7 +524,14 @@ fn check_resume(order: &Order, r: LoaderState, how: Resume) -> Result<LoaderStat
         if r.global != order.global_fingerprint() {
             return Err(Error::Config(format!(
                 "the resume state was saved by a loader with another global order (dataset \
-                 length, shuffle or seed differ): fingerprint {:#x}, this loader's is {:#x}",
+                 length, shuffle or seed differ{}): fingerprint {:#x}, this loader's is {:#x}",
+                match order.shuffle() {
+                    Shuffle::Grouped { group, .. } => format!(
+                        ", or a grouped shuffle's group, here {group}, or the samples' \
+                         lengths; a group left to the loader follows batch and world size"
+                    ),
+                    _ => String::new(),
+                },
                 r.global,
                 order.global_fingerprint()
             )));
@@ -866,24 +874,45 @@ impl Loader {
         self.pool.allocator()
     }
 
-    /// Records that the whole of `epoch` was served without the loader (a device cache
-    /// replayed it): [`state`](Loader::state) moves to the next epoch's start, as after
-    /// an [`Epoch`] run to its end, so a checkpoint taken now resumes after it.
+    /// Whether the whole of `epoch` may be served without the loader (a device cache
+    /// replaying it), to be recorded by [`served`](Loader::served) once done: asked
+    /// first, so that nothing is trained on a refusal.
     ///
     /// # Errors
-    /// [`Error::Config`] while a resume is pending for `epoch` or a later one (part of
-    /// `epoch` was taken already: serve it through [`epoch`](Loader::epoch));
-    /// [`Error::EpochLeaked`] as for [`epoch`](Loader::epoch). The loader is unchanged.
+    /// [`Error::Config`] while a resume is pending inside `epoch` or for a later epoch
+    /// (part of `epoch` was taken already, or it comes before the resumed one: go
+    /// through [`epoch`](Loader::epoch)); [`Error::EpochLeaked`] while an earlier
+    /// epoch's iterator was leaked, as for [`epoch`](Loader::epoch).
+    pub fn can_serve(&self, epoch: u64) -> Result<()> {
+        if let Some(last) = self
+            .last
+            .as_ref()
+            .filter(|l| !l.closed.load(Ordering::Acquire))
+        {
+            return Err(Error::EpochLeaked {
+                epoch: last.order.epoch(),
+            });
+        }
+        match self.resume {
+            Some(r) if r.epoch > epoch || self.resumes(epoch) => Err(Error::Config(format!(
+                "this loader resumes epoch {} at batch {}: epoch {epoch} cannot be served whole",
+                r.epoch, r.batch
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Records that the whole of `epoch` was served without the loader (a device cache
+    /// replayed it): [`state`](Loader::state) moves to the next epoch's start, as after
+    /// an [`Epoch`] run to its end, so a checkpoint taken now resumes after it. A
+    /// resume pending for the start of `epoch`, or for an earlier epoch, is spent.
+    ///
+    /// # Errors
+    /// As [`can_serve`](Loader::can_serve) (a leaked epoch's workers are stopped, as
+    /// [`epoch`](Loader::epoch) does); the loader is otherwise unchanged.
     pub fn served(&mut self, epoch: u64) -> Result<()> {
         self.check_last()?;
-        if let Some(r) = self.resume {
-            if r.epoch > epoch || self.resumes(epoch) {
-                return Err(Error::Config(format!(
-                    "this loader resumes epoch {} at batch {}: epoch {epoch} cannot be served whole",
-                    r.epoch, r.batch
-                )));
-            }
-        }
+        self.can_serve(epoch)?;
         self.resume = None;
         self.state = LoaderState::at(&self.order, epoch.saturating_add(1), 0, 0);
         Ok(())

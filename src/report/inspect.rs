@@ -1,15 +1,17 @@
-//! `stokehold inspect`: each `.npy` file's shape, dtype, rows, bytes and page-cache
-//! residency, as a table.
+//! `stokehold inspect`: each `.npy` file's (or Megatron indexed dataset's) shape, dtype,
+//! rows, bytes and page-cache residency, as a table.
 
 use std::path::{Path, PathBuf};
 
-use crate::dataset::{shape_string, MappedFile, NpyArray};
+use crate::dataset::{shape_string, Dataset, Documents, MappedFile, NpyArray};
 use crate::error::Error;
 use crate::pagecache;
 
-/// The table of the `.npy` files at `paths` (files, or directories whose `.npy` files
-/// are listed in name order), and an error for each path that could not be read. A
-/// file's residency shows as `?` where `mincore` fails.
+/// The table of the `.npy` files and Megatron indexed datasets (named by their `.idx`)
+/// at `paths` (files, or directories whose `.npy` and `.idx` files are listed in name
+/// order), and an error for each path that could not be read. A dataset of documents
+/// shows its shape as `(documents, <=longest)`, its bytes as both files'. A file's
+/// residency shows as `?` where `mincore` fails.
 pub fn inspect(paths: &[PathBuf]) -> (String, Vec<Error>) {
     let mut table = format!(
         "{:<40} {:>18} {:>8} {:>10} {:>12} {:>9}\n",
@@ -18,6 +20,27 @@ pub fn inspect(paths: &[PathBuf]) -> (String, Vec<Error>) {
     let mut errors = Vec::new();
     let listed: Vec<PathBuf> = paths.iter().flat_map(|p| files(p, &mut errors)).collect();
     for f in listed {
+        if f.extension().is_some_and(|e| e == "idx") {
+            match Documents::open_megatron(&f, 1, 0) {
+                Ok(d) => {
+                    let res = pagecache::residency(&d)
+                        .map(|r| format!("{:.0}%", 100.0 * r.fraction()))
+                        .unwrap_or_else(|_| "?".into());
+                    let bytes: usize = d.files().iter().map(|m| m.bytes().len()).sum();
+                    table += &format!(
+                        "{:<40} {:>18} {:>8} {:>10} {:>12} {:>9}\n",
+                        f.display(),
+                        format!("({}, <={})", d.len(), d.longest()),
+                        d.dtype().name(),
+                        d.len(),
+                        bytes,
+                        res
+                    );
+                }
+                Err(e) => errors.push(e),
+            }
+            continue;
+        }
         match NpyArray::open(&f) {
             Ok(a) => {
                 let res = pagecache::file_residency(MappedFile::new(a.path(), a.mapping()))
@@ -39,18 +62,21 @@ pub fn inspect(paths: &[PathBuf]) -> (String, Vec<Error>) {
     (table, errors)
 }
 
-/// `path` itself, or the `.npy` files of the directory `path` in name order (an error
-/// when there is none).
+/// `path` itself, or the `.npy` and `.idx` files of the directory `path` in name order
+/// (an error when there is none).
 fn files(path: &Path, errors: &mut Vec<Error>) -> Vec<PathBuf> {
     match std::fs::read_dir(path) {
         Ok(entries) => {
             let mut v: Vec<PathBuf> = entries
                 .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.extension().is_some_and(|e| e == "npy"))
+                .filter(|p| p.extension().is_some_and(|e| e == "npy" || e == "idx"))
                 .collect();
             v.sort();
             if v.is_empty() {
-                errors.push(Error::dataset(path, "no .npy file in this directory"));
+                errors.push(Error::dataset(
+                    path,
+                    "no .npy or .idx file in this directory",
+                ));
             }
             v
         }

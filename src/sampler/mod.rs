@@ -2,7 +2,9 @@
 //! `(seed, epoch, rank, world_size)`, never of worker count, timing or machine. One
 //! input more for block shuffle when its block size is left to the loader: the default
 //! block is about 1 MiB of rows, so it depends on the row width in bytes (give
-//! `block_rows` to make the order independent of it).
+//! `block_rows` to make the order independent of it). A grouped shuffle depends on the
+//! samples' lengths too, and on its group (left to the loader: 64 steps of the batch
+//! and world size).
 //!
 //! [`Order`] turns a dataset length, a [`Shuffle`], a [`Shard`] and a batch size into
 //! [`EpochOrder`]s, which compute the sample at any position directly (no table): a
@@ -211,16 +213,15 @@ impl Order {
         drop_last: bool,
     ) -> Result<Order> {
         let len = lengths.len() as u64;
-        let mut order = match shuffle {
-            Shuffle::Grouped { group: 0, .. } => {
-                return Err(Error::Config("a grouped shuffle needs group >= 1".into()))
-            }
-            // The batches do not depend on the shuffle.
-            Shuffle::Grouped { .. } => {
-                Order::new(len, Shuffle::None, shard, batch_size, drop_last)?
-            }
-            other => Order::new(len, other, shard, batch_size, drop_last)?,
+        // The batches do not depend on the shuffle: the rest is checked as for any.
+        let base = match shuffle {
+            Shuffle::Grouped { .. } => Shuffle::None,
+            other => other,
         };
+        let mut order = Order::new(len, base, shard, batch_size, drop_last)?;
+        if let Shuffle::Grouped { group: 0, .. } = shuffle {
+            return Err(Error::Config("a grouped shuffle needs group >= 1".into()));
+        }
         let fingerprint = fold(lengths.iter().map(|&l| u64::from(l)));
         order.shuffle = shuffle;
         order.lengths = Some(Lengths {
@@ -248,9 +249,11 @@ impl Order {
     }
 
     /// A non-zero fingerprint of the epochs' global order alone (dataset length, shuffle
-    /// and seed): the same for every rank, world size and batch size, which an elastic
-    /// resume ([`LoaderBuilder::resume_elastic`](crate::LoaderBuilder::resume_elastic))
-    /// may change.
+    /// and seed; for a grouped shuffle, its group and the samples' lengths): the same
+    /// for every rank, world size and batch size, which an elastic resume
+    /// ([`LoaderBuilder::resume_elastic`](crate::LoaderBuilder::resume_elastic)) may
+    /// change. (A loader that picks a grouped shuffle's group from the batch and world
+    /// size changes it with them: give the group to resume elastically.)
     pub fn global_fingerprint(&self) -> u64 {
         fold(self.global_parts())
     }

@@ -235,6 +235,23 @@ pub fn the_device_cache_gives_the_same_epochs(c: Cuda) {
     assert_eq!(whole.metrics.samples, 1797);
     let after = loader.state();
     assert_eq!((after.epoch, after.batch, after.taken), (4, 0, 0));
+    // An epoch the loader would refuse (a resume is pending for a later one) is refused
+    // before any step: the weights stay as they were.
+    let before = t.weights().unwrap();
+    let later = stokehold::LoaderState {
+        epoch: 6,
+        batch: 2,
+        ..after
+    };
+    loader.resume(later).unwrap();
+    let pending = loader.state();
+    assert!(t.train(&mut loader, 4, &mut |_, _| {}).is_err());
+    assert_eq!(
+        t.weights().unwrap().w1,
+        before.w1,
+        "trained on a refused epoch"
+    );
+    assert_eq!(loader.state(), pending);
 }
 
 /// Three epochs of digits through the feeder (overlapped, or serialised on one stream)

@@ -406,9 +406,10 @@ impl Loader {
 
 #[pymethods]
 impl Loader {
-    /// Builds a loader over `dataset` (from `_Dataset.npy` or `_Dataset.tokens`).
+    /// Builds a loader over `dataset` (from `_Dataset.npy`, `_Dataset.tokens` or
+    /// `_Dataset.documents`); `group` sets a grouped shuffle's group.
     #[new]
-    #[pyo3(signature = (dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held, rank, world_size, page_cache_budget, progress, device=None, direct_reads=true))]
+    #[pyo3(signature = (dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held, rank, world_size, page_cache_budget, progress, device=None, direct_reads=true, group=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         dataset: PyRef<'_, OpenDataset>,
@@ -425,10 +426,18 @@ impl Loader {
         progress: Option<bool>,
         device: Option<String>,
         direct_reads: bool,
+        group: Option<u64>,
     ) -> PyResult<Loader> {
+        let shuffle = match (shuffle_named(shuffle, seed)?, group) {
+            (Shuffle::Grouped { seed, .. }, Some(group)) => Shuffle::Grouped { seed, group },
+            (_, Some(_)) => {
+                return Err(PyValueError::new_err("group goes with shuffle=\"grouped\""))
+            }
+            (s, None) => s,
+        };
         let options = Options {
             batch_size,
-            shuffle: shuffle_named(shuffle, seed)?,
+            shuffle,
             workers,
             drop_last,
             prefetch,

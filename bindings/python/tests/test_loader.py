@@ -433,6 +433,29 @@ def test_documents_shuffle_once_per_epoch_and_resume_exactly(tmp_path):
         return pad / total
 
     assert padding("grouped") < padding("full") / 3
+
+    # Elastic with a grouped shuffle: two ranks take 3 batches each, then three ranks
+    # share out the rest, each document once. The group must be given: left to the
+    # loader it follows batch and world size, and the resume is refused, saying so.
+    def ranks(world, **kw):
+        return [stokehold.DocumentLoader(tmp_path / "set", max_len=256, batch_size=16,
+                                         shuffle="grouped", seed=4, rank=r,
+                                         world_size=world, **kw) for r in range(world)]
+
+    taken, state = [], None
+    for loader in ranks(2, group=256):
+        it = loader.epoch(0)
+        for _ in range(3):
+            taken.extend(int(i) for i in next(it).indices)
+        state = it.state_dict()
+    for loader in ranks(3, group=256):
+        loader.load_state_dict(state, elastic=True)
+        taken.extend(int(i) for b in loader.epoch(0) for i in b.indices)
+    assert set(taken) == set(range(len(docs)))
+    with pytest.raises(stokehold.Error, match="group, here 3072"):
+        ranks(3)[0].load_state_dict(state, elastic=True)
+    with pytest.raises(ValueError, match="group goes with"):
+        stokehold.DocumentLoader(tmp_path / "set", max_len=256, group=64)
     with pytest.raises(stokehold.Error, match="grouped shuffle"):
         stokehold.Loader(FIXTURES / "dir", shuffle="grouped")
 

@@ -227,8 +227,10 @@ class Loader:
             direct_reads=direct_reads,
         )
 
-    def _build(self, dataset: Any, *options: Any, direct_reads: bool = True) -> None:
-        self._raw = _stokehold._Loader(dataset, *options, direct_reads=direct_reads)
+    def _build(self, dataset: Any, *options: Any, direct_reads: bool = True,
+               group: Optional[int] = None) -> None:
+        self._raw = _stokehold._Loader(dataset, *options, direct_reads=direct_reads,
+                                       group=group)
         device = options[-1]
         self._device = None if device in (None, "cpu") else device
         self._columns = {
@@ -327,9 +329,11 @@ class DocumentLoader(Loader):
     ``"len"``, ``int64``, how many of them are the document's (at most ``max_len``:
     longer documents are served cut). ``batch["len"].max()`` is the batch's longest
     row, to trim the padding off before the model. The other options are
-    ``Loader``'s; ``shuffle="grouped"`` sorts runs of the shuffled order by length (64
-    training steps' worth), so each step's batches hold documents of similar lengths and
-    little padding."""
+    ``Loader``'s; ``shuffle="grouped"`` sorts runs of ``group`` positions of the shuffled
+    order by length (by default 64 training steps: ``64 * batch_size * world_size``), so
+    each step's batches hold documents of similar lengths and little padding. The group
+    is part of the order: give it to resume elastically on another world size or batch
+    size (``load_state_dict(state, elastic=True)``)."""
 
     def __init__(
         self,
@@ -340,6 +344,7 @@ class DocumentLoader(Loader):
         pad: int = 0,
         shuffle: str = "full",
         seed: int = 0,
+        group: Optional[int] = None,
         workers: Optional[int] = None,
         drop_last: bool = False,
         prefetch: Optional[int] = None,
@@ -357,7 +362,7 @@ class DocumentLoader(Loader):
         self._build(
             dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
             rank, world_size, page_cache_budget, progress, device,
-            direct_reads=direct_reads,
+            direct_reads=direct_reads, group=group,
         )
 
 
