@@ -47,13 +47,8 @@ struct Mapped {
 impl Mapped {
     /// Opens and maps the file at `path`.
     fn open(path: &Path) -> Result<Mapped> {
-        let watched = Watched::new(path, super::open_regular(path)?)?;
-        if watched.len() == 0 {
-            return Err(Error::dataset(path, "the file is empty"));
-        }
-        // SAFETY: a read-only mapping; a truncation or rewrite by another process is
-        // caught by the reads through `Watched::read` (see `NpyArray::open`).
-        let map = unsafe { Mmap::map(watched.file()) }.map_err(|e| Error::io(path, e))?;
+        let (watched, map) =
+            super::open_mapped(path, || Error::dataset(path, "the file is empty"))?;
         Ok(Mapped {
             path: path.to_path_buf(),
             map,
@@ -456,12 +451,21 @@ impl Documents {
                 len: self.stored.docs,
             });
         }
-        let width = self.stored.dtype.size();
+        self.each_extent(indices.iter().copied(), |e| e)
+    }
+
+    /// `each` of the place and length of every document of `indices` (all below
+    /// `len()`), read from the index in one guarded pass.
+    fn each_extent<T>(
+        &self,
+        indices: impl Iterator<Item = u64>,
+        mut each: impl FnMut((u64, u64)) -> T,
+    ) -> Result<Vec<T>> {
+        let (layout, width) = (self.stored.layout, self.stored.dtype.size());
         let found = self.stored.index.read(|m| {
             indices
-                .iter()
-                .map(|&i| self.stored.layout.extent(m, i as usize, width))
-                .collect::<Option<Vec<_>>>()
+                .map(|i| layout.extent(m, i as usize, width).map(&mut each))
+                .collect::<Option<Vec<T>>>()
         })?;
         found.ok_or_else(|| Error::dataset(&self.stored.index.path, "changed since it was checked"))
     }
@@ -532,17 +536,9 @@ impl Dataset for Documents {
 
     /// Each document's length as served: its tokens, at most `max_len`.
     fn lengths(&self) -> Result<Option<Vec<u32>>> {
-        let (layout, width) = (self.stored.layout, self.stored.dtype.size());
         let cap = self.max_len.min(u32::MAX as usize) as u64;
-        let found = self.stored.index.read(|m| {
-            (0..self.stored.docs as usize)
-                .map(|i| layout.extent(m, i, width).map(|(_, n)| n.min(cap) as u32))
-                .collect::<Option<Vec<u32>>>()
-        })?;
-        let found = found.ok_or_else(|| {
-            Error::dataset(&self.stored.index.path, "changed since it was checked")
-        })?;
-        Ok(Some(found))
+        let all = 0..self.stored.docs;
+        self.each_extent(all, |(_, n)| n.min(cap) as u32).map(Some)
     }
 
     /// The document's bytes in the token file (its first `max_len` tokens). The index

@@ -198,6 +198,29 @@ pub(crate) fn open_regular(path: &Path) -> Result<std::fs::File> {
     std::fs::File::open(path).map_err(|e| crate::Error::io(path, e))
 }
 
+/// Opens `path` (a regular file, see [`open_regular`]), watched for changes, and maps
+/// it; an empty file, which cannot be mapped, is the error `empty` makes.
+///
+/// # Errors
+/// As [`open_regular`]; [`Error::Io`](crate::Error::Io) naming `path` if its metadata
+/// cannot be read or it cannot be mapped; `empty()` for an empty file.
+pub(crate) fn open_mapped(
+    path: &Path,
+    empty: impl FnOnce() -> crate::Error,
+) -> Result<(guard::Watched, memmap2::Mmap)> {
+    let watched = guard::Watched::new(path, open_regular(path)?)?;
+    if watched.len() == 0 {
+        return Err(empty());
+    }
+    // SAFETY: the mapping is read-only; stokehold never writes through it. Another
+    // process may still truncate or rewrite the file while it is mapped: reads that go
+    // through `Watched::read` (every gather) turn that into an error naming the file
+    // instead of a SIGBUS or silently different bytes.
+    let map =
+        unsafe { memmap2::Mmap::map(watched.file()) }.map_err(|e| crate::Error::io(path, e))?;
+    Ok((watched, map))
+}
+
 /// Opens the `.npy` at `path`, which must be a 1-d integer array: `what` says what it
 /// holds in the error otherwise ("a token stream": "a token stream is a 1-d integer
 /// array, this is float32 of shape (5, 3)").

@@ -355,15 +355,7 @@ impl NpyArray {
     /// file and the problem if it is not a `.npy` file stokehold reads.
     pub fn open(path: impl AsRef<Path>) -> Result<NpyArray> {
         let path = path.as_ref();
-        let watched = Watched::new(path, super::open_regular(path)?)?;
-        if watched.len() == 0 {
-            return Err(Error::npy(path, NpyProblem::BadMagic));
-        }
-        // SAFETY: the mapping is read-only; stokehold never writes through it. Another
-        // process may still truncate or rewrite the file while it is mapped: reads that
-        // go through `Watched::read` (every gather) turn that into an error naming the
-        // file instead of a SIGBUS or silently different bytes.
-        let map = unsafe { Mmap::map(watched.file()) }.map_err(|e| Error::io(path, e))?;
+        let (watched, map) = super::open_mapped(path, || Error::npy(path, NpyProblem::BadMagic))?;
         let header = NpyHeader::parse(&map).map_err(|p| Error::npy(path, p))?;
         let expected = header.data_bytes().map_err(|p| Error::npy(path, p))?;
         let actual = (map.len() as u64).saturating_sub(header.data_offset);

@@ -145,14 +145,9 @@ impl TokenDataset {
                 "token files hold uint16 or uint32, not {dtype}"
             )));
         }
-        let watched = Watched::new(path, super::open_regular(path)?)?;
+        let (watched, map) =
+            super::open_mapped(path, || Error::dataset(path, "the token file is empty"))?;
         let len = watched.len();
-        if len == 0 {
-            return Err(Error::dataset(path, "the token file is empty"));
-        }
-        // SAFETY: read-only mapping; a truncation or rewrite by another process is
-        // caught by the gathers' `Watched::read` (see `NpyArray::open`).
-        let map = unsafe { Mmap::map(watched.file()) }.map_err(|e| Error::io(path, e))?;
         let offset = match llmc_header(&map) {
             Some(header) => header.check(path, &map, dtype)?,
             None => 0,

@@ -333,22 +333,21 @@ impl LoaderBuilder {
             },
             other => other,
         };
-        let (bs, drop_last) = (self.batch_size as u64, self.drop_last);
-        let order = match shuffle {
-            Shuffle::Grouped { .. } => match self.dataset.lengths()? {
-                Some(lengths) => {
-                    if lengths.len() as u64 != self.dataset.len() {
-                        return Err(Error::Config(format!(
-                            "the dataset gave {} lengths for {} samples",
-                            lengths.len(),
-                            self.dataset.len()
-                        )));
-                    }
-                    Order::with_lengths(lengths.into(), shuffle, self.shard, bs, drop_last)?
-                }
-                None => Order::new(self.dataset.len(), shuffle, self.shard, bs, drop_last)?,
-            },
-            _ => Order::new(self.dataset.len(), shuffle, self.shard, bs, drop_last)?,
+        // Only a grouped shuffle reads the lengths; without them `Order::new` refuses it.
+        let lengths = match shuffle {
+            Shuffle::Grouped { .. } => self.dataset.lengths()?,
+            _ => None,
+        };
+        let (len, bs, drop_last) = (self.dataset.len(), self.batch_size as u64, self.drop_last);
+        let order = match lengths {
+            Some(l) if l.len() as u64 != len => {
+                return Err(Error::Config(format!(
+                    "the dataset gave {} lengths for {len} samples",
+                    l.len()
+                )))
+            }
+            Some(l) => Order::with_lengths(l.into(), shuffle, self.shard, bs, drop_last)?,
+            None => Order::new(len, shuffle, self.shard, bs, drop_last)?,
         };
         let resume = match self.resume {
             Some((r, how)) => Some(check_resume(&order, r, how)?),
