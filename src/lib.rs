@@ -65,7 +65,7 @@ pub mod testing;
 pub use backend::Trainer;
 pub use dataset::{
     Column, DType, Dataset, Documents, Element, MappedFile, NpyArray, NpyDataset, NpyHeader,
-    Subset, TokenDataset, Windows,
+    Packed, Subset, TokenDataset, Windows,
 };
 pub use error::{Error, NpyProblem, Result};
 pub use loader::{

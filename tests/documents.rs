@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 
 use stokehold::{Dataset, Documents, Error, Loader, Shuffle};
 
+mod common;
+
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/npy");
 
 fn fx(name: &str) -> PathBuf {
@@ -233,41 +235,8 @@ fn a_token_file_cut_after_opening_is_an_error_not_a_signal() {
 /// A set of `n` documents of pseudo-random lengths up to 3000 `uint16` tokens, written
 /// as a Megatron dataset under `dir`; returns its prefix and the documents.
 fn write_megatron(dir: &Path, n: usize) -> (PathBuf, Vec<Vec<u16>>) {
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
-    let docs: Vec<Vec<u16>> = (0..n)
-        .map(|_| {
-            let len = (next() % 3000) as usize;
-            (0..len).map(|_| next() as u16).collect()
-        })
-        .collect();
-    let mut bin = Vec::new();
-    let mut idx = b"MMIDIDX\x00\x00".to_vec();
-    idx.extend(1u64.to_le_bytes());
-    idx.push(8);
-    idx.extend((n as u64).to_le_bytes());
-    idx.extend((n as u64 + 1).to_le_bytes());
-    let mut pointers = Vec::new();
-    for d in &docs {
-        idx.extend((d.len() as i32).to_le_bytes());
-        pointers.push(bin.len() as i64);
-        bin.extend(d.iter().flat_map(|t| t.to_le_bytes()));
-    }
-    idx.extend(pointers.iter().flat_map(|p| p.to_le_bytes()));
-    idx.extend((0..=n as i64).flat_map(|k| k.to_le_bytes()));
-    let prefix = dir.join("set");
-    // Synced, so that eviction can drop the pages (dirty ones stay).
-    for (ext, bytes) in [("bin", bin), ("idx", idx)] {
-        let mut f = std::fs::File::create(dir.join(format!("set.{ext}"))).unwrap();
-        std::io::Write::write_all(&mut f, &bytes).unwrap();
-        f.sync_all().unwrap();
-    }
-    (prefix, docs)
+    let docs = common::random_documents(n, 3000, 0x9e37_79b9_7f4a_7c15);
+    (common::write_megatron(dir, &docs, false), docs)
 }
 
 #[test]

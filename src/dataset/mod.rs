@@ -5,6 +5,8 @@
 //! - [`TokenDataset`]: a flat token stream cut into windows of `seq_len + 1` tokens.
 //! - [`Documents`]: variable-length token sequences (a Megatron indexed dataset, or
 //!   tokens and offsets in `.npy`), padded to one row width, with their lengths.
+//! - [`Packed`]: the same documents concatenated and cut into windows, with each
+//!   token's position in its document.
 //! - [`Subset`]: a contiguous range of another dataset's samples.
 //!
 //! Anything implementing [`Dataset`] can be fed to a [`Loader`](crate::Loader).
@@ -13,7 +15,9 @@ mod columns;
 mod documents;
 mod dtype;
 pub(crate) mod guard;
+mod indexed;
 mod npy;
+mod packed;
 mod subset;
 mod tokens;
 
@@ -23,6 +27,7 @@ pub use columns::NpyDataset;
 pub use documents::Documents;
 pub use dtype::{DType, Element};
 pub use npy::{shape_string, NpyArray, NpyHeader};
+pub use packed::Packed;
 pub use subset::Subset;
 pub use tokens::{TokenDataset, Windows};
 

@@ -24,6 +24,29 @@ pub enum Windows {
     },
 }
 
+impl Windows {
+    /// The first token of window `index` of `epoch` over a stream of `tokens` tokens cut
+    /// into windows of `seq_len + 1` (`tokens > seq_len`).
+    pub(super) fn start(self, epoch: u64, index: u64, seq_len: usize, tokens: u64) -> u64 {
+        match self {
+            Windows::Consecutive => index * seq_len as u64,
+            Windows::Random { seed } => {
+                let starts = tokens - seq_len as u64;
+                mix(mix(seed ^ 0x746f_6b65_6e73)
+                    ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                    ^ mix(index))
+                    % starts
+            }
+        }
+    }
+
+    /// Windows an epoch has over a stream of `tokens` tokens: as many as the
+    /// consecutive cut, whose last target is the stream's last token.
+    pub(super) fn count(seq_len: usize, tokens: u64) -> u64 {
+        tokens.saturating_sub(1) / seq_len as u64
+    }
+}
+
 /// The llm.c / modded-nanogpt token file header: 256 little-endian int32 before the
 /// tokens (llm.c's `dev/data/data_common.py`, `write_datafile`).
 const LLMC_HEADER_BYTES: usize = 1024;
@@ -253,22 +276,13 @@ impl TokenDataset {
 
     /// The first token of window `index` in `epoch`.
     pub fn window_start(&self, epoch: u64, index: u64) -> u64 {
-        match self.windows {
-            Windows::Consecutive => index * self.seq_len as u64,
-            Windows::Random { seed } => {
-                let starts = self.tokens - self.seq_len as u64;
-                mix(mix(seed ^ 0x746f_6b65_6e73)
-                    ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15)
-                    ^ mix(index))
-                    % starts
-            }
-        }
+        self.windows.start(epoch, index, self.seq_len, self.tokens)
     }
 }
 
 impl Dataset for TokenDataset {
     fn len(&self) -> u64 {
-        (self.tokens - 1) / self.seq_len as u64
+        Windows::count(self.seq_len, self.tokens)
     }
 
     fn columns(&self) -> &[Column] {

@@ -182,3 +182,57 @@ pub fn llmc_tokens(batch: usize) -> stokehold::HostBatch {
     let first = loader.epoch(0).unwrap().next().unwrap().unwrap();
     first
 }
+
+/// `n` documents of pseudo-random lengths below `longest` (empty ones among them) and
+/// pseudo-random `uint16` tokens, from `seed` (not 0).
+pub fn random_documents(n: usize, longest: u64, seed: u64) -> Vec<Vec<u16>> {
+    let mut x = seed;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    (0..n)
+        .map(|_| {
+            let len = (next() % longest) as usize;
+            (0..len).map(|_| next() as u16).collect()
+        })
+        .collect()
+}
+
+/// Writes `docs` as a Megatron indexed dataset of `uint16` tokens, `dir/set.bin` and
+/// `dir/set.idx` (one document index per sequence), synced so that eviction can drop
+/// the pages; returns the prefix. `reversed` stores the documents' tokens in the `.bin`
+/// last first, so that the index's pointers fall (a valid set, not back to back).
+pub fn write_megatron(
+    dir: &std::path::Path,
+    docs: &[Vec<u16>],
+    reversed: bool,
+) -> std::path::PathBuf {
+    let n = docs.len();
+    let mut pointers = vec![0i64; n];
+    let mut bin = Vec::new();
+    let order: Vec<usize> = match reversed {
+        true => (0..n).rev().collect(),
+        false => (0..n).collect(),
+    };
+    for i in order {
+        pointers[i] = bin.len() as i64;
+        bin.extend(docs[i].iter().flat_map(|t| t.to_le_bytes()));
+    }
+    let mut idx = b"MMIDIDX\x00\x00".to_vec();
+    idx.extend(1u64.to_le_bytes());
+    idx.push(8);
+    idx.extend((n as u64).to_le_bytes());
+    idx.extend((n as u64 + 1).to_le_bytes());
+    idx.extend(docs.iter().flat_map(|d| (d.len() as i32).to_le_bytes()));
+    idx.extend(pointers.iter().flat_map(|p| p.to_le_bytes()));
+    idx.extend((0..=n as i64).flat_map(|k| k.to_le_bytes()));
+    for (ext, bytes) in [("bin", bin), ("idx", idx)] {
+        let mut f = std::fs::File::create(dir.join(format!("set.{ext}"))).unwrap();
+        std::io::Write::write_all(&mut f, &bytes).unwrap();
+        f.sync_all().unwrap();
+    }
+    dir.join("set")
+}

@@ -1,0 +1,302 @@
+//! Documents packed: concatenated and cut into training windows with no padding, each
+//! token tagged with its position in its document, so that a model can keep attention
+//! (and position encodings) inside documents.
+
+use std::path::Path;
+
+use super::indexed::{Scan, Stored};
+use super::{check_out, Column, DType, Dataset, MappedFile, Windows};
+use crate::error::{Error, Result};
+
+/// A reader of document places and lengths (see `Stored::with_extents`).
+type Extent<'a> = &'a dyn Fn(u64) -> Option<(u64, u64)>;
+
+/// Variable-length documents (the layouts [`Documents`](super::Documents) reads)
+/// concatenated in their stored order and served as windows of `seq_len + 1` tokens,
+/// like a [`TokenDataset`](super::TokenDataset): column `"tokens"` holds the window
+/// (inputs `w[..seq_len]`, next-token targets `w[1..]`), column `"positions"` (`int32`,
+/// the same shape) each token's position in its own document, 0 at a document's first
+/// token.
+///
+/// This is sequence packing as GPT pretraining does it (nanoGPT, Megatron-LM), with
+/// the document boundaries kept: `positions[:-1]` are the `position_ids` that
+/// Hugging Face models and FlashAttention's variable-length kernels read for packed
+/// batches (a 0 starts a sequence); a target `w[j + 1]` crosses into another document
+/// where `positions[j + 1] == 0` (to mask it from the loss, as Megatron's
+/// `eod_mask_loss` does).
+///
+/// Documents stay in their stored order (Megatron's own loader also shuffles them per
+/// epoch; with `Windows::Random` each epoch cuts the stream at other offsets). A token
+/// file that holds its documents back to back (offsets always do; Megatron and fairseq
+/// tools write them so) needs no memory beyond the mappings; otherwise each document's
+/// start is kept, 8 bytes a document.
+#[derive(Debug)]
+pub struct Packed {
+    stored: Stored,
+    seq_len: usize,
+    windows: Windows,
+    scan: Scan,
+    /// Each document's first token in the concatenation, where the token file does not
+    /// hold them back to back (otherwise it follows from the index).
+    starts: Option<Vec<u64>>,
+    /// The first document's first byte in the token data: where the concatenation
+    /// starts when it is stored back to back.
+    first: u64,
+    columns: Vec<Column>,
+}
+
+impl Packed {
+    /// Packs a Megatron (or fairseq `mmap`) indexed dataset: `prefix.idx` and
+    /// `prefix.bin`, as [`Documents::open_megatron`](super::Documents::open_megatron)
+    /// opens them.
+    ///
+    /// # Errors
+    /// As [`Documents::open_megatron`](super::Documents::open_megatron); also
+    /// [`Error::Dataset`] naming the token file when the documents hold fewer than
+    /// `seq_len + 1` tokens or one is longer than an `int32` position can count, and
+    /// [`Error::Config`] for `seq_len == 0`.
+    pub fn open_megatron(
+        prefix: impl AsRef<Path>,
+        seq_len: usize,
+        windows: Windows,
+    ) -> Result<Packed> {
+        Self::build(Stored::megatron(prefix.as_ref())?, seq_len, windows)
+    }
+
+    /// Packs a 1-d integer `.npy` of tokens with a 1-d integer `.npy` of `n + 1` offsets
+    /// into it, as [`Documents::open_npy`](super::Documents::open_npy) opens them.
+    ///
+    /// # Errors
+    /// As [`Documents::open_npy`](super::Documents::open_npy), and as
+    /// [`open_megatron`](Packed::open_megatron) for the windows.
+    pub fn open_npy(
+        tokens: impl AsRef<Path>,
+        offsets: impl AsRef<Path>,
+        seq_len: usize,
+        windows: Windows,
+    ) -> Result<Packed> {
+        let stored = Stored::npy(tokens.as_ref(), offsets.as_ref())?;
+        Self::build(stored, seq_len, windows)
+    }
+
+    fn build(stored: Stored, seq_len: usize, windows: Windows) -> Result<Packed> {
+        if seq_len == 0 || seq_len >= (isize::MAX as usize) / 8 {
+            return Err(Error::Config(format!("seq_len {seq_len} is out of range")));
+        }
+        let scan = stored.scan(u64::MAX)?;
+        let path = &stored.tokens.path;
+        if scan.tokens <= seq_len as u64 {
+            return Err(Error::dataset(
+                path,
+                format!(
+                    "its {} documents hold {} tokens, fewer than one window of seq_len + 1 = {}",
+                    stored.docs,
+                    scan.tokens,
+                    seq_len + 1
+                ),
+            ));
+        }
+        if scan.longest > i32::MAX as u64 {
+            return Err(Error::dataset(
+                path,
+                format!(
+                    "a document of {} tokens: positions are int32, so documents hold at \
+                     most {} tokens",
+                    scan.longest,
+                    i32::MAX
+                ),
+            ));
+        }
+        let first = stored.extents(&[0])?[0].0;
+        let starts = match scan.contiguous {
+            true => None,
+            false => {
+                let mut next = 0u64;
+                let all = stored.each_extent(0..stored.docs, |(_, len)| {
+                    next += len;
+                    next - len
+                });
+                Some(all?)
+            }
+        };
+        let columns = vec![
+            Column {
+                name: "tokens".into(),
+                dtype: stored.dtype,
+                shape: vec![seq_len as u64 + 1],
+                row_bytes: (seq_len + 1) * stored.dtype.size(),
+            },
+            Column {
+                name: "positions".into(),
+                dtype: DType::I32,
+                shape: vec![seq_len as u64 + 1],
+                row_bytes: (seq_len + 1) * 4,
+            },
+        ];
+        Ok(Packed {
+            stored,
+            seq_len,
+            windows,
+            scan,
+            starts,
+            first,
+            columns,
+        })
+    }
+
+    /// Tokens in all documents: the length of the concatenation.
+    pub fn tokens(&self) -> u64 {
+        self.scan.tokens
+    }
+
+    /// Documents in the files.
+    pub fn documents(&self) -> u64 {
+        self.stored.docs
+    }
+
+    /// The longest document's length, in tokens.
+    pub fn longest(&self) -> u64 {
+        self.scan.longest
+    }
+
+    /// The window length minus one.
+    pub fn seq_len(&self) -> usize {
+        self.seq_len
+    }
+
+    /// The token type.
+    pub fn dtype(&self) -> DType {
+        self.stored.dtype
+    }
+
+    /// The first token (in the concatenation) of window `index` in `epoch`.
+    pub fn window_start(&self, epoch: u64, index: u64) -> u64 {
+        self.windows
+            .start(epoch, index, self.seq_len, self.scan.tokens)
+    }
+
+    /// Document `i`'s first token in the concatenation.
+    fn start(&self, extent: Extent<'_>, i: u64) -> Option<u64> {
+        match &self.starts {
+            Some(starts) => starts.get(i as usize).copied(),
+            None => {
+                let byte = extent(i)?.0.checked_sub(self.first)?;
+                Some(byte / self.stored.dtype.size() as u64)
+            }
+        }
+    }
+
+    /// Calls `piece(byte, tokens, position)` for each run of window `from`'s tokens
+    /// that lies in one document, in order: `tokens` tokens at `byte` of the token data,
+    /// the first of them at `position` in its document. `None` if the index no longer
+    /// holds the documents it held when checked.
+    fn walk(
+        &self,
+        extent: Extent<'_>,
+        from: u64,
+        mut piece: impl FnMut(u64, u64, u64),
+    ) -> Option<()> {
+        // The document holding token `from`: the last one starting at or before it
+        // (documents before it may be empty and start there too).
+        let (mut lo, mut hi) = (0, self.stored.docs);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            match self.start(extent, mid)? <= from {
+                true => lo = mid,
+                false => hi = mid,
+            }
+        }
+        let width = self.stored.dtype.size() as u64;
+        let (mut doc, mut skip) = (lo, from.checked_sub(self.start(extent, lo)?)?);
+        let mut left = self.seq_len as u64 + 1;
+        while left > 0 {
+            let (byte, len) = extent(doc)?;
+            let take = len.checked_sub(skip)?.min(left);
+            if take > 0 {
+                piece(byte + skip * width, take, skip);
+            }
+            left -= take;
+            doc += 1;
+            skip = 0;
+        }
+        Some(())
+    }
+}
+
+impl Dataset for Packed {
+    fn len(&self) -> u64 {
+        Windows::count(self.seq_len, self.scan.tokens)
+    }
+
+    fn columns(&self) -> &[Column] {
+        &self.columns
+    }
+
+    fn gather(&self, epoch: u64, indices: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
+        check_out(&self.columns, indices.len(), out)?;
+        let len = self.len();
+        if let Some(&index) = indices.iter().find(|&&i| i >= len) {
+            return Err(Error::OutOfRange { index, len });
+        }
+        let (tokens, positions) = out.split_at_mut(1);
+        let rows = positions[0].chunks_exact_mut(self.columns[1].row_bytes);
+        // The index first (the positions, and where each run of tokens is), then the
+        // tokens: one guarded read of each file at a time.
+        let mut pieces = Vec::with_capacity(indices.len());
+        let walked = self.stored.with_extents(|extent| {
+            for (row, &index) in rows.zip(indices) {
+                let mut slots = row.chunks_exact_mut(4);
+                let from = self.window_start(epoch, index);
+                self.walk(extent, from, |byte, n, position| {
+                    pieces.push((byte, n));
+                    // The range first: `zip` takes no slot past its end.
+                    for (p, slot) in (position..position + n).zip(slots.by_ref()) {
+                        slot.copy_from_slice(&(p as i32).to_le_bytes());
+                    }
+                })?;
+            }
+            Some(())
+        })?;
+        walked.ok_or_else(|| self.stored.index.changed())?;
+        let width = self.stored.dtype.size();
+        let copied = self.stored.tokens.read(|m| {
+            let data = &m[self.stored.data..];
+            let mut at = 0;
+            for &(byte, n) in &pieces {
+                let bytes = n as usize * width;
+                let src = data.get(byte as usize..byte as usize + bytes)?;
+                tokens[0][at..at + bytes].copy_from_slice(src);
+                at += bytes;
+            }
+            Some(())
+        })?;
+        copied.ok_or_else(|| self.stored.tokens.changed())
+    }
+
+    fn files(&self) -> Vec<MappedFile<'_>> {
+        self.stored.files()
+    }
+
+    /// The window's runs of bytes in the token file (one run where the documents are
+    /// stored back to back); the positions are computed, and the index left out as for
+    /// [`Documents`](super::Documents).
+    fn locate(&self, epoch: u64, index: u64, each: &mut dyn FnMut(usize, usize, usize)) {
+        if index >= self.len() {
+            return;
+        }
+        let width = self.stored.dtype.size() as u64;
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        let from = self.window_start(epoch, index);
+        let walked = self.stored.with_extents(|extent| {
+            self.walk(extent, from, |byte, n, _| match runs.last_mut() {
+                Some(last) if last.0 + last.1 == byte => last.1 += n * width,
+                _ => runs.push((byte, n * width)),
+            })
+        });
+        if let Ok(Some(())) = walked {
+            for (byte, bytes) in runs {
+                each(0, self.stored.data + byte as usize, bytes as usize);
+            }
+        }
+    }
+}
