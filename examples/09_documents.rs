@@ -11,11 +11,13 @@
 //! tokens padded with `pad`, plus its length in column `"len"`. A model cuts each batch
 //! to its longest row; with a full shuffle a batch's rows have any length, so much of
 //! what is left is still padding. [`Shuffle::Grouped`] sorts runs of the shuffled order
-//! by length, so that each batch holds documents of similar lengths.
+//! by length, so that each batch holds documents of similar lengths. For pretraining,
+//! [`Packed`] serves the same files with no padding at all: the documents back to back,
+//! cut into windows, with each token's position in its document.
 
 use std::path::Path;
 
-use stokehold::{Dataset, Documents, Loader, Shuffle};
+use stokehold::{Dataset, Documents, Loader, Packed, Shuffle, Windows};
 
 /// Writes `lengths.len()` documents as Megatron-Core's `IndexedDatasetBuilder` does:
 /// `uint16` tokens in `prefix.bin`; in `prefix.idx` a header, then the `int32` lengths,
@@ -92,7 +94,31 @@ fn main() -> stokehold::Result<()> {
         );
     }
 
-    // 3. A batch, cut to its longest row: what goes to the model.
+    // 3. Packed: the documents back to back in windows of max_len inputs (and one more
+    //    token, the last target); no padding, and long documents are split, not cut.
+    //    Column "positions" restarts at 0 where a document starts.
+    let packed = Packed::open_megatron(&prefix, max_len, Windows::Consecutive)?;
+    let (corpus, documents) = (packed.tokens(), packed.documents());
+    let mut loader = Loader::builder(packed)
+        .batch_size(batch_size)
+        .shuffle(Shuffle::Full { seed: 0 })
+        .build()?;
+    let (mut seen, mut starts) = (0u64, 0u64);
+    for batch in loader.epoch(0)? {
+        let positions = batch?.column_named::<i32>("positions")?.to_vec();
+        for window in positions.chunks_exact(max_len + 1) {
+            seen += max_len as u64;
+            starts += window[..max_len].iter().filter(|&&p| p == 0).count() as u64;
+        }
+    }
+    println!(
+        "{:>12}: {seen:>10} tokens in windows of {max_len}, no padding; {starts} of the \
+         {documents} documents' starts marked ({} tokens left at the end)",
+        "packed",
+        corpus - seen
+    );
+
+    // 4. A batch, cut to its longest row: what goes to the model.
     let mut loader = Loader::builder(docs)
         .batch_size(4)
         .shuffle(Shuffle::Grouped { seed: 0, group: 40 })

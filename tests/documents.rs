@@ -416,4 +416,20 @@ fn example_09_cuts_the_padding_by_grouping() {
     };
     let (full, grouped) = (share("full shuffle:"), share("grouped:"));
     assert!(grouped < full / 2.0, "{text}");
+    // Packed: every token but a tail shorter than a window, and (nearly) every
+    // document's start marked in the positions.
+    let packed = text.lines().find(|l| l.contains("packed:")).unwrap();
+    let numbers: Vec<u64> = packed
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    let [seen, window, starts, documents, left] = numbers[..] else {
+        panic!("{packed}");
+    };
+    assert_eq!((window, documents), (2048, 20_000), "{packed}");
+    assert!(left <= window && seen % window == 0, "{packed}");
+    assert!(
+        starts <= documents && starts > documents * 99 / 100,
+        "{packed}"
+    );
 }

@@ -52,7 +52,7 @@ impl Documents {
     /// into it: document `i` is `tokens[offsets[i]..offsets[i + 1]]`.
     ///
     /// # Errors
-    /// Anything [`NpyArray::open`] returns; [`Error::Dataset`] naming the file for
+    /// Anything [`NpyArray::open`](super::NpyArray::open) returns; [`Error::Dataset`] naming the file for
     /// arrays that are not 1-d integers, no offsets, and offsets that are negative, fall,
     /// or pass the end of the tokens; [`Error::Config`] for `max_len == 0` or a `pad`
     /// the token type cannot hold.

@@ -20,7 +20,7 @@ use stokehold::model::Metrics;
 use stokehold::pagecache::{self, Residency};
 use stokehold::report::{EpochProgress, EpochRow, LoopTimes, Setup, TrainReport};
 use stokehold::{
-    Column, DType, Dataset, Documents, HostBatch, LoaderState, NpyDataset, Shard, Shuffle,
+    Column, DType, Dataset, Documents, HostBatch, LoaderState, NpyDataset, Packed, Shard, Shuffle,
     TokenDataset, Windows,
 };
 
@@ -151,15 +151,7 @@ impl OpenDataset {
         seed: u64,
         dtype: &str,
     ) -> PyResult<OpenDataset> {
-        let windows = match windows {
-            "random" => Windows::Random { seed },
-            "consecutive" => Windows::Consecutive,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "windows {other:?}: expected \"random\" or \"consecutive\""
-                )))
-            }
-        };
+        let windows = windows_named(windows, seed)?;
         let dtype = match dtype {
             "uint16" => DType::U16,
             "uint32" => DType::U32,
@@ -174,6 +166,30 @@ impl OpenDataset {
             let ds = match path.extension().is_some_and(|e| e == "npy") {
                 true => TokenDataset::open_npy(&path, seq_len, windows)?,
                 false => TokenDataset::open_bin(&path, dtype, seq_len, windows)?,
+            };
+            Ok(Arc::new(ds))
+        })
+    }
+
+    /// Variable-length documents packed: concatenated and cut into windows of
+    /// `seq_len + 1` tokens, with each token's position in its document. The files are
+    /// those of `documents`.
+    #[staticmethod]
+    #[pyo3(signature = (path, seq_len, windows, seed, offsets))]
+    fn packed(
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        seq_len: usize,
+        windows: &str,
+        seed: u64,
+        offsets: Option<std::path::PathBuf>,
+    ) -> PyResult<OpenDataset> {
+        let windows = windows_named(windows, seed)?;
+        let data = path.display().to_string();
+        Self::opened(py, data, move || {
+            let ds = match offsets {
+                Some(o) => Packed::open_npy(&path, o, seq_len, windows)?,
+                None => Packed::open_megatron(&path, seq_len, windows)?,
             };
             Ok(Arc::new(ds))
         })
@@ -249,6 +265,17 @@ impl Drop for Loader {
         if let Some(end) = end {
             end();
         }
+    }
+}
+
+/// The windows named `"random"` (drawn from `seed`) or `"consecutive"`.
+fn windows_named(name: &str, seed: u64) -> PyResult<Windows> {
+    match name {
+        "random" => Ok(Windows::Random { seed }),
+        "consecutive" => Ok(Windows::Consecutive),
+        other => Err(PyValueError::new_err(format!(
+            "windows {other:?}: expected \"random\" or \"consecutive\""
+        ))),
     }
 }
 

@@ -380,6 +380,65 @@ def test_document_loader_reads_megatron_and_offsets_in_place():
         stokehold.DocumentLoader(FIXTURES / "megatron_u16", max_len=16, pad=-1)
 
 
+def test_packed_loader_concatenates_documents_with_positions():
+    # The fixtures' documents: 5, 0, 12, 3, 40 and 1 tokens, token j of document i = 100 i + j.
+    lens = [5, 0, 12, 3, 40, 1]
+    stream = np.concatenate([100 * i + np.arange(n) for i, n in enumerate(lens)])
+    positions = np.concatenate([np.arange(n) for n in lens])
+    for path, kw in [(FIXTURES / "megatron_u16", {}),
+                     (FIXTURES / "docs_tokens.npy", {"offsets": FIXTURES / "docs_offsets.npy"})]:
+        loader = stokehold.PackedLoader(path, seq_len=7, batch_size=3, windows="consecutive",
+                                        shuffle="none", **kw)
+        assert len(loader) == 3  # 8 windows of 8 tokens from 61
+        assert loader.columns["positions"] == (np.dtype(np.int32), (8,))
+        rows = [(int(i), t, p) for b in loader.epoch(0)
+                for i, t, p in zip(b.indices, b["tokens"], b["positions"])]
+        assert [r[0] for r in rows] == list(range(8))
+        for i, t, p in rows:
+            np.testing.assert_array_equal(t, stream[7 * i:7 * i + 8])
+            np.testing.assert_array_equal(p, positions[7 * i:7 * i + 8])
+    # What a varlen attention kernel takes, derived from the positions alone.
+    torch = pytest.importorskip("torch")
+    first = next(stokehold.PackedLoader(FIXTURES / "megatron_u16", seq_len=7, batch_size=1,
+                                        windows="consecutive", shuffle="none").epoch(0))
+    pos = torch.from_dlpack(first["positions"])[0, :-1]
+    starts = torch.nonzero(pos == 0).flatten().tolist()
+    assert starts == [0, 5]  # document 0, then document 2 (document 1 is empty)
+    with pytest.raises(stokehold.Error, match="megatron_u16.bin.*fewer than one window"):
+        stokehold.PackedLoader(FIXTURES / "megatron_u16", seq_len=61)
+    with pytest.raises(ValueError, match="windows"):
+        stokehold.PackedLoader(FIXTURES / "megatron_u16", seq_len=7, windows="shifted")
+
+
+def test_packed_windows_resume_exactly(tmp_path):
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(0, 50_000, size=n, dtype=np.uint16) for n in rng.integers(0, 300, 400)]
+    np.concatenate(docs).tofile(tmp_path / "tokens.bin")
+    np.save(tmp_path / "tokens.npy", np.concatenate(docs))
+    np.save(tmp_path / "offsets.npy", np.concatenate([[0], np.cumsum([len(d) for d in docs])]))
+    stream = np.concatenate(docs)
+
+    def make():
+        return stokehold.PackedLoader(tmp_path / "tokens.npy", seq_len=128, batch_size=8,
+                                      offsets=tmp_path / "offsets.npy", seed=2, workers=2)
+
+    it = make().epoch(1)
+    first = [next(it) for _ in range(2)]
+    for b in first:
+        assert b["tokens"].shape == (8, 129)
+        for t in b["tokens"]:
+            # Each window is a run of the concatenation (random offsets).
+            at = np.flatnonzero(stream[:len(stream) - 128] == t[0])
+            assert any(np.array_equal(stream[a:a + 129], t) for a in at)
+    state = json.loads(json.dumps(it.state_dict()))
+    again = make()
+    again.load_state_dict(state)
+    rest = [b["tokens"].copy() for b in again.epoch(1)]
+    whole = [b["tokens"].copy() for b in make().epoch(1)]
+    got = np.concatenate([b["tokens"].copy() for b in first] + rest)
+    np.testing.assert_array_equal(got, np.concatenate(whole))
+
+
 def test_documents_shuffle_once_per_epoch_and_resume_exactly(tmp_path):
     # A Megatron set written as Megatron-Core's IndexedDatasetBuilder writes one.
     rng = np.random.default_rng(5)

@@ -31,6 +31,7 @@ __all__ = [
     "EpochTimer",
     "Error",
     "Loader",
+    "PackedLoader",
     "TokenLoader",
     "TrainReport",
     "__version__",
@@ -363,6 +364,53 @@ class DocumentLoader(Loader):
             dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
             rank, world_size, page_cache_budget, progress, device,
             direct_reads=direct_reads, group=group,
+        )
+
+
+class PackedLoader(Loader):
+    """A loader over variable-length documents packed for pretraining: the documents
+    ``DocumentLoader`` reads (a Megatron / fairseq indexed dataset at ``path``, or a
+    token ``.npy`` at ``path`` with ``offsets``) concatenated in their stored order and
+    cut into windows of ``seq_len + 1`` tokens, as ``TokenLoader`` cuts a token file,
+    with no padding.
+
+    Each batch has two columns of shape ``(B, seq_len + 1)``: ``"tokens"``, in the
+    files' token type, and ``"positions"``, ``int32``, each token's position in its own
+    document (0 at a document's first token). ``positions[:, :-1]`` are the
+    ``position_ids`` of a packed batch (Hugging Face models and FlashAttention's
+    variable-length kernels start a sequence at each 0); a target
+    ``tokens[:, j + 1]`` lies in another document than its input where
+    ``positions[:, j + 1] == 0``. ``windows="random"`` starts each window at a random
+    offset per epoch (from ``seed``); ``"consecutive"`` cuts the concatenation in
+    order. The other options are ``Loader``'s."""
+
+    def __init__(
+        self,
+        path: PathLike,
+        seq_len: int,
+        batch_size: int = 32,
+        offsets: Optional[PathLike] = None,
+        windows: str = "random",
+        seed: int = 0,
+        shuffle: str = "full",
+        workers: Optional[int] = None,
+        drop_last: bool = False,
+        prefetch: Optional[int] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        page_cache_budget: Optional[int] = None,
+        held: Optional[int] = None,
+        progress: Optional[bool] = None,
+        device: Optional[str] = None,
+        direct_reads: bool = True,
+    ):
+        dataset = _stokehold._Dataset.packed(
+            str(path), seq_len, windows, seed, None if offsets is None else str(offsets)
+        )
+        self._build(
+            dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
+            rank, world_size, page_cache_budget, progress, device,
+            direct_reads=direct_reads,
         )
 
 
