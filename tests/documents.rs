@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
-use stokehold::{Dataset, Documents, Error, Loader, Shuffle};
+use stokehold::{Dataset, Documents, Error, Loader, Shuffle, Windows};
 
 mod common;
 
@@ -116,6 +116,81 @@ fn int32_megatron_tokens_and_npy_offsets_give_the_same_rows() {
         assert_eq!((ds.len(), ds.truncated()), (6, 0));
         let want: Vec<_> = docs().iter().map(|d| expected(d, 50, 0)).collect();
         assert_eq!(rows(ds, i32_tokens), want, "{offsets}");
+    }
+}
+
+fn arrow(name: &str) -> PathBuf {
+    Path::new(FIXTURES).join("../arrow").join(name)
+}
+
+fn i8_tokens(b: &stokehold::HostBatch) -> Vec<i64> {
+    let t = b.column_named::<i8>("tokens").unwrap();
+    t.iter().map(|&x| i64::from(x)).collect()
+}
+
+#[test]
+fn arrow_list_columns_are_read_in_place() {
+    // As Hugging Face `datasets` writes a tokenised table: the stream format, record
+    // batches of 4 rows, `input_ids` a list<int32> between other columns.
+    let ds = Documents::open_arrow(arrow("hf_stream.arrow"), "input_ids", 16, 7).unwrap();
+    assert_eq!(
+        (ds.len(), ds.dtype(), ds.tokens()),
+        (6, stokehold::DType::I32, 61)
+    );
+    assert_eq!(ds.files().len(), 1);
+    let want: Vec<_> = docs().iter().map(|d| expected(d, 16, 7)).collect();
+    assert_eq!(rows(ds, i32_tokens), want);
+    let ds = Documents::open_arrow(arrow("hf_stream.arrow"), "attention_mask", 50, 0).unwrap();
+    let ones: Vec<_> = docs()
+        .iter()
+        .map(|d| expected(&vec![1; d.len()], 50, 0))
+        .collect();
+    assert_eq!(rows(ds, i8_tokens), ones);
+    // The file format, a large_list<uint16> after a struct, a dictionary, a string view,
+    // a dense union and a null column, in record batches of 3 rows.
+    let ds = Documents::open_arrow(arrow("mixed_file.arrow"), "tokens", 16, 7).unwrap();
+    assert_eq!(ds.dtype(), stokehold::DType::U16);
+    assert_eq!(rows(ds, u16_tokens), want);
+}
+
+#[test]
+fn bad_arrow_files_are_errors_naming_the_file() {
+    for (name, column, problem) in [
+        (
+            "hf_stream.arrow",
+            "labels",
+            r#"no column "labels"; its columns are "text", "input_ids", "attention_mask""#,
+        ),
+        (
+            "hf_stream.arrow",
+            "text",
+            r#"column "text" is not a list of integers"#,
+        ),
+        (
+            "mixed_file.arrow",
+            "meta",
+            r#"column "meta" is not a list of integers"#,
+        ),
+        ("bad_floats.arrow", "input_ids", "is not a list of integers"),
+        (
+            "bad_compressed.arrow",
+            "input_ids",
+            "compressed record batches",
+        ),
+        (
+            "bad_nulls.arrow",
+            "input_ids",
+            "has 1 null rows and 0 null tokens",
+        ),
+        (
+            "bad_not_arrow.arrow",
+            "input_ids",
+            "not an Arrow IPC stream or file",
+        ),
+        ("bad_cut.arrow", "input_ids", "the end of the file"),
+    ] {
+        let err = Documents::open_arrow(arrow(name), column, 16, 0).unwrap_err();
+        refused(err, name, problem);
     }
 }
 
@@ -432,4 +507,45 @@ fn example_09_cuts_the_padding_by_grouping() {
         starts <= documents && starts > documents * 99 / 100,
         "{packed}"
     );
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+    /// An Arrow file with bytes changed or cut short anywhere opens or is refused, and
+    /// one that opens serves its rows (or errors): never a panic.
+    #[test]
+    fn damaged_arrow_files_never_panic(
+        name in proptest::sample::select(vec!["hf_stream.arrow", "mixed_file.arrow"]),
+        edits in proptest::collection::vec((0usize..5000, proptest::num::u8::ANY), 1..6),
+        cut in proptest::option::of(0usize..5000),
+    ) {
+        let mut bytes = std::fs::read(arrow(name)).unwrap();
+        for (at, value) in edits {
+            let n = bytes.len();
+            bytes[at % n] = value;
+        }
+        if let Some(cut) = cut {
+            bytes.truncate(cut % (bytes.len() + 1));
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(name);
+        std::fs::write(&path, &bytes).unwrap();
+        let column = if name == "hf_stream.arrow" { "input_ids" } else { "tokens" };
+        if let Ok(ds) = Documents::open_arrow(&path, column, 64, 0) {
+            let n = ds.len().min(64);
+            let mut tokens = vec![0u8; 64 * 64 * ds.dtype().size()];
+            let mut lens = vec![0u8; 64 * 8];
+            let all: Vec<u64> = (0..n).collect();
+            let _ = ds.gather(0, &all, &mut [&mut tokens, &mut lens]);
+            let packed = stokehold::Packed::open_arrow(&path, column, 4, Windows::Consecutive);
+            if let Ok(p) = packed {
+                let n = p.len().min(64);
+                let width = p.columns()[0].row_bytes;
+                let (mut t, mut q) = (vec![0u8; 64 * width], vec![0u8; 64 * 20]);
+                let all: Vec<u64> = (0..n).collect();
+                let _ = p.gather(0, &all, &mut [&mut t, &mut q]);
+            }
+        }
+    }
 }

@@ -84,6 +84,11 @@ fn every_layout_packs_to_the_concatenation_with_positions() {
         check_windows(&ds, &fixture_docs(|t| t * 100_000), 0..2, "fairseq_u32");
         let ds = Packed::open_megatron(fx("megatron_i32.idx"), 3, windows).unwrap();
         check_windows(&ds, &fixture_docs(|t| t * 70000 - 5), 0..2, "megatron_i32");
+        let hf = fx("../arrow/hf_stream.arrow");
+        let ds = Packed::open_arrow(&hf, "input_ids", 9, windows).unwrap();
+        check_windows(&ds, &fixture_docs(|t| t), 0..2, "hf_stream.arrow");
+        let ds = Packed::open_arrow(fx("../arrow/mixed_file.arrow"), "tokens", 4, windows).unwrap();
+        check_windows(&ds, &fixture_docs(|t| t), 0..2, "mixed_file.arrow");
         for offsets in ["docs_offsets.npy", "docs_offsets_u32.npy"] {
             let ds = Packed::open_npy(fx("docs_tokens.npy"), fx(offsets), 11, windows).unwrap();
             check_windows(&ds, &fixture_docs(|t| t), 0..2, offsets);

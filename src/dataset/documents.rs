@@ -14,13 +14,15 @@ use crate::error::{Error, Result};
 /// how many of them are the document's. Longer documents are cut at `max_len` (how many
 /// were is [`truncated`](Documents::truncated)).
 ///
-/// Two layouts open in place:
+/// Three layouts open in place:
 /// - Megatron-LM / Megatron-Core indexed datasets (`prefix.bin` + `prefix.idx`, as
 ///   `tools/preprocess_data.py` writes them), and fairseq's `mmap` datasets (the same
 ///   format without document indices, and with `uint32`/`uint64` tokens too): each of
 ///   their sequences is a sample.
 /// - A 1-d integer `.npy` of tokens with a 1-d integer `.npy` of `n + 1` offsets into it
 ///   (`np.cumsum` of the lengths with a leading 0, the layout of Arrow's list columns).
+/// - A list-of-integers column of an Arrow IPC stream or file, such as a Hugging Face
+///   `datasets` table's `input_ids`: its rows are the samples.
 ///
 /// The whole index is checked when the dataset opens (every document inside the token
 /// file): a bad one is an error naming the file and the document, never a panic later.
@@ -67,6 +69,26 @@ impl Documents {
             max_len,
             pad,
         )
+    }
+
+    /// Opens the list-of-integers column `column` of an Arrow IPC file: a Hugging Face
+    /// `datasets` table as `save_to_disk` or its cache writes it (`column` is then
+    /// usually `"input_ids"`), or any `pyarrow` stream or file. Each row is a document;
+    /// the record batches' offsets and values are read in place.
+    ///
+    /// # Errors
+    /// [`Error::Io`] for a file that cannot be read; [`Error::Dataset`] naming the file
+    /// for one that is not Arrow IPC or is malformed, a column that is missing (the
+    /// message lists those there are), not a list of integers, compressed or holding
+    /// nulls, and bad offsets; [`Error::Config`] as for
+    /// [`open_megatron`](Documents::open_megatron).
+    pub fn open_arrow(
+        path: impl AsRef<Path>,
+        column: &str,
+        max_len: usize,
+        pad: i64,
+    ) -> Result<Documents> {
+        Self::build(Stored::arrow(path.as_ref(), column)?, max_len, pad)
     }
 
     fn build(stored: Stored, max_len: usize, pad: i64) -> Result<Documents> {

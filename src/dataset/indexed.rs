@@ -1,12 +1,13 @@
 //! Token sequences stored back to back with an index of where each one is: the files
-//! of a Megatron / fairseq indexed dataset, or a token `.npy` with an offsets `.npy`,
-//! opened and checked once. [`Documents`](super::Documents) serves them padded,
+//! of a Megatron / fairseq indexed dataset, a token `.npy` with an offsets `.npy`, or a
+//! list column of an Arrow IPC file, opened and checked once. [`Documents`](super::Documents) serves them padded,
 //! [`Packed`](super::Packed) concatenated.
 
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
+use super::arrow::{self, Chunk};
 use super::guard::Watched;
 use super::{DType, MappedFile, NpyArray};
 use crate::error::{Error, Result};
@@ -79,7 +80,7 @@ impl Mapped {
 }
 
 /// Where the index keeps each document's place.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum Index {
     /// Megatron: `int32` lengths (tokens) at byte `lengths` of the index file, `int64`
     /// pointers (bytes into the token file) at byte `pointers`.
@@ -87,6 +88,12 @@ enum Index {
     /// `n + 1` token offsets of type `dtype` at byte `at` of the offsets file: document
     /// `i` is tokens `offsets[i]..offsets[i + 1]`.
     Offsets { at: usize, dtype: DType },
+    /// An Arrow list column: per record batch, `rows + 1` offsets into its values (both
+    /// in the token file); `firsts[c]` is chunk `c`'s first document (no chunk empty).
+    Chunks {
+        chunks: Vec<Chunk>,
+        firsts: Vec<u64>,
+    },
 }
 
 /// Reads the little-endian `N` bytes at `at`.
@@ -99,8 +106,8 @@ impl Index {
     /// index file's bytes `idx` say (`width`: bytes per token). `None` for a place the
     /// index does not hold, or a negative length or place (checked when the dataset
     /// opened; the index is not trusted again here).
-    fn extent(self, idx: &[u8], i: usize, width: usize) -> Option<(u64, u64)> {
-        match self {
+    fn extent(&self, idx: &[u8], i: usize, width: usize) -> Option<(u64, u64)> {
+        match *self {
             Index::Megatron { lengths, pointers } => {
                 let len = i32::from_le_bytes(le(idx, lengths.checked_add(4 * i)?)?);
                 let ptr = i64::from_le_bytes(le(idx, pointers.checked_add(8 * i)?)?);
@@ -113,6 +120,24 @@ impl Index {
                 let first = u64::try_from(first).ok()?;
                 let len = u64::try_from(end).ok()?.checked_sub(first)?;
                 Some((first.checked_mul(width as u64)?, len))
+            }
+            Index::Chunks {
+                ref chunks,
+                ref firsts,
+            } => {
+                let c = firsts.partition_point(|&f| f <= i as u64).checked_sub(1)?;
+                let (chunk, j) = (chunks[c], i - firsts[c] as usize);
+                if j as u64 >= chunk.rows {
+                    return None;
+                }
+                let dtype = if chunk.large { DType::I64 } else { DType::I32 };
+                let w = dtype.size();
+                let at = |k: usize| chunk.offsets.checked_add(w.checked_mul(k)?);
+                let first = dtype.read_i64(idx.get(at(j)?..)?)?;
+                let end = dtype.read_i64(idx.get(at(j + 1)?..)?)?;
+                let len = u64::try_from(end.checked_sub(first)?).ok()?;
+                let first = u64::try_from(first).ok()?.checked_mul(width as u64)?;
+                Some(((chunk.values as u64).checked_add(first)?, len))
             }
         }
     }
@@ -139,7 +164,8 @@ pub(super) struct Stored {
     pub(super) tokens: Mapped,
     /// The first byte of the token data in `tokens`' file (after an `.npy` header).
     pub(super) data: usize,
-    pub(super) index: Mapped,
+    /// The index's file, where it is not the token file.
+    index: Option<Mapped>,
     layout: Index,
     pub(super) dtype: DType,
     pub(super) docs: u64,
@@ -255,7 +281,7 @@ impl Stored {
         Ok(Stored {
             tokens,
             data: 0,
-            index,
+            index: Some(index),
             layout: Index::Megatron { lengths, pointers },
             dtype,
             docs,
@@ -311,9 +337,63 @@ impl Stored {
         Ok(Stored {
             tokens: Mapped::from_array(tokens),
             data,
-            index: Mapped::from_array(offsets),
+            index: Some(Mapped::from_array(offsets)),
             layout,
             dtype,
+            docs,
+        })
+    }
+
+    /// Opens the list-of-integers column `column` of an Arrow IPC stream or file (a
+    /// Hugging Face `datasets` table's `input_ids`, say): each row is a document.
+    ///
+    /// # Errors
+    /// [`Error::Io`] for a file that cannot be read; [`Error::Dataset`] naming the file
+    /// for one that is not Arrow IPC or is malformed, a column that is missing, not a
+    /// list of integers, compressed or holds nulls, and offsets that are negative, fall,
+    /// or pass the end of their values.
+    pub(super) fn arrow(path: &Path, column: &str) -> Result<Stored> {
+        let file = Mapped::open(path)?;
+        let bad = |problem: String| Error::dataset(path, problem);
+        let list = file.read(|m| arrow::list_column(m, column))?.map_err(bad)?;
+        let (mut chunks, mut firsts, mut docs) = (Vec::new(), Vec::new(), 0u64);
+        let width = list.dtype.size() as i64;
+        let checked = file.read(|m| {
+            for (c, chunk) in list.chunks.iter().enumerate() {
+                let dtype = if chunk.large { DType::I64 } else { DType::I32 };
+                let w = dtype.size();
+                let mut last = 0i64;
+                for k in 0..=chunk.rows as usize {
+                    let at = chunk.offsets + w * k;
+                    let v = dtype.read_i64(&m[at..at + w]).expect("an integer type");
+                    let fine = v >= 0 && (k == 0 || v >= last);
+                    let inside = v
+                        .checked_mul(width)
+                        .is_some_and(|b| b as u64 <= chunk.values_len as u64);
+                    if !fine || !inside {
+                        return Err(format!(
+                            "column {column:?}, record batch {c}: offset {k} is {v}: offsets \
+                             rise, from 0 at least to the {} values at most",
+                            chunk.values_len as i64 / width
+                        ));
+                    }
+                    last = v;
+                }
+            }
+            Ok(())
+        })?;
+        checked.map_err(bad)?;
+        for chunk in list.chunks.into_iter().filter(|c| c.rows > 0) {
+            firsts.push(docs);
+            docs += chunk.rows;
+            chunks.push(chunk);
+        }
+        Ok(Stored {
+            tokens: file,
+            data: 0,
+            index: None,
+            layout: Index::Chunks { chunks, firsts },
+            dtype: list.dtype,
             docs,
         })
     }
@@ -325,9 +405,9 @@ impl Stored {
     /// [`Error::Dataset`] naming the index for a document with a negative length or
     /// place, or one that lies outside the token data.
     pub(super) fn scan(&self, max_len: u64) -> Result<Scan> {
-        let (layout, width) = (self.layout, self.dtype.size());
+        let (layout, width) = (&self.layout, self.dtype.size());
         let body = self.tokens.watched.len() - self.data as u64;
-        let scan = self.index.read(|m| {
+        let scan = self.index().read(|m| {
             let mut scan = Scan {
                 contiguous: true,
                 ..Scan::default()
@@ -355,7 +435,7 @@ impl Stored {
             }
             Ok(scan)
         })?;
-        scan.map_err(|problem| Error::dataset(&self.index.path, problem))
+        scan.map_err(|problem| Error::dataset(&self.index().path, problem))
     }
 
     /// The place (first byte in the token data) and length of each of `indices`.
@@ -388,7 +468,7 @@ impl Stored {
                 .map(|i| extent(i).map(&mut each))
                 .collect::<Option<Vec<T>>>()
         });
-        found?.ok_or_else(|| self.index.changed())
+        found?.ok_or_else(|| self.index().changed())
     }
 
     /// Runs `read` with a reader of document places and lengths (`None` for one the
@@ -400,8 +480,8 @@ impl Stored {
         &self,
         read: impl FnOnce(&dyn Fn(u64) -> Option<(u64, u64)>) -> R,
     ) -> Result<R> {
-        let (layout, width) = (self.layout, self.dtype.size());
-        self.index.read(|m| {
+        let (layout, width) = (&self.layout, self.dtype.size());
+        self.index().read(|m| {
             let extent = |i: u64| match i < self.docs {
                 true => layout.extent(m, i as usize, width),
                 false => None,
@@ -410,8 +490,14 @@ impl Stored {
         })
     }
 
+    /// The file holding the index: its own, or the token file.
+    pub(super) fn index(&self) -> &Mapped {
+        self.index.as_ref().unwrap_or(&self.tokens)
+    }
+
     /// The files, tokens first.
     pub(super) fn files(&self) -> Vec<MappedFile<'_>> {
-        vec![self.tokens.mapped(), self.index.mapped()]
+        let index = self.index.iter().map(Mapped::mapped);
+        std::iter::once(self.tokens.mapped()).chain(index).collect()
     }
 }

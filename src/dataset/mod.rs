@@ -11,6 +11,7 @@
 //!
 //! Anything implementing [`Dataset`] can be fed to a [`Loader`](crate::Loader).
 
+mod arrow;
 mod columns;
 mod documents;
 mod dtype;

@@ -79,6 +79,22 @@ impl Packed {
         Self::build(stored, seq_len, windows)
     }
 
+    /// Packs the list-of-integers column `column` of an Arrow IPC file (a Hugging Face
+    /// `datasets` table's `input_ids`, say), as
+    /// [`Documents::open_arrow`](super::Documents::open_arrow) opens it.
+    ///
+    /// # Errors
+    /// As [`Documents::open_arrow`](super::Documents::open_arrow), and as
+    /// [`open_megatron`](Packed::open_megatron) for the windows.
+    pub fn open_arrow(
+        path: impl AsRef<Path>,
+        column: &str,
+        seq_len: usize,
+        windows: Windows,
+    ) -> Result<Packed> {
+        Self::build(Stored::arrow(path.as_ref(), column)?, seq_len, windows)
+    }
+
     fn build(stored: Stored, seq_len: usize, windows: Windows) -> Result<Packed> {
         if seq_len == 0 || seq_len >= (isize::MAX as usize) / 8 {
             return Err(Error::Config(format!("seq_len {seq_len} is out of range")));
@@ -257,7 +273,7 @@ impl Dataset for Packed {
             }
             Some(())
         })?;
-        walked.ok_or_else(|| self.stored.index.changed())?;
+        walked.ok_or_else(|| self.stored.index().changed())?;
         let width = self.stored.dtype.size();
         let copied = self.stored.tokens.read(|m| {
             let data = &m[self.stored.data..];

@@ -175,7 +175,7 @@ impl OpenDataset {
     /// `seq_len + 1` tokens, with each token's position in its document. The files are
     /// those of `documents`.
     #[staticmethod]
-    #[pyo3(signature = (path, seq_len, windows, seed, offsets))]
+    #[pyo3(signature = (path, seq_len, windows, seed, offsets, column))]
     fn packed(
         py: Python<'_>,
         path: std::path::PathBuf,
@@ -183,13 +183,16 @@ impl OpenDataset {
         windows: &str,
         seed: u64,
         offsets: Option<std::path::PathBuf>,
+        column: Option<String>,
     ) -> PyResult<OpenDataset> {
         let windows = windows_named(windows, seed)?;
         let data = path.display().to_string();
+        let layout = Layout::of(&path, offsets, column)?;
         Self::opened(py, data, move || {
-            let ds = match offsets {
-                Some(o) => Packed::open_npy(&path, o, seq_len, windows)?,
-                None => Packed::open_megatron(&path, seq_len, windows)?,
+            let ds = match layout {
+                Layout::Npy(o) => Packed::open_npy(&path, o, seq_len, windows)?,
+                Layout::Arrow(c) => Packed::open_arrow(&path, &c, seq_len, windows)?,
+                Layout::Megatron => Packed::open_megatron(&path, seq_len, windows)?,
             };
             Ok(Arc::new(ds))
         })
@@ -199,19 +202,22 @@ impl OpenDataset {
     /// (`path` is its prefix, or its `.idx` or `.bin`) or, with `offsets`, a 1-d token
     /// `.npy` at `path` and the `n + 1` offsets into it.
     #[staticmethod]
-    #[pyo3(signature = (path, max_len, pad, offsets))]
+    #[pyo3(signature = (path, max_len, pad, offsets, column))]
     fn documents(
         py: Python<'_>,
         path: std::path::PathBuf,
         max_len: usize,
         pad: i64,
         offsets: Option<std::path::PathBuf>,
+        column: Option<String>,
     ) -> PyResult<OpenDataset> {
         let data = path.display().to_string();
+        let layout = Layout::of(&path, offsets, column)?;
         Self::opened(py, data, move || {
-            let ds = match offsets {
-                Some(o) => Documents::open_npy(&path, o, max_len, pad)?,
-                None => Documents::open_megatron(&path, max_len, pad)?,
+            let ds = match layout {
+                Layout::Npy(o) => Documents::open_npy(&path, o, max_len, pad)?,
+                Layout::Arrow(c) => Documents::open_arrow(&path, &c, max_len, pad)?,
+                Layout::Megatron => Documents::open_megatron(&path, max_len, pad)?,
             };
             Ok(Arc::new(ds))
         })
@@ -264,6 +270,40 @@ impl Drop for Loader {
         });
         if let Some(end) = end {
             end();
+        }
+    }
+}
+
+/// Which files hold a set of documents.
+enum Layout {
+    /// A token `.npy` and these offsets.
+    Npy(std::path::PathBuf),
+    /// This list column of an Arrow IPC file.
+    Arrow(String),
+    /// A Megatron / fairseq indexed dataset.
+    Megatron,
+}
+
+impl Layout {
+    /// The layout `path` and the options name: offsets for a token `.npy`, an `.arrow`
+    /// file's column (`input_ids` unless given), or else a Megatron prefix.
+    fn of(
+        path: &std::path::Path,
+        offsets: Option<std::path::PathBuf>,
+        column: Option<String>,
+    ) -> PyResult<Layout> {
+        let arrow = path.extension().is_some_and(|e| e == "arrow");
+        match (offsets, column) {
+            (Some(_), Some(_)) => Err(PyValueError::new_err(
+                "give offsets (a token .npy) or column (an .arrow file), not both",
+            )),
+            (Some(o), None) => Ok(Layout::Npy(o)),
+            (None, column) if arrow => Ok(Layout::Arrow(column.unwrap_or("input_ids".into()))),
+            (None, Some(c)) => Err(PyValueError::new_err(format!(
+                "column {c:?} is for an .arrow file, and {} is not one",
+                path.display()
+            ))),
+            (None, None) => Ok(Layout::Megatron),
         }
     }
 }

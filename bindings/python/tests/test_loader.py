@@ -410,6 +410,31 @@ def test_packed_loader_concatenates_documents_with_positions():
         stokehold.PackedLoader(FIXTURES / "megatron_u16", seq_len=7, windows="shifted")
 
 
+def test_arrow_tables_are_read_in_place():
+    # As Hugging Face datasets writes a tokenised table (tests/fixtures/make_arrow.py).
+    path = FIXTURES.parent / "arrow" / "hf_stream.arrow"
+    lens = [5, 0, 12, 3, 40, 1]
+    loader = stokehold.DocumentLoader(path, max_len=16, batch_size=4, shuffle="none")
+    assert loader.columns["tokens"] == (np.dtype(np.int32), (16,))
+    rows = [(list(t), int(n)) for b in loader.epoch(0) for t, n in zip(b["tokens"], b["len"])]
+    want = [([100 * i + j for j in range(min(n, 16))] + [0] * (16 - min(n, 16)), min(n, 16))
+            for i, n in enumerate(lens)]
+    assert rows == want
+    masks = stokehold.DocumentLoader(path, max_len=50, column="attention_mask", shuffle="none")
+    assert [int(n) for b in masks.epoch(0) for n in b["len"]] == lens
+    packed = stokehold.PackedLoader(path, seq_len=7, batch_size=8, windows="consecutive",
+                                    shuffle="none")
+    b = next(packed.epoch(0))
+    stream = np.concatenate([100 * i + np.arange(n) for i, n in enumerate(lens)])
+    np.testing.assert_array_equal(b["tokens"], np.stack([stream[7 * i:7 * i + 8] for i in range(8)]))
+    with pytest.raises(stokehold.Error, match=r'hf_stream.arrow.*no column "labels"; its columns'):
+        stokehold.DocumentLoader(path, max_len=16, column="labels")
+    with pytest.raises(ValueError, match="not both"):
+        stokehold.DocumentLoader(path, max_len=16, column="x", offsets=path)
+    with pytest.raises(ValueError, match="is for an .arrow file"):
+        stokehold.PackedLoader(FIXTURES / "megatron_u16", seq_len=7, column="input_ids")
+
+
 def test_packed_windows_resume_exactly(tmp_path):
     rng = np.random.default_rng(3)
     docs = [rng.integers(0, 50_000, size=n, dtype=np.uint16) for n in rng.integers(0, 300, 400)]

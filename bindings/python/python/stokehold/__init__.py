@@ -321,9 +321,12 @@ class TokenLoader(Loader):
 class DocumentLoader(Loader):
     """A loader over variable-length documents (token sequences of any length), read in
     place: a Megatron-LM / Megatron-Core indexed dataset (``path`` is its prefix, or its
-    ``.idx`` or ``.bin``; each sequence is a sample), or, with ``offsets``, a 1-d
+    ``.idx`` or ``.bin``; each sequence is a sample); with ``offsets``, a 1-d
     integer ``.npy`` of tokens at ``path`` and a 1-d integer ``.npy`` of ``n + 1``
-    offsets into it (document ``i`` is ``tokens[offsets[i]:offsets[i + 1]]``).
+    offsets into it (document ``i`` is ``tokens[offsets[i]:offsets[i + 1]]``); or an
+    Arrow IPC file (``path`` ending in ``.arrow``, as Hugging Face ``datasets`` writes
+    its tables: ``save_to_disk``'s ``data-*.arrow``, or its cache), whose list column
+    ``column`` (``"input_ids"`` by default) holds a document a row.
 
     Each batch has two columns: ``"tokens"``, shape ``(B, max_len)`` in the files' token
     type, each row a document's first ``max_len`` tokens followed by ``pad``; and
@@ -342,6 +345,7 @@ class DocumentLoader(Loader):
         max_len: int,
         batch_size: int = 32,
         offsets: Optional[PathLike] = None,
+        column: Optional[str] = None,
         pad: int = 0,
         shuffle: str = "full",
         seed: int = 0,
@@ -358,7 +362,7 @@ class DocumentLoader(Loader):
         direct_reads: bool = True,
     ):
         dataset = _stokehold._Dataset.documents(
-            str(path), max_len, pad, None if offsets is None else str(offsets)
+            str(path), max_len, pad, None if offsets is None else str(offsets), column
         )
         self._build(
             dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
@@ -369,8 +373,9 @@ class DocumentLoader(Loader):
 
 class PackedLoader(Loader):
     """A loader over variable-length documents packed for pretraining: the documents
-    ``DocumentLoader`` reads (a Megatron / fairseq indexed dataset at ``path``, or a
-    token ``.npy`` at ``path`` with ``offsets``) concatenated in their stored order and
+    ``DocumentLoader`` reads (a Megatron / fairseq indexed dataset at ``path``, a
+    token ``.npy`` at ``path`` with ``offsets``, or an ``.arrow`` file's list
+    ``column``) concatenated in their stored order and
     cut into windows of ``seq_len + 1`` tokens, as ``TokenLoader`` cuts a token file,
     with no padding.
 
@@ -390,6 +395,7 @@ class PackedLoader(Loader):
         seq_len: int,
         batch_size: int = 32,
         offsets: Optional[PathLike] = None,
+        column: Optional[str] = None,
         windows: str = "random",
         seed: int = 0,
         shuffle: str = "full",
@@ -405,7 +411,7 @@ class PackedLoader(Loader):
         direct_reads: bool = True,
     ):
         dataset = _stokehold._Dataset.packed(
-            str(path), seq_len, windows, seed, None if offsets is None else str(offsets)
+            str(path), seq_len, windows, seed, None if offsets is None else str(offsets), column
         )
         self._build(
             dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,

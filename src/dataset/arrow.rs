@@ -1,0 +1,477 @@
+//! Apache Arrow IPC files, read in place: where a list-of-integers column (a Hugging
+//! Face `datasets` `input_ids`, say) keeps each record batch's offsets and values.
+//!
+//! Hugging Face `datasets` writes its tables (`save_to_disk`, and its cache) in the
+//! Arrow IPC *stream* format; `pyarrow.ipc.new_file` writes the *file* format, the same
+//! messages between `ARROW1` magics and a footer. Both are read here message by message:
+//! each one's flatbuffer metadata is parsed with bounds checks, never trusted.
+
+/// One record batch's part of the column: `rows` lists whose `rows + 1` offsets (`i32`,
+/// or `i64` for a large list) are at byte `offsets` of the file, into the values at byte
+/// `values` (`values_len` bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Chunk {
+    pub(super) rows: u64,
+    pub(super) offsets: usize,
+    pub(super) large: bool,
+    pub(super) values: usize,
+    pub(super) values_len: usize,
+}
+
+/// A list-of-integers column of an Arrow IPC file: its values' type and its chunks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct ListColumn {
+    pub(super) dtype: super::DType,
+    pub(super) chunks: Vec<Chunk>,
+}
+
+/// The file format's leading magic (padded to 8 bytes).
+const FILE_MAGIC: &[u8; 6] = b"ARROW1";
+/// A message's metadata length follows this marker (since Arrow 0.15).
+const CONTINUATION: u32 = 0xFFFF_FFFF;
+
+/// A flatbuffer table: its position in `buf`.
+#[derive(Clone, Copy)]
+struct Table<'a> {
+    buf: &'a [u8],
+    at: usize,
+}
+
+fn u16_at(buf: &[u8], at: usize) -> Option<u16> {
+    Some(u16::from_le_bytes(
+        buf.get(at..at.checked_add(2)?)?.try_into().ok()?,
+    ))
+}
+
+fn u32_at(buf: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(
+        buf.get(at..at.checked_add(4)?)?.try_into().ok()?,
+    ))
+}
+
+fn i64_at(buf: &[u8], at: usize) -> Option<i64> {
+    Some(i64::from_le_bytes(
+        buf.get(at..at.checked_add(8)?)?.try_into().ok()?,
+    ))
+}
+
+impl<'a> Table<'a> {
+    /// The root table of the flatbuffer `buf`.
+    fn root(buf: &'a [u8]) -> Option<Table<'a>> {
+        let at = u32_at(buf, 0)? as usize;
+        Table::at(buf, at)
+    }
+
+    fn at(buf: &'a [u8], at: usize) -> Option<Table<'a>> {
+        // The table starts with the signed distance back to its vtable.
+        let vtable = (at as i64).checked_sub(i64::from(u32_at(buf, at)? as i32))?;
+        let vtable = usize::try_from(vtable).ok()?;
+        u16_at(buf, vtable)?;
+        Some(Table { buf, at })
+    }
+
+    /// Where field `slot`'s value is, if the table has it.
+    fn field(self, slot: usize) -> Option<usize> {
+        let vtable = (self.at as i64 - i64::from(u32_at(self.buf, self.at)? as i32)) as usize;
+        let len = u16_at(self.buf, vtable)? as usize;
+        let entry = 4 + 2 * slot;
+        if entry + 2 > len {
+            return None;
+        }
+        match u16_at(self.buf, vtable + entry)? {
+            0 => None,
+            off => self.at.checked_add(off as usize),
+        }
+    }
+
+    fn u8(self, slot: usize) -> Option<u8> {
+        self.field(slot)
+            .map_or(Some(0), |at| self.buf.get(at).copied())
+    }
+
+    fn i16(self, slot: usize) -> Option<i16> {
+        self.field(slot)
+            .map_or(Some(0), |at| u16_at(self.buf, at).map(|v| v as i16))
+    }
+
+    fn i32(self, slot: usize) -> Option<i32> {
+        self.field(slot)
+            .map_or(Some(0), |at| u32_at(self.buf, at).map(|v| v as i32))
+    }
+
+    fn i64(self, slot: usize) -> Option<i64> {
+        self.field(slot).map_or(Some(0), |at| i64_at(self.buf, at))
+    }
+
+    fn bool(self, slot: usize) -> Option<bool> {
+        self.u8(slot).map(|b| b != 0)
+    }
+
+    /// Where the object that field `slot` refers to starts (`None` if absent or out of
+    /// bounds).
+    fn target(self, slot: usize) -> Option<usize> {
+        let at = self.field(slot)?;
+        at.checked_add(u32_at(self.buf, at)? as usize)
+    }
+
+    fn table(self, slot: usize) -> Option<Table<'a>> {
+        Table::at(self.buf, self.target(slot)?)
+    }
+
+    /// The vector at field `slot`: its length and where its elements start; an absent
+    /// vector is empty.
+    fn vector(self, slot: usize) -> Option<(usize, usize)> {
+        match self.field(slot) {
+            None => Some((0, 0)),
+            Some(_) => {
+                let at = self.target(slot)?;
+                let len = u32_at(self.buf, at)? as usize;
+                let first = at.checked_add(4)?;
+                // Each element takes at least a byte: a length past the buffer is corrupt.
+                (first.checked_add(len)? <= self.buf.len()).then_some((len, first))
+            }
+        }
+    }
+
+    /// The tables of the vector at field `slot`.
+    fn tables(self, slot: usize) -> Option<Vec<Table<'a>>> {
+        let (len, first) = self.vector(slot)?;
+        (0..len)
+            .map(|k| {
+                let at = first.checked_add(4 * k)?;
+                Table::at(self.buf, at.checked_add(u32_at(self.buf, at)? as usize)?)
+            })
+            .collect()
+    }
+
+    fn string(self, slot: usize) -> Option<&'a [u8]> {
+        let at = self.target(slot)?;
+        let len = u32_at(self.buf, at)? as usize;
+        self.buf
+            .get(at.checked_add(4)?..at.checked_add(4)?.checked_add(len)?)
+    }
+}
+
+/// Type tags of Arrow's `Type` union (Schema.fbs).
+mod ty {
+    pub const NULL: u8 = 1;
+    pub const INT: u8 = 2;
+    pub const BINARY: u8 = 4;
+    pub const UTF8: u8 = 5;
+    pub const LIST: u8 = 12;
+    pub const STRUCT: u8 = 13;
+    pub const UNION: u8 = 14;
+    pub const FIXED_SIZE_LIST: u8 = 16;
+    pub const MAP: u8 = 17;
+    pub const LARGE_BINARY: u8 = 19;
+    pub const LARGE_UTF8: u8 = 20;
+    pub const LARGE_LIST: u8 = 21;
+    pub const RUN_END_ENCODED: u8 = 22;
+    pub const BINARY_VIEW: u8 = 23;
+    pub const UTF8_VIEW: u8 = 24;
+    pub const LIST_VIEW: u8 = 25;
+    pub const LARGE_LIST_VIEW: u8 = 26;
+    /// Tags past the last this reader knows.
+    pub const LAST: u8 = 26;
+}
+
+/// How many nodes and buffers a field takes in a record batch, in the order the fields
+/// come: a field, then its children (depth first).
+#[derive(Debug, Clone, Copy, Default)]
+struct Place {
+    node: usize,
+    buffer: usize,
+    /// View-typed fields seen, which take `variadicBufferCounts` in order.
+    views: usize,
+}
+
+/// What the schema says of the column asked for.
+#[derive(Debug, Clone, Copy)]
+struct Wanted {
+    /// The list's node and first buffer (validity, then offsets); the values' node and
+    /// first buffer (validity, then data) follow at `+ 1`, `+ 2`.
+    at: Place,
+    large: bool,
+    dtype: super::DType,
+    /// View-typed fields before the column, whose variadic buffer counts the record
+    /// batches give.
+    views_before: usize,
+}
+
+/// Counts the nodes and buffers of `field` (and its children) into `place`. `None` for
+/// a malformed field.
+fn skip(field: Table<'_>, place: &mut Place, variadic: Option<&[i64]>) -> Option<()> {
+    place.node += 1;
+    if field.field(4).is_some() {
+        // Dictionary-encoded: the batch holds the indices; the values are elsewhere.
+        place.buffer += 2;
+        return Some(());
+    }
+    let tag = field.u8(2)?;
+    if tag == 0 || tag > ty::LAST {
+        return None;
+    }
+    place.buffer += match tag {
+        ty::NULL => 0,
+        ty::BINARY | ty::UTF8 | ty::LARGE_BINARY | ty::LARGE_UTF8 => 3,
+        ty::LIST | ty::LARGE_LIST | ty::MAP => 2,
+        ty::LIST_VIEW | ty::LARGE_LIST_VIEW => 3,
+        ty::STRUCT | ty::FIXED_SIZE_LIST => 1,
+        ty::UNION => match field.table(3)?.i16(0)? {
+            0 => 1, // sparse: type ids
+            _ => 2, // dense: type ids and offsets
+        },
+        ty::RUN_END_ENCODED => 0,
+        ty::BINARY_VIEW | ty::UTF8_VIEW => {
+            let extra = match variadic {
+                Some(counts) => usize::try_from(*counts.get(place.views)?).ok()?,
+                None => 0,
+            };
+            place.views += 1;
+            2 + extra
+        }
+        _ => 2,
+    };
+    for child in field.tables(5)? {
+        skip(child, place, variadic)?;
+    }
+    Some(())
+}
+
+/// Reads the column `name` of the Arrow IPC stream or file `file` (all its bytes).
+///
+/// # Errors
+/// A message naming what is wrong: not Arrow IPC, malformed metadata, no such column
+/// (with the columns there are), a column that is not a list of integers, nulls in it,
+/// compressed record batches, or buffers outside the file.
+pub(super) fn list_column(file: &[u8], name: &str) -> Result<ListColumn, String> {
+    let mut pos = match file.starts_with(FILE_MAGIC) {
+        true => 8,
+        false => 0,
+    };
+    let mut wanted: Option<Wanted> = None;
+    let mut chunks = Vec::new();
+    let mut schema_fields: Vec<Table<'_>> = Vec::new();
+    let mut message = 0usize;
+    // [continuation] length, metadata, body; a 0 length (or the end) ends the stream.
+    while let Some(mut len) = u32_at(file, pos) {
+        let mut meta = pos + 4;
+        if len == CONTINUATION {
+            len = u32_at(file, meta).ok_or("cut short after a continuation marker")?;
+            meta += 4;
+        }
+        if len == 0 {
+            break;
+        }
+        let bad = |what: &str| match message {
+            0 => format!("not an Arrow IPC stream or file (its first message: {what})"),
+            _ => format!("message {message} at byte {pos}: {what}"),
+        };
+        let end = meta
+            .checked_add(len as usize)
+            .filter(|&e| e <= file.len())
+            .ok_or_else(|| {
+                bad(&format!(
+                    "its {len} bytes of metadata pass the end of the file"
+                ))
+            })?;
+        let buf = &file[meta..end];
+        let malformed = || bad("malformed metadata (not an Arrow IPC message)");
+        let m = Table::root(buf).ok_or_else(malformed)?;
+        // MetadataVersion: V4 (Arrow 0.15, 2019) is 3, V5 (1.0) is 4.
+        let version = m.i16(0).ok_or_else(malformed)?;
+        if version < 3 {
+            return Err(bad(&format!(
+                "metadata version V{}: stokehold reads V4 and V5 (Arrow 0.15 and later)",
+                version + 1
+            )));
+        }
+        let body_len = m.i64(3).ok_or_else(malformed)?;
+        let body_len = usize::try_from(body_len).map_err(|_| malformed())?;
+        let body = end;
+        let next = body
+            .checked_add(body_len)
+            .filter(|&e| e <= file.len())
+            .ok_or_else(|| {
+                bad(&format!(
+                    "its {body_len}-byte body passes the end of the file"
+                ))
+            })?;
+        match m.u8(1).ok_or_else(malformed)? {
+            // Schema
+            1 => {
+                let schema = m.table(2).ok_or_else(malformed)?;
+                if schema.i16(0).ok_or_else(malformed)? != 0 {
+                    return Err(bad(
+                        "a big-endian table: stokehold reads little-endian ones",
+                    ));
+                }
+                schema_fields = schema.tables(1).ok_or_else(malformed)?;
+                wanted = Some(find(&schema_fields, name)?);
+            }
+            // RecordBatch
+            3 => {
+                let Some(w) = wanted else {
+                    return Err(bad("a record batch before the schema"));
+                };
+                let batch = m.table(2).ok_or_else(malformed)?;
+                let chunk =
+                    read_batch(batch, &schema_fields, w, body, body_len).map_err(|e| bad(&e))?;
+                chunks.push(chunk);
+            }
+            // Dictionary batches and anything else: not the column's.
+            _ => {}
+        }
+        pos = next;
+        message += 1;
+    }
+    let Some(w) = wanted else {
+        return Err(match message {
+            0 => "not an Arrow IPC stream or file: no message in it".into(),
+            _ => "no schema message in it".into(),
+        });
+    };
+    Ok(ListColumn {
+        dtype: w.dtype,
+        chunks,
+    })
+}
+
+/// Finds the top-level field `name` in `fields`, which must be a list of integers.
+fn find(fields: &[Table<'_>], name: &str) -> Result<Wanted, String> {
+    let malformed = || "malformed schema".to_string();
+    let mut place = Place::default();
+    let mut names = Vec::new();
+    for &f in fields {
+        let this = f.string(0).unwrap_or_default();
+        if this == name.as_bytes() {
+            let tag = f.u8(2).ok_or_else(malformed)?;
+            let large = match tag {
+                ty::LIST => false,
+                ty::LARGE_LIST => true,
+                _ => return Err(format!("column {name:?} is not a list of integers")),
+            };
+            let children = f.tables(5).ok_or_else(malformed)?;
+            let [child] = children[..] else {
+                return Err(malformed());
+            };
+            let int = match (f.field(4), child.field(4), child.u8(2)) {
+                (None, None, Some(ty::INT)) => child.table(3).ok_or_else(malformed)?,
+                _ => return Err(format!("column {name:?} is not a list of integers")),
+            };
+            let bits = int.i32(0).ok_or_else(malformed)?;
+            let signed = int.bool(1).ok_or_else(malformed)?;
+            use super::DType::*;
+            let dtype = match (bits, signed) {
+                (8, false) => U8,
+                (8, true) => I8,
+                (16, false) => U16,
+                (16, true) => I16,
+                (32, false) => U32,
+                (32, true) => I32,
+                (64, false) => U64,
+                (64, true) => I64,
+                _ => return Err(format!("column {name:?} holds {bits}-bit integers")),
+            };
+            return Ok(Wanted {
+                at: place,
+                large,
+                dtype,
+                views_before: place.views,
+            });
+        }
+        names.push(String::from_utf8_lossy(this).into_owned());
+        // Without the batches' variadic counts the buffer count of a view column is
+        // not known yet: the record batches correct it (see `read_batch`).
+        skip(f, &mut place, None).ok_or_else(malformed)?;
+    }
+    Err(format!(
+        "no column {name:?}; its columns are {}",
+        names
+            .iter()
+            .map(|n| format!("{n:?}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    ))
+}
+
+/// The column's chunk in the record batch `batch`, whose body is `body_len` bytes at
+/// byte `body` of the file.
+fn read_batch(
+    batch: Table<'_>,
+    fields: &[Table<'_>],
+    wanted: Wanted,
+    body: usize,
+    body_len: usize,
+) -> Result<Chunk, String> {
+    let malformed = || "malformed record batch".to_string();
+    if batch.field(3).is_some() {
+        return Err(
+            "compressed record batches (LZ4 or ZSTD buffers) cannot be read in place: \
+                    write the table without compression"
+                .into(),
+        );
+    }
+    // Where the column's buffers are in this batch: view columns before it add their
+    // variadic buffers.
+    let mut at = wanted.at;
+    if wanted.views_before > 0 {
+        let (n, first) = batch.vector(4).ok_or_else(malformed)?;
+        let counts: Option<Vec<i64>> = (0..n).map(|k| i64_at(batch.buf, first + 8 * k)).collect();
+        let counts = counts.ok_or_else(malformed)?;
+        let mut place = Place::default();
+        for &f in fields {
+            if place.node == wanted.at.node {
+                break;
+            }
+            skip(f, &mut place, Some(&counts)).ok_or_else(malformed)?;
+        }
+        at = place;
+    }
+    let struct_at = |slot: usize, k: usize| -> Option<(i64, i64)> {
+        let (n, first) = batch.vector(slot)?;
+        if k >= n {
+            return None;
+        }
+        let e = first.checked_add(16 * k)?;
+        Some((i64_at(batch.buf, e)?, i64_at(batch.buf, e + 8)?))
+    };
+    let (rows, list_nulls) = struct_at(1, at.node).ok_or_else(malformed)?;
+    let (_, value_nulls) = struct_at(1, at.node + 1).ok_or_else(malformed)?;
+    if list_nulls != 0 || value_nulls != 0 {
+        return Err(format!(
+            "the column has {list_nulls} null rows and {value_nulls} null tokens: every row \
+             must be a list of tokens"
+        ));
+    }
+    let buffer = |k: usize| -> Result<(usize, usize), String> {
+        let (off, len) = struct_at(2, k).ok_or_else(malformed)?;
+        let (off, len) = (usize::try_from(off), usize::try_from(len));
+        match (off, len) {
+            (Ok(off), Ok(len)) if off.checked_add(len).is_some_and(|e| e <= body_len) => {
+                Ok((body + off, len))
+            }
+            _ => Err(format!("buffer {k} lies outside its {body_len}-byte body")),
+        }
+    };
+    let rows = u64::try_from(rows).map_err(|_| malformed())?;
+    let (offsets, offsets_len) = buffer(at.buffer + 1)?;
+    let (values, values_len) = buffer(at.buffer + 3)?;
+    let width = if wanted.large { 8 } else { 4 };
+    let needed = (rows as usize)
+        .checked_add(1)
+        .and_then(|n| n.checked_mul(width));
+    if rows > 0 && !needed.is_some_and(|n| n <= offsets_len) {
+        return Err(format!(
+            "{rows} lists need {} bytes of offsets, the buffer holds {offsets_len}",
+            (rows + 1) * width as u64
+        ));
+    }
+    Ok(Chunk {
+        rows,
+        offsets,
+        large: wanted.large,
+        values,
+        values_len,
+    })
+}
