@@ -64,8 +64,8 @@ pub mod testing;
 
 pub use backend::Trainer;
 pub use dataset::{
-    Column, DType, Dataset, Documents, Element, MappedFile, NpyArray, NpyDataset, NpyHeader,
-    Packed, Subset, TokenDataset, Windows,
+    Column, Concat, DType, Dataset, Documents, Element, MappedFile, NpyArray, NpyDataset,
+    NpyHeader, Packed, Subset, TokenDataset, Windows,
 };
 pub use error::{Error, NpyProblem, Result};
 pub use loader::{

@@ -8,11 +8,14 @@
 //! - [`Packed`]: the same documents concatenated and cut into windows, with each
 //!   token's position in its document.
 //! - [`Subset`]: a contiguous range of another dataset's samples.
+//! - [`Concat`]: several datasets with the same columns, one after another (a table's
+//!   shards).
 //!
 //! Anything implementing [`Dataset`] can be fed to a [`Loader`](crate::Loader).
 
 mod arrow;
 mod columns;
+mod concat;
 mod documents;
 mod dtype;
 pub(crate) mod guard;
@@ -25,6 +28,7 @@ mod tokens;
 use std::path::Path;
 
 pub use columns::NpyDataset;
+pub use concat::Concat;
 pub use documents::Documents;
 pub use dtype::{DType, Element};
 pub use npy::{shape_string, NpyArray, NpyHeader};

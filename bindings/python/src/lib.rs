@@ -20,8 +20,8 @@ use stokehold::model::Metrics;
 use stokehold::pagecache::{self, Residency};
 use stokehold::report::{EpochProgress, EpochRow, LoopTimes, Setup, TrainReport};
 use stokehold::{
-    Column, DType, Dataset, Documents, HostBatch, LoaderState, NpyDataset, Packed, Shard, Shuffle,
-    TokenDataset, Windows,
+    Column, Concat, DType, Dataset, Documents, HostBatch, LoaderState, NpyDataset, Packed, Shard,
+    Shuffle, TokenDataset, Windows,
 };
 
 pyo3::create_exception!(
@@ -175,10 +175,10 @@ impl OpenDataset {
     /// `seq_len + 1` tokens, with each token's position in its document. The files are
     /// those of `documents`.
     #[staticmethod]
-    #[pyo3(signature = (path, seq_len, windows, seed, offsets, column))]
+    #[pyo3(signature = (paths, seq_len, windows, seed, offsets, column))]
     fn packed(
         py: Python<'_>,
-        path: std::path::PathBuf,
+        paths: Vec<std::path::PathBuf>,
         seq_len: usize,
         windows: &str,
         seed: u64,
@@ -186,40 +186,73 @@ impl OpenDataset {
         column: Option<String>,
     ) -> PyResult<OpenDataset> {
         let windows = windows_named(windows, seed)?;
-        let data = path.display().to_string();
-        let layout = Layout::of(&path, offsets, column)?;
-        Self::opened(py, data, move || {
-            let ds = match layout {
-                Layout::Npy(o) => Packed::open_npy(&path, o, seq_len, windows)?,
-                Layout::Arrow(c) => Packed::open_arrow(&path, &c, seq_len, windows)?,
-                Layout::Megatron => Packed::open_megatron(&path, seq_len, windows)?,
-            };
-            Ok(Arc::new(ds))
+        Self::parts(py, paths, offsets, column, move |path, layout| {
+            Ok(Arc::new(match layout {
+                Layout::Npy(o) => Packed::open_npy(path, o, seq_len, windows)?,
+                Layout::Arrow(c) => Packed::open_arrow(path, &c, seq_len, windows)?,
+                Layout::Megatron => Packed::open_megatron(path, seq_len, windows)?,
+            }))
         })
     }
 
     /// Variable-length documents padded to `max_len`: a Megatron indexed dataset
-    /// (`path` is its prefix, or its `.idx` or `.bin`) or, with `offsets`, a 1-d token
-    /// `.npy` at `path` and the `n + 1` offsets into it.
+    /// (`path` is its prefix, or its `.idx` or `.bin`), an Arrow IPC file's list
+    /// `column`, or, with `offsets`, a 1-d token `.npy` at `path` and the `n + 1`
+    /// offsets into it. Several paths (a table's shards) are one set, in order.
     #[staticmethod]
-    #[pyo3(signature = (path, max_len, pad, offsets, column))]
+    #[pyo3(signature = (paths, max_len, pad, offsets, column))]
     fn documents(
         py: Python<'_>,
-        path: std::path::PathBuf,
+        paths: Vec<std::path::PathBuf>,
         max_len: usize,
         pad: i64,
         offsets: Option<std::path::PathBuf>,
         column: Option<String>,
     ) -> PyResult<OpenDataset> {
-        let data = path.display().to_string();
-        let layout = Layout::of(&path, offsets, column)?;
+        Self::parts(py, paths, offsets, column, move |path, layout| {
+            Ok(Arc::new(match layout {
+                Layout::Npy(o) => Documents::open_npy(path, o, max_len, pad)?,
+                Layout::Arrow(c) => Documents::open_arrow(path, &c, max_len, pad)?,
+                Layout::Megatron => Documents::open_megatron(path, max_len, pad)?,
+            }))
+        })
+    }
+}
+
+impl OpenDataset {
+    /// Opens each of `paths` with `open` (in the layout its name and the options say),
+    /// as one dataset: a [`Concat`] of them where there are several.
+    fn parts(
+        py: Python<'_>,
+        paths: Vec<std::path::PathBuf>,
+        offsets: Option<std::path::PathBuf>,
+        column: Option<String>,
+        open: impl Fn(&std::path::Path, Layout) -> stokehold::Result<Arc<dyn Dataset>> + Send,
+    ) -> PyResult<OpenDataset> {
+        if paths.is_empty() || (paths.len() > 1 && offsets.is_some()) {
+            return Err(PyValueError::new_err(
+                "give one path, or several (a table's shards) without offsets",
+            ));
+        }
+        let layouts = paths
+            .iter()
+            .map(|p| Layout::of(p, offsets.clone(), column.clone()))
+            .collect::<PyResult<Vec<_>>>()?;
+        let data = paths
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(",");
         Self::opened(py, data, move || {
-            let ds = match layout {
-                Layout::Npy(o) => Documents::open_npy(&path, o, max_len, pad)?,
-                Layout::Arrow(c) => Documents::open_arrow(&path, &c, max_len, pad)?,
-                Layout::Megatron => Documents::open_megatron(&path, max_len, pad)?,
-            };
-            Ok(Arc::new(ds))
+            let mut parts = paths
+                .iter()
+                .zip(layouts)
+                .map(|(p, layout)| open(p, layout))
+                .collect::<stokehold::Result<Vec<_>>>()?;
+            match parts.len() {
+                1 => Ok(parts.remove(0)),
+                _ => Ok(Arc::new(Concat::new(parts)?)),
+            }
         })
     }
 }

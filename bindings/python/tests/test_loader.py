@@ -435,6 +435,26 @@ def test_arrow_tables_are_read_in_place():
         stokehold.PackedLoader(FIXTURES / "megatron_u16", seq_len=7, column="input_ids")
 
 
+def test_shards_of_a_table_are_one_set(tmp_path):
+    # A directory of .arrow shards, as datasets' save_to_disk writes one, or a list.
+    src = FIXTURES.parent / "arrow" / "hf_stream.arrow"
+    for k in range(3):
+        (tmp_path / f"data-0000{k}-of-00003.arrow").write_bytes(src.read_bytes())
+    (tmp_path / "state.json").write_text("{}")
+    lens = [5, 0, 12, 3, 40, 1]
+    for path in (tmp_path, sorted(tmp_path.glob("*.arrow"))):
+        loader = stokehold.DocumentLoader(path, max_len=64, batch_size=5, shuffle="full", seed=3)
+        assert len(loader) == 4  # 18 documents
+        got = sorted((int(i), int(n)) for b in loader.epoch(0) for i, n in zip(b.indices, b["len"]))
+        assert got == list(enumerate(lens * 3))
+    packed = stokehold.PackedLoader(tmp_path, seq_len=20, batch_size=4)
+    assert len(packed) == 3 * 3 // 4 + 1  # 3 windows of 21 from each shard's 61 tokens
+    with pytest.raises(stokehold.Error, match="part 1 of a concatenation has the columns"):
+        stokehold.DocumentLoader([src, FIXTURES / "megatron_u16"], max_len=64)
+    with pytest.raises(ValueError, match="without offsets"):
+        stokehold.DocumentLoader([src, src], max_len=64, offsets=src)
+
+
 def test_packed_windows_resume_exactly(tmp_path):
     rng = np.random.default_rng(3)
     docs = [rng.integers(0, 50_000, size=n, dtype=np.uint16) for n in rng.integers(0, 300, 400)]

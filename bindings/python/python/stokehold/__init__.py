@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -318,6 +319,16 @@ class TokenLoader(Loader):
 
 
 
+def _document_paths(path: Union[PathLike, Sequence[PathLike]]) -> List[str]:
+    """The files of a set of documents: a list of paths as given, a directory's
+    ``.arrow`` files in name order (a ``datasets`` table saved with ``save_to_disk``),
+    or the one path."""
+    if isinstance(path, (list, tuple)):
+        return [str(p) for p in path]
+    shards = sorted(Path(path).glob("*.arrow")) if Path(path).is_dir() else []
+    return [str(p) for p in shards] or [str(path)]
+
+
 class DocumentLoader(Loader):
     """A loader over variable-length documents (token sequences of any length), read in
     place: a Megatron-LM / Megatron-Core indexed dataset (``path`` is its prefix, or its
@@ -326,7 +337,9 @@ class DocumentLoader(Loader):
     offsets into it (document ``i`` is ``tokens[offsets[i]:offsets[i + 1]]``); or an
     Arrow IPC file (``path`` ending in ``.arrow``, as Hugging Face ``datasets`` writes
     its tables: ``save_to_disk``'s ``data-*.arrow``, or its cache), whose list column
-    ``column`` (``"input_ids"`` by default) holds a document a row.
+    ``column`` (``"input_ids"`` by default) holds a document a row. A directory of
+    ``.arrow`` files (what ``save_to_disk`` writes) or a list of paths is one set, its
+    shards in order.
 
     Each batch has two columns: ``"tokens"``, shape ``(B, max_len)`` in the files' token
     type, each row a document's first ``max_len`` tokens followed by ``pad``; and
@@ -341,7 +354,7 @@ class DocumentLoader(Loader):
 
     def __init__(
         self,
-        path: PathLike,
+        path: Union[PathLike, Sequence[PathLike]],
         max_len: int,
         batch_size: int = 32,
         offsets: Optional[PathLike] = None,
@@ -362,7 +375,8 @@ class DocumentLoader(Loader):
         direct_reads: bool = True,
     ):
         dataset = _stokehold._Dataset.documents(
-            str(path), max_len, pad, None if offsets is None else str(offsets), column
+            _document_paths(path), max_len, pad, None if offsets is None else str(offsets),
+            column,
         )
         self._build(
             dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
@@ -391,7 +405,7 @@ class PackedLoader(Loader):
 
     def __init__(
         self,
-        path: PathLike,
+        path: Union[PathLike, Sequence[PathLike]],
         seq_len: int,
         batch_size: int = 32,
         offsets: Optional[PathLike] = None,
@@ -411,7 +425,8 @@ class PackedLoader(Loader):
         direct_reads: bool = True,
     ):
         dataset = _stokehold._Dataset.packed(
-            str(path), seq_len, windows, seed, None if offsets is None else str(offsets), column
+            _document_paths(path), seq_len, windows, seed,
+            None if offsets is None else str(offsets), column,
         )
         self._build(
             dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
