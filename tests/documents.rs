@@ -549,3 +549,48 @@ proptest::proptest! {
         }
     }
 }
+
+#[test]
+fn shards_concatenated_stream_shuffle_and_group_as_one_set() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut parts, mut all) = (Vec::new(), Vec::new());
+    for k in 0..3 {
+        let shard = dir.path().join(format!("s{k}"));
+        std::fs::create_dir(&shard).unwrap();
+        let docs = common::random_documents(400, 700, 11 + k);
+        let prefix = common::write_megatron(&shard, &docs, k == 1);
+        let part: std::sync::Arc<dyn Dataset> =
+            std::sync::Arc::new(Documents::open_megatron(prefix, 512, 0).unwrap());
+        parts.push(part);
+        all.extend(docs);
+    }
+    let set = std::sync::Arc::new(stokehold::Concat::new(parts).unwrap());
+    assert_eq!((set.len(), set.files().len()), (1200, 6));
+    for (shuffle, budget) in [
+        (Shuffle::Full { seed: 1 }, Some(0)),
+        (Shuffle::Grouped { seed: 2, group: 64 }, None),
+    ] {
+        let mut b = Loader::builder(set.clone())
+            .batch_size(16)
+            .shuffle(shuffle)
+            .workers(2);
+        if let Some(bytes) = budget {
+            b = b.page_cache_budget(bytes);
+        }
+        let mut loader = b.build().unwrap();
+        let mut seen = HashSet::new();
+        for batch in loader.epoch(0).unwrap() {
+            let batch = batch.unwrap();
+            let tokens = batch.column_named::<u16>("tokens").unwrap();
+            let lens = batch.column_named::<i64>("len").unwrap();
+            for (k, &i) in batch.indices().iter().enumerate() {
+                assert!(seen.insert(i), "document {i} twice");
+                let d = &all[i as usize];
+                let keep = d.len().min(512);
+                assert_eq!(lens[k], keep as i64);
+                assert_eq!(&tokens[k * 512..k * 512 + keep], &d[..keep], "document {i}");
+            }
+        }
+        assert_eq!(seen.len(), 1200);
+    }
+}
