@@ -1,11 +1,13 @@
 //! The `stokehold` command: `train`, `gen`, `inspect`, `bench`. It parses arguments,
 //! turns them into the library's configs and prints what the library returns.
 
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use stokehold::bench::{self, BenchConfig};
 use stokehold::cuda::PinnedKind;
 use stokehold::device::DeviceChoice;
@@ -166,9 +168,20 @@ where
     PossibleValuesParser::new(names).map(|s| s.parse::<T>().expect("a listed name parses"))
 }
 
+/// A bar on stderr for `len` samples (hidden off a terminal).
+fn progress(len: u64, what: &str) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr());
+    if !std::io::stderr().is_terminal() {
+        bar.set_draw_target(ProgressDrawTarget::hidden());
+    }
+    let template = format!("{what} {{bar:30}} {{pos}}/{{len}} {{per_sec}} eta {{eta}}");
+    bar.set_style(ProgressStyle::with_template(&template).expect("static template"));
+    bar
+}
+
 /// Writes a classification set, drawing a bar.
 fn classification(dir: &Path, spec: &ClassificationSpec) -> stokehold::Result<(PathBuf, PathBuf)> {
-    let bar = report::counter(spec.samples, "gen");
+    let bar = progress(spec.samples, "gen");
     let written = gen::classification(dir, spec, &|n| bar.inc(n));
     bar.finish_and_clear();
     written
@@ -221,35 +234,42 @@ fn run(command: Command) -> stokehold::Result<ExitCode> {
                 eprintln!("error: {e}");
             }
             let failed = report.diverged_at.is_some() || report.trace_error.is_some();
-            written.map(|()| exit(!failed))
+            written.map(|()| match failed {
+                true => ExitCode::FAILURE,
+                false => ExitCode::SUCCESS,
+            })
         }
-        Command::Gen(a) => {
-            let wrote = match a.tokens {
-                Some(n) => {
-                    let p = gen::token_stream(&a.out, n, a.vocab, a.seed)?;
-                    let vocab = a.vocab;
-                    format!("wrote {} ({n} u16 tokens, vocab {vocab})\n", p.display())
-                }
-                None => {
-                    let spec = ClassificationSpec {
-                        samples: a.samples,
-                        shape: a.shape,
-                        classes: a.classes,
-                        noise: a.noise,
-                        seed: a.seed,
-                    };
-                    let (x, y) = classification(&a.out, &spec)?;
-                    format!("wrote {} and {}\n", x.display(), y.display())
-                }
-            };
-            emit(&wrote);
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Gen(a) => match a.tokens {
+            Some(n) => {
+                let p = gen::token_stream(&a.out, n, a.vocab, a.seed)?;
+                emit(&format!(
+                    "wrote {} ({n} u16 tokens, vocab {})\n",
+                    p.display(),
+                    a.vocab
+                ));
+                Ok(ExitCode::SUCCESS)
+            }
+            None => {
+                let spec = ClassificationSpec {
+                    samples: a.samples,
+                    shape: a.shape,
+                    classes: a.classes,
+                    noise: a.noise,
+                    seed: a.seed,
+                };
+                let (x, y) = classification(&a.out, &spec)?;
+                emit(&format!("wrote {} and {}\n", x.display(), y.display()));
+                Ok(ExitCode::SUCCESS)
+            }
+        },
         Command::Inspect { paths } => {
             let (table, errors) = report::inspect(&paths);
             emit(&table);
             errors.iter().for_each(|e| eprintln!("error: {e}"));
-            Ok(exit(errors.is_empty()))
+            Ok(match errors.is_empty() {
+                true => ExitCode::SUCCESS,
+                false => ExitCode::FAILURE,
+            })
         }
         Command::Bench(a) => {
             ensure_dataset(&a.loader.data)?;
@@ -276,14 +296,6 @@ fn run(command: Command) -> stokehold::Result<ExitCode> {
 /// Prints to stdout; a closed stdout (`| head`) is not an error: files come first.
 fn emit(text: &str) {
     let _ = std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes());
-}
-
-/// The exit status of a run that `succeeded` or not.
-fn exit(succeeded: bool) -> ExitCode {
-    match succeeded {
-        true => ExitCode::SUCCESS,
-        false => ExitCode::FAILURE,
-    }
 }
 
 fn main() -> ExitCode {

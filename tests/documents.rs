@@ -151,6 +151,16 @@ fn arrow_list_columns_are_read_in_place() {
     let ds = Documents::open_arrow(arrow("mixed_file.arrow"), "tokens", 16, 7).unwrap();
     assert_eq!(ds.dtype(), stokehold::DType::U16);
     assert_eq!(rows(ds, u16_tokens), want);
+    // Metadata version V4, a dense and a sparse union (each with a validity buffer then)
+    // before the column.
+    let ds = Documents::open_arrow(arrow("v4_unions.arrow"), "input_ids", 16, 7).unwrap();
+    assert_eq!(rows(ds, i32_tokens), want);
+    // Empty record batches among the others, and a struct nested 60 deep before the
+    // column (pyarrow writes no deeper than 64; stokehold reads as deep).
+    for name in ["empty_batches.arrow", "deep_struct.arrow"] {
+        let ds = Documents::open_arrow(arrow(name), "input_ids", 16, 7).unwrap();
+        assert_eq!(rows(ds, i32_tokens), want, "{name}");
+    }
 }
 
 #[test]

@@ -18,6 +18,16 @@ pub(super) struct Chunk {
     pub(super) values_len: usize,
 }
 
+impl Chunk {
+    /// The offsets' type: `int64` for a large list, else `int32`.
+    pub(super) fn offset_type(&self) -> super::DType {
+        match self.large {
+            true => super::DType::I64,
+            false => super::DType::I32,
+        }
+    }
+}
+
 /// A list-of-integers column of an Arrow IPC file: its values' type and its chunks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct ListColumn {
@@ -183,6 +193,8 @@ struct Place {
     buffer: usize,
     /// View-typed fields seen, which take `variadicBufferCounts` in order.
     views: usize,
+    /// Metadata version V4, whose unions have a validity buffer too.
+    v4: bool,
 }
 
 /// What the schema says of the column asked for.
@@ -198,9 +210,17 @@ struct Wanted {
     views_before: usize,
 }
 
-/// Counts the nodes and buffers of `field` (and its children) into `place`. `None` for
-/// a malformed field.
-fn skip(field: Table<'_>, place: &mut Place, variadic: Option<&[i64]>) -> Option<()> {
+/// Nested types deeper than this are refused (as flatbuffer verifiers do): the walk
+/// below recurses once a level.
+const MAX_DEPTH: usize = 64;
+
+/// Counts the nodes and buffers of `field` (and its children, below `depth` levels of
+/// nesting) into `place`, a view-typed field's as 2 (its variadic buffers are counted
+/// per record batch). `None` for a malformed field, an unknown type or deep nesting.
+fn skip(field: Table<'_>, place: &mut Place, depth: usize) -> Option<()> {
+    if depth > MAX_DEPTH {
+        return None;
+    }
     place.node += 1;
     if field.field(4).is_some() {
         // Dictionary-encoded: the batch holds the indices; the values are elsewhere.
@@ -217,23 +237,22 @@ fn skip(field: Table<'_>, place: &mut Place, variadic: Option<&[i64]>) -> Option
         ty::LIST | ty::LARGE_LIST | ty::MAP => 2,
         ty::LIST_VIEW | ty::LARGE_LIST_VIEW => 3,
         ty::STRUCT | ty::FIXED_SIZE_LIST => 1,
-        ty::UNION => match field.table(3)?.i16(0)? {
-            0 => 1, // sparse: type ids
-            _ => 2, // dense: type ids and offsets
-        },
+        ty::UNION => {
+            let legacy = usize::from(place.v4);
+            match field.table(3)?.i16(0)? {
+                0 => 1 + legacy, // sparse: type ids
+                _ => 2 + legacy, // dense: type ids and offsets
+            }
+        }
         ty::RUN_END_ENCODED => 0,
         ty::BINARY_VIEW | ty::UTF8_VIEW => {
-            let extra = match variadic {
-                Some(counts) => usize::try_from(*counts.get(place.views)?).ok()?,
-                None => 0,
-            };
             place.views += 1;
-            2 + extra
+            2
         }
         _ => 2,
     };
     for child in field.tables(5)? {
-        skip(child, place, variadic)?;
+        skip(child, place, depth + 1)?;
     }
     Some(())
 }
@@ -249,9 +268,17 @@ pub(super) fn list_column(file: &[u8], name: &str) -> Result<ListColumn, String>
         true => 8,
         false => 0,
     };
+    // The file format ends with its footer, its length and the magic: the messages stop
+    // where the footer starts, end-of-stream marker or not.
+    let footer = (pos == 8 && file.ends_with(FILE_MAGIC))
+        .then(|| {
+            let len = u32_at(file, file.len().checked_sub(10)?)? as usize;
+            file.len().checked_sub(10)?.checked_sub(len)
+        })
+        .flatten();
+    let file = &file[..footer.unwrap_or(file.len()).max(pos)];
     let mut wanted: Option<Wanted> = None;
     let mut chunks = Vec::new();
-    let mut schema_fields: Vec<Table<'_>> = Vec::new();
     let mut message = 0usize;
     // [continuation] length, metadata, body; a 0 length (or the end) ends the stream.
     while let Some(mut len) = u32_at(file, pos) {
@@ -280,7 +307,7 @@ pub(super) fn list_column(file: &[u8], name: &str) -> Result<ListColumn, String>
         let m = Table::root(buf).ok_or_else(malformed)?;
         // MetadataVersion: V4 (Arrow 0.15, 2019) is 3, V5 (1.0) is 4.
         let version = m.i16(0).ok_or_else(malformed)?;
-        if version < 3 {
+        if !(3..=4).contains(&version) {
             return Err(bad(&format!(
                 "metadata version V{}: stokehold reads V4 and V5 (Arrow 0.15 and later)",
                 version + 1
@@ -306,8 +333,8 @@ pub(super) fn list_column(file: &[u8], name: &str) -> Result<ListColumn, String>
                         "a big-endian table: stokehold reads little-endian ones",
                     ));
                 }
-                schema_fields = schema.tables(1).ok_or_else(malformed)?;
-                wanted = Some(find(&schema_fields, name)?);
+                let fields = schema.tables(1).ok_or_else(malformed)?;
+                wanted = Some(find(&fields, name, version == 3)?);
             }
             // RecordBatch
             3 => {
@@ -315,8 +342,7 @@ pub(super) fn list_column(file: &[u8], name: &str) -> Result<ListColumn, String>
                     return Err(bad("a record batch before the schema"));
                 };
                 let batch = m.table(2).ok_or_else(malformed)?;
-                let chunk =
-                    read_batch(batch, &schema_fields, w, body, body_len).map_err(|e| bad(&e))?;
+                let chunk = read_batch(batch, w, body, body_len).map_err(|e| bad(&e))?;
                 chunks.push(chunk);
             }
             // Dictionary batches and anything else: not the column's.
@@ -337,10 +363,14 @@ pub(super) fn list_column(file: &[u8], name: &str) -> Result<ListColumn, String>
     })
 }
 
-/// Finds the top-level field `name` in `fields`, which must be a list of integers.
-fn find(fields: &[Table<'_>], name: &str) -> Result<Wanted, String> {
+/// Finds the top-level field `name` in `fields` (of a V4 schema if `v4`), which must be
+/// a list of integers.
+fn find(fields: &[Table<'_>], name: &str, v4: bool) -> Result<Wanted, String> {
     let malformed = || "malformed schema".to_string();
-    let mut place = Place::default();
+    let mut place = Place {
+        v4,
+        ..Place::default()
+    };
     let mut names = Vec::new();
     for &f in fields {
         let this = f.string(0).unwrap_or_default();
@@ -380,10 +410,14 @@ fn find(fields: &[Table<'_>], name: &str) -> Result<Wanted, String> {
                 views_before: place.views,
             });
         }
-        names.push(String::from_utf8_lossy(this).into_owned());
-        // Without the batches' variadic counts the buffer count of a view column is
-        // not known yet: the record batches correct it (see `read_batch`).
-        skip(f, &mut place, None).ok_or_else(malformed)?;
+        let this = String::from_utf8_lossy(this).into_owned();
+        skip(f, &mut place, 0).ok_or_else(|| {
+            format!(
+                "column {this:?} has a type stokehold does not know, nested deeper than \
+                 {MAX_DEPTH} levels, or malformed"
+            )
+        })?;
+        names.push(this);
     }
     Err(format!(
         "no column {name:?}; its columns are {}",
@@ -399,7 +433,6 @@ fn find(fields: &[Table<'_>], name: &str) -> Result<Wanted, String> {
 /// byte `body` of the file.
 fn read_batch(
     batch: Table<'_>,
-    fields: &[Table<'_>],
     wanted: Wanted,
     body: usize,
     body_len: usize,
@@ -412,21 +445,21 @@ fn read_batch(
                 .into(),
         );
     }
-    // Where the column's buffers are in this batch: view columns before it add their
-    // variadic buffers.
+    // Where the column's buffers are in this batch: each view column before it adds
+    // its variadic buffers (its node, and so the column's, is where `find` counted it).
     let mut at = wanted.at;
     if wanted.views_before > 0 {
         let (n, first) = batch.vector(4).ok_or_else(malformed)?;
-        let counts: Option<Vec<i64>> = (0..n).map(|k| i64_at(batch.buf, first + 8 * k)).collect();
-        let counts = counts.ok_or_else(malformed)?;
-        let mut place = Place::default();
-        for &f in fields {
-            if place.node == wanted.at.node {
-                break;
-            }
-            skip(f, &mut place, Some(&counts)).ok_or_else(malformed)?;
+        if n < wanted.views_before {
+            return Err(malformed());
         }
-        at = place;
+        for k in 0..wanted.views_before {
+            let count = i64_at(batch.buf, first + 8 * k).ok_or_else(malformed)?;
+            at.buffer = usize::try_from(count)
+                .ok()
+                .and_then(|c| at.buffer.checked_add(c))
+                .ok_or_else(malformed)?;
+        }
     }
     let struct_at = |slot: usize, k: usize| -> Option<(i64, i64)> {
         let (n, first) = batch.vector(slot)?;
@@ -464,7 +497,7 @@ fn read_batch(
     if rows > 0 && !needed.is_some_and(|n| n <= offsets_len) {
         return Err(format!(
             "{rows} lists need {} bytes of offsets, the buffer holds {offsets_len}",
-            (rows + 1) * width as u64
+            (u128::from(rows) + 1) * width as u128
         ));
     }
     Ok(Chunk {

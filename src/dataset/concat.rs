@@ -144,7 +144,17 @@ impl Dataset for Concat {
     fn lengths(&self) -> Result<Option<Vec<u32>>> {
         let mut all: Option<Vec<u32>> = None;
         for (p, part) in self.parts.iter().enumerate() {
-            match (part.lengths()?, &mut all) {
+            let lengths = part.lengths()?;
+            if let Some(l) = &lengths {
+                if l.len() as u64 != part.len() {
+                    return Err(Error::Config(format!(
+                        "part {p} of a concatenation gave {} lengths for {} samples",
+                        l.len(),
+                        part.len()
+                    )));
+                }
+            }
+            match (lengths, &mut all) {
                 (Some(l), Some(all)) => all.extend(l),
                 (Some(l), None) if p == 0 => all = Some(l),
                 (None, None) => {}

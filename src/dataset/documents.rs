@@ -204,7 +204,7 @@ impl Dataset for Documents {
             for ((dst, len), &(start, n)) in rows.zip(&extents) {
                 let keep = n.min(self.max_len as u64) as usize;
                 let from = start as usize;
-                let src = data.get(from..from + keep * width)?;
+                let src = data.get(from..from.checked_add(keep * width)?)?;
                 dst[..src.len()].copy_from_slice(src);
                 let rest = &mut dst[src.len()..];
                 match zero {
@@ -240,8 +240,9 @@ impl Dataset for Documents {
         let found = self.stored.with_extents(|extent| extent(index));
         if let Ok(Some((start, n))) = found {
             let keep = n.min(self.max_len as u64) as usize * self.stored.dtype.size();
-            if keep > 0 {
-                each(0, self.stored.data + start as usize, keep);
+            match self.stored.data.checked_add(start as usize) {
+                Some(at) if keep > 0 => each(0, at, keep),
+                _ => {}
             }
         }
     }

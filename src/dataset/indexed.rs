@@ -130,7 +130,7 @@ impl Index {
                 if j as u64 >= chunk.rows {
                     return None;
                 }
-                let dtype = if chunk.large { DType::I64 } else { DType::I32 };
+                let dtype = chunk.offset_type();
                 let w = dtype.size();
                 let at = |k: usize| chunk.offsets.checked_add(w.checked_mul(k)?);
                 let first = dtype.read_i64(idx.get(at(j)?..)?)?;
@@ -153,7 +153,8 @@ pub(super) struct Scan {
     /// Documents longer than the scan's `max_len`.
     pub(super) truncated: u64,
     /// Whether each document starts where the one before it ends (always so for
-    /// offsets; so for Megatron sets as its tools write them).
+    /// offsets; so for Megatron sets as its tools write them; not for an Arrow table of
+    /// several record batches).
     pub(super) contiguous: bool,
 }
 
@@ -359,13 +360,16 @@ impl Stored {
         let (mut chunks, mut firsts, mut docs) = (Vec::new(), Vec::new(), 0u64);
         let width = list.dtype.size() as i64;
         let checked = file.read(|m| {
-            for (c, chunk) in list.chunks.iter().enumerate() {
-                let dtype = if chunk.large { DType::I64 } else { DType::I32 };
+            // (An empty record batch may have no offsets at all.)
+            for (c, chunk) in list.chunks.iter().enumerate().filter(|(_, c)| c.rows > 0) {
+                let dtype = chunk.offset_type();
                 let w = dtype.size();
                 let mut last = 0i64;
                 for k in 0..=chunk.rows as usize {
                     let at = chunk.offsets + w * k;
-                    let v = dtype.read_i64(&m[at..at + w]).expect("an integer type");
+                    let Some(v) = m.get(at..).and_then(|b| dtype.read_i64(b)) else {
+                        return Err(format!("record batch {c}: its offsets are cut short"));
+                    };
                     let fine = v >= 0 && (k == 0 || v >= last);
                     let inside = v
                         .checked_mul(width)
@@ -420,7 +424,12 @@ impl Stored {
                 let end = len
                     .checked_mul(width as u64)
                     .and_then(|b| b.checked_add(start));
-                if start % width as u64 != 0 || !end.is_some_and(|e| e <= body) {
+                if start % width as u64 != 0 {
+                    return Err(format!(
+                        "document {i} starts at byte {start}, not on a {width}-byte token"
+                    ));
+                }
+                if !end.is_some_and(|e| e <= body) {
                     return Err(format!(
                         "document {i} ({len} tokens at byte {start}) lies outside the \
                          {body} bytes of tokens in {}",

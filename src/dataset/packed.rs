@@ -229,7 +229,7 @@ impl Packed {
             let (byte, len) = extent(doc)?;
             let take = len.checked_sub(skip)?.min(left);
             if take > 0 {
-                piece(byte + skip * width, take, skip);
+                piece(byte.checked_add(skip.checked_mul(width)?)?, take, skip);
             }
             left -= take;
             doc += 1;
@@ -280,7 +280,8 @@ impl Dataset for Packed {
             let mut at = 0;
             for &(byte, n) in &pieces {
                 let bytes = n as usize * width;
-                let src = data.get(byte as usize..byte as usize + bytes)?;
+                let from = usize::try_from(byte).ok()?;
+                let src = data.get(from..from.checked_add(bytes)?)?;
                 tokens[0][at..at + bytes].copy_from_slice(src);
                 at += bytes;
             }
@@ -305,13 +306,15 @@ impl Dataset for Packed {
         let from = self.window_start(epoch, index);
         let walked = self.stored.with_extents(|extent| {
             self.walk(extent, from, |byte, n, _| match runs.last_mut() {
-                Some(last) if last.0 + last.1 == byte => last.1 += n * width,
+                Some(last) if last.0.checked_add(last.1) == Some(byte) => last.1 += n * width,
                 _ => runs.push((byte, n * width)),
             })
         });
         if let Ok(Some(())) = walked {
             for (byte, bytes) in runs {
-                each(0, self.stored.data + byte as usize, bytes as usize);
+                if let Some(at) = self.stored.data.checked_add(byte as usize) {
+                    each(0, at, bytes as usize);
+                }
             }
         }
     }

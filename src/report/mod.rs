@@ -5,7 +5,7 @@ mod progress;
 mod timer;
 
 pub use inspect::inspect;
-pub use progress::{counter, EpochProgress};
+pub use progress::EpochProgress;
 pub use timer::{EpochTimer, LoopTimes};
 
 use crate::loader::{Loader, Storage};

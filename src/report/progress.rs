@@ -5,18 +5,6 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-/// A plain bar on stderr counting to `len` (`what` before it), hidden off a terminal:
-/// for work other than epochs, such as writing a dataset.
-pub fn counter(len: u64, what: &str) -> ProgressBar {
-    let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr());
-    if !std::io::stderr().is_terminal() {
-        bar.set_draw_target(ProgressDrawTarget::hidden());
-    }
-    let template = format!("{what} {{bar:30}} {{pos}}/{{len}} {{per_sec}} eta {{eta}}");
-    bar.set_style(ProgressStyle::with_template(&template).expect("a valid template"));
-    bar
-}
-
 /// Progress of one epoch, on stderr.
 pub struct EpochProgress {
     bar: Option<ProgressBar>,

@@ -440,9 +440,12 @@ def test_shards_of_a_table_are_one_set(tmp_path):
     src = FIXTURES.parent / "arrow" / "hf_stream.arrow"
     for k in range(3):
         (tmp_path / f"data-0000{k}-of-00003.arrow").write_bytes(src.read_bytes())
-    (tmp_path / "state.json").write_text("{}")
+    # A save_to_disk directory's state.json lists the table's shards in order.
+    (tmp_path / "state.json").write_text(json.dumps(
+        {"_data_files": [{"filename": f"data-0000{k}-of-00003.arrow"} for k in range(3)]}))
+    (tmp_path / "cache-1234.arrow").write_bytes(b"not a shard of the table")
     lens = [5, 0, 12, 3, 40, 1]
-    for path in (tmp_path, sorted(tmp_path.glob("*.arrow"))):
+    for path in (tmp_path, sorted(tmp_path.glob("data-*.arrow"))):
         loader = stokehold.DocumentLoader(path, max_len=64, batch_size=5, shuffle="full", seed=3)
         assert len(loader) == 4  # 18 documents
         got = sorted((int(i), int(n)) for b in loader.epoch(0) for i, n in zip(b.indices, b["len"]))
@@ -453,6 +456,9 @@ def test_shards_of_a_table_are_one_set(tmp_path):
         stokehold.DocumentLoader([src, FIXTURES / "megatron_u16"], max_len=64)
     with pytest.raises(ValueError, match="without offsets"):
         stokehold.DocumentLoader([src, src], max_len=64, offsets=src)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(stokehold.Error, match="a directory without a saved table"):
+        stokehold.DocumentLoader(tmp_path / "empty", max_len=64)
 
 
 def test_packed_windows_resume_exactly(tmp_path):

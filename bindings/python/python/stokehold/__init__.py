@@ -320,13 +320,25 @@ class TokenLoader(Loader):
 
 
 def _document_paths(path: Union[PathLike, Sequence[PathLike]]) -> List[str]:
-    """The files of a set of documents: a list of paths as given, a directory's
-    ``.arrow`` files in name order (a ``datasets`` table saved with ``save_to_disk``),
-    or the one path."""
+    """The files of a set of documents: a list of paths as given; for a directory that
+    ``datasets``' ``save_to_disk`` wrote, its table's shards in order (as its
+    ``state.json`` lists them, else its ``data-*.arrow`` files by name); or the one path."""
     if isinstance(path, (list, tuple)):
         return [str(p) for p in path]
-    shards = sorted(Path(path).glob("*.arrow")) if Path(path).is_dir() else []
-    return [str(p) for p in shards] or [str(path)]
+    root = Path(path)
+    if not root.is_dir():
+        return [str(path)]
+    state = root / "state.json"
+    if state.is_file():
+        try:
+            files = [root / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise Error(f"{state}: not the state.json of a saved datasets table ({e!r})")
+    else:
+        files = sorted(root.glob("data-*.arrow"))
+    if not files:
+        raise Error(f"{root}: a directory without a saved table (no state.json, no data-*.arrow)")
+    return [str(f) for f in files]
 
 
 class DocumentLoader(Loader):
@@ -337,9 +349,9 @@ class DocumentLoader(Loader):
     offsets into it (document ``i`` is ``tokens[offsets[i]:offsets[i + 1]]``); or an
     Arrow IPC file (``path`` ending in ``.arrow``, as Hugging Face ``datasets`` writes
     its tables: ``save_to_disk``'s ``data-*.arrow``, or its cache), whose list column
-    ``column`` (``"input_ids"`` by default) holds a document a row. A directory of
-    ``.arrow`` files (what ``save_to_disk`` writes) or a list of paths is one set, its
-    shards in order.
+    ``column`` (``"input_ids"`` by default) holds a document a row. A directory that
+    ``save_to_disk`` wrote (its shards as its ``state.json`` lists them) or a list of
+    paths is one set, its shards in order.
 
     Each batch has two columns: ``"tokens"``, shape ``(B, max_len)`` in the files' token
     type, each row a document's first ``max_len`` tokens followed by ``pad``; and
@@ -391,7 +403,9 @@ class PackedLoader(Loader):
     token ``.npy`` at ``path`` with ``offsets``, or an ``.arrow`` file's list
     ``column``) concatenated in their stored order and
     cut into windows of ``seq_len + 1`` tokens, as ``TokenLoader`` cuts a token file,
-    with no padding.
+    with no padding. Several files (a table's shards) are packed each on its own: no
+    window crosses two, each shard's last tokens short of a window are left out, and a
+    shard shorter than a window is an error naming it.
 
     Each batch has two columns of shape ``(B, seq_len + 1)``: ``"tokens"``, in the
     files' token type, and ``"positions"``, ``int32``, each token's position in its own
