@@ -508,3 +508,76 @@ fn read_batch(
         values_len,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An Arrow stream whose schema has one field, a struct nested `depth` levels deep,
+    /// written as a flatbuffer by hand (pyarrow refuses to write one past 64 levels).
+    fn nested_stream(depth: usize) -> Vec<u8> {
+        fn u16s(m: &mut Vec<u8>, v: &[u16]) {
+            v.iter().for_each(|x| m.extend(x.to_le_bytes()));
+        }
+        fn patch(m: &mut [u8], at: usize, to: usize) {
+            m[at..at + 4].copy_from_slice(&((to - at) as u32).to_le_bytes());
+        }
+        let mut m = vec![0u8; 4];
+        // vtables: Message (version, header type, header), Schema (fields), Field
+        // (type tag at slot 2, children at slot 5).
+        let vt_msg = m.len();
+        u16s(&mut m, &[10, 12, 4, 6, 8, 0]);
+        let vt_schema = m.len();
+        u16s(&mut m, &[8, 8, 0, 4]);
+        let vt_field = m.len();
+        u16s(&mut m, &[16, 12, 0, 0, 4, 0, 0, 8]);
+        let msg = m.len();
+        m[..4].copy_from_slice(&(msg as u32).to_le_bytes());
+        m.extend(((msg - vt_msg) as i32).to_le_bytes());
+        m.extend(4i16.to_le_bytes());
+        m.extend([1u8, 0]);
+        let header = m.len();
+        m.extend([0u8; 4]);
+        let schema = m.len();
+        patch(&mut m, header, schema);
+        m.extend(((schema - vt_schema) as i32).to_le_bytes());
+        let fields = m.len();
+        m.extend([0u8; 4]);
+        let mut vector = m.len();
+        patch(&mut m, fields, vector);
+        for level in 0..depth {
+            m.extend(1u32.to_le_bytes());
+            let element = m.len();
+            m.extend([0u8; 4]);
+            let field = m.len();
+            patch(&mut m, element, field);
+            m.extend(((field - vt_field) as i32).to_le_bytes());
+            m.extend([ty::STRUCT, 0, 0, 0]);
+            let children = m.len();
+            m.extend([0u8; 4]);
+            vector = m.len();
+            patch(&mut m, children, vector);
+            if level + 1 == depth {
+                m.extend(0u32.to_le_bytes());
+            }
+        }
+        let mut stream = CONTINUATION.to_le_bytes().to_vec();
+        stream.extend((m.len() as u32).to_le_bytes());
+        stream.extend(m);
+        stream.extend(CONTINUATION.to_le_bytes());
+        stream.extend(0u32.to_le_bytes());
+        stream
+    }
+
+    #[test]
+    fn nesting_is_read_to_its_bound_and_refused_past_it() {
+        // Within the bound the field is walked past (and the column is then missing).
+        let err = list_column(&nested_stream(MAX_DEPTH), "input_ids").unwrap_err();
+        assert!(err.starts_with("no column \"input_ids\""), "{err}");
+        // Far past it: an error, not a stack overflow.
+        for depth in [MAX_DEPTH + 2, 200_000] {
+            let err = list_column(&nested_stream(depth), "input_ids").unwrap_err();
+            assert!(err.contains("nested deeper than 64 levels"), "{err}");
+        }
+    }
+}
