@@ -87,6 +87,9 @@ fn every_layout_packs_to_the_concatenation_with_positions() {
         let hf = fx("../arrow/hf_stream.arrow");
         let ds = Packed::open_arrow(&hf, "input_ids", 9, windows).unwrap();
         check_windows(&ds, &fixture_docs(|t| t), 0..2, "hf_stream.arrow");
+        let empty = fx("../arrow/empty_batches.arrow");
+        let ds = Packed::open_arrow(&empty, "input_ids", 6, windows).unwrap();
+        check_windows(&ds, &fixture_docs(|t| t), 0..2, "empty_batches.arrow");
         let ds = Packed::open_arrow(fx("../arrow/mixed_file.arrow"), "tokens", 4, windows).unwrap();
         check_windows(&ds, &fixture_docs(|t| t), 0..2, "mixed_file.arrow");
         for offsets in ["docs_offsets.npy", "docs_offsets_u32.npy"] {
