@@ -54,6 +54,20 @@ fn inspect_prints_good_files_and_fails_on_bad_ones() {
         "{err}"
     );
 
+    // An Arrow table's input_ids; a table without one names the columns it has.
+    let arrow = fixture("../arrow/hf_stream.arrow");
+    let out = stokehold(&["inspect", &arrow]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("(6, <=40)") && text.contains("int32"),
+        "{text}"
+    );
+    let out = stokehold(&["inspect", &fixture("../arrow/mixed_file.arrow")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(err.contains(r#"its columns are "meta""#), "{err}");
+
     let out = stokehold(&["inspect", "/no/such/file.npy"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("/no/such/file.npy"));

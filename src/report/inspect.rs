@@ -1,5 +1,5 @@
-//! `stokehold inspect`: each `.npy` file's (or Megatron indexed dataset's) shape, dtype,
-//! rows, bytes and page-cache residency, as a table.
+//! `stokehold inspect`: each `.npy` file's (or Megatron indexed dataset's, or Arrow
+//! table's `input_ids`) shape, dtype, rows, bytes and page-cache residency, as a table.
 
 use std::path::{Path, PathBuf};
 
@@ -7,10 +7,11 @@ use crate::dataset::{shape_string, Dataset, Documents, MappedFile, NpyArray};
 use crate::error::Error;
 use crate::pagecache;
 
-/// The table of the `.npy` files and Megatron indexed datasets (named by their `.idx`)
-/// at `paths` (files, or directories whose `.npy` and `.idx` files are listed in name
-/// order), and an error for each path that could not be read. A dataset of documents
-/// shows its shape as `(documents, <=longest)`, its bytes as both files'. A file's
+/// The table of the `.npy` files, Megatron indexed datasets (named by their `.idx`) and
+/// Arrow tables (`.arrow`, their `input_ids` column) at `paths` (files, or directories
+/// whose `.npy`, `.idx` and `.arrow` files are listed in name order), and an error for
+/// each path that could not be read. A dataset of documents shows its shape as
+/// `(documents, <=longest)`, its bytes as its files'. A file's
 /// residency shows as `?` where `mincore` fails.
 pub fn inspect(paths: &[PathBuf]) -> (String, Vec<Error>) {
     let mut table = format!(
@@ -20,8 +21,13 @@ pub fn inspect(paths: &[PathBuf]) -> (String, Vec<Error>) {
     let mut errors = Vec::new();
     let listed: Vec<PathBuf> = paths.iter().flat_map(|p| files(p, &mut errors)).collect();
     for f in listed {
-        if f.extension().is_some_and(|e| e == "idx") {
-            match Documents::open_megatron(&f, 1, 0) {
+        let ext = f.extension().and_then(|e| e.to_str()).unwrap_or_default();
+        if ext == "idx" || ext == "arrow" {
+            let opened = match ext {
+                "idx" => Documents::open_megatron(&f, 1, 0),
+                _ => Documents::open_arrow(&f, "input_ids", 1, 0),
+            };
+            match opened {
                 Ok(d) => {
                     let res = pagecache::residency(&d)
                         .map(|r| format!("{:.0}%", 100.0 * r.fraction()))
@@ -69,13 +75,16 @@ fn files(path: &Path, errors: &mut Vec<Error>) -> Vec<PathBuf> {
         Ok(entries) => {
             let mut v: Vec<PathBuf> = entries
                 .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.extension().is_some_and(|e| e == "npy" || e == "idx"))
+                .filter(|p| {
+                    p.extension()
+                        .is_some_and(|e| e == "npy" || e == "idx" || e == "arrow")
+                })
                 .collect();
             v.sort();
             if v.is_empty() {
                 errors.push(Error::dataset(
                     path,
-                    "no .npy or .idx file in this directory",
+                    "no .npy, .idx or .arrow file in this directory",
                 ));
             }
             v
