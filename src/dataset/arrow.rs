@@ -276,7 +276,7 @@ pub(super) fn list_column(file: &[u8], name: &str) -> Result<ListColumn, String>
             file.len().checked_sub(10)?.checked_sub(len)
         })
         .flatten();
-    let file = &file[..footer.unwrap_or(file.len()).max(pos)];
+    let file = &file[..footer.unwrap_or(file.len()).max(pos).min(file.len())];
     let mut wanted: Option<Wanted> = None;
     let mut chunks = Vec::new();
     let mut message = 0usize;
@@ -567,6 +567,15 @@ mod tests {
         stream.extend(CONTINUATION.to_le_bytes());
         stream.extend(0u32.to_le_bytes());
         stream
+    }
+
+    #[test]
+    fn files_shorter_than_their_magic_are_errors() {
+        // Found by the damaged-files proptest: the file format's magic, cut short.
+        for file in [&b"ARROW1\0"[..], b"ARROW1", b"ARROW1\0\0ARROW1", b""] {
+            let err = list_column(file, "input_ids").unwrap_err();
+            assert!(err.starts_with("not an Arrow IPC stream or file"), "{err}");
+        }
     }
 
     #[test]
