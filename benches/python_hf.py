@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import stokehold
+from python_documents import race  # this directory is on sys.path when run as a script
 
 
 def write(out: Path, docs: int) -> None:
@@ -64,26 +65,6 @@ class Rows(torch.utils.data.Dataset):
 
     def __getitems__(self, indices):
         return self.table[indices]
-
-
-def race(ours, peer, columns, reps):
-    def time_ours(epoch):
-        t = time.perf_counter()
-        for b in ours.epoch(epoch):
-            [torch.from_dlpack(b[c]) for c in columns]
-        return time.perf_counter() - t
-
-    def time_peer():
-        t = time.perf_counter()
-        for _ in peer:
-            pass
-        return time.perf_counter() - t
-
-    a, b = [], []
-    for r in range(reps):
-        a.append(time_ours(r))
-        b.append(time_peer())
-    return min(a), min(b)
 
 
 def main() -> None:

@@ -96,6 +96,28 @@ enum Index {
     },
 }
 
+/// Checks that the offsets `o` (of the integer type `dtype`) rise, from 0 at least to
+/// `count` (of `what`, say "tokens") at most.
+fn rising(o: &[u8], dtype: DType, count: u64, what: &str) -> std::result::Result<(), String> {
+    let mut last = 0i64;
+    for (k, e) in o.chunks_exact(dtype.size()).enumerate() {
+        let v = dtype.read_i64(e).expect("an integer type");
+        // A uint64 offset past 2^63 reads as negative.
+        if v < 0 || (k > 0 && v < last) || v as u64 > count {
+            let shown = match dtype {
+                DType::U64 => (v as u64).to_string(),
+                _ => v.to_string(),
+            };
+            return Err(format!(
+                "offset {k} is {shown}: offsets rise, from 0 at least to the {count} {what} \
+                 at most"
+            ));
+        }
+        last = v;
+    }
+    Ok(())
+}
+
 /// Reads the little-endian `N` bytes at `at`.
 fn le<const N: usize>(bytes: &[u8], at: usize) -> Option<[u8; N]> {
     bytes.get(at..at + N)?.try_into().ok()
@@ -313,27 +335,7 @@ impl Stored {
         };
         let docs = offsets.rows() - 1;
         let (od, path) = (offsets.dtype(), offsets.path().to_path_buf());
-        let checked = offsets.read(|o| {
-            let mut last = 0i64;
-            for (k, e) in o.chunks_exact(od.size()).enumerate() {
-                let v = od.read_i64(e).expect("an integer type");
-                // A uint64 offset past 2^63 reads as negative.
-                let fine = v >= 0 && (k == 0 || v >= last) && v as u64 <= count;
-                if !fine {
-                    return Err(format!(
-                        "offset {k} is {}: offsets rise, from 0 at least to the {count} \
-                         tokens at most",
-                        if od == DType::U64 {
-                            (v as u64).to_string()
-                        } else {
-                            v.to_string()
-                        }
-                    ));
-                }
-                last = v;
-            }
-            Ok(())
-        })?;
+        let checked = offsets.read(|o| rising(o, od, count, "tokens"))?;
         checked.map_err(|problem| Error::dataset(&path, problem))?;
         Ok(Stored {
             tokens: Mapped::from_array(tokens),
@@ -358,31 +360,18 @@ impl Stored {
         let bad = |problem: String| Error::dataset(path, problem);
         let list = file.read(|m| arrow::list_column(m, column))?.map_err(bad)?;
         let (mut chunks, mut firsts, mut docs) = (Vec::new(), Vec::new(), 0u64);
-        let width = list.dtype.size() as i64;
+        let width = list.dtype.size() as u64;
         let checked = file.read(|m| {
             // (An empty record batch may have no offsets at all.)
             for (c, chunk) in list.chunks.iter().enumerate().filter(|(_, c)| c.rows > 0) {
                 let dtype = chunk.offset_type();
-                let w = dtype.size();
-                let mut last = 0i64;
-                for k in 0..=chunk.rows as usize {
-                    let at = chunk.offsets + w * k;
-                    let Some(v) = m.get(at..).and_then(|b| dtype.read_i64(b)) else {
-                        return Err(format!("record batch {c}: its offsets are cut short"));
-                    };
-                    let fine = v >= 0 && (k == 0 || v >= last);
-                    let inside = v
-                        .checked_mul(width)
-                        .is_some_and(|b| b as u64 <= chunk.values_len as u64);
-                    if !fine || !inside {
-                        return Err(format!(
-                            "column {column:?}, record batch {c}: offset {k} is {v}: offsets \
-                             rise, from 0 at least to the {} values at most",
-                            chunk.values_len as i64 / width
-                        ));
-                    }
-                    last = v;
-                }
+                let bytes = (chunk.rows as usize + 1) * dtype.size();
+                let Some(o) = m.get(chunk.offsets..).and_then(|o| o.get(..bytes)) else {
+                    return Err(format!("record batch {c}: its offsets are cut short"));
+                };
+                let values = chunk.values_len as u64 / width;
+                rising(o, dtype, values, "values")
+                    .map_err(|e| format!("column {column:?}, record batch {c}: {e}"))?;
             }
             Ok(())
         })?;
