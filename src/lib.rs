@@ -36,6 +36,7 @@
 // "Design in brief"):
 // L0: error, util
 mod error;
+mod permutation;
 mod util;
 // L1: the data, its order, the model's math
 pub mod dataset;
@@ -72,5 +73,6 @@ pub use loader::{
     BatchLayout, BatchTiming, Epoch, EpochStats, HostAlloc, HostBatch, HostMemory, Loader,
     LoaderBuilder, LoaderState, PlainAlloc, Startup, Storage, DEFAULT_PREFETCH_BYTES, MAX_WORKERS,
 };
-pub use sampler::{EpochOrder, Order, Permutation, Shard, ShardTail, Shuffle};
+pub use permutation::Permutation;
+pub use sampler::{EpochOrder, Order, Shard, ShardTail, Shuffle};
 pub use util::megabytes;

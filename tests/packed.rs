@@ -163,7 +163,7 @@ fn bad_packing_settings_and_short_sets_are_errors_naming_the_file() {
 }
 
 #[test]
-fn a_token_file_cut_after_opening_is_an_error_not_a_signal() {
+fn files_cut_after_opening_are_errors_not_signals() {
     let dir = tempfile::tempdir().unwrap();
     for ext in ["bin", "idx"] {
         let to = dir.path().join(format!("d.{ext}"));
@@ -183,6 +183,18 @@ fn a_token_file_cut_after_opening_is_an_error_not_a_signal() {
         matches!(err, Error::OutOfRange { index: 8, len: 8 }),
         "{err}"
     );
+    // An index cut short before a shuffled epoch's order is made from it.
+    std::fs::copy(fx("megatron_u16.bin"), dir.path().join("d.bin")).unwrap();
+    let ds = Packed::open_megatron(dir.path().join("d"), 7, Windows::Consecutive)
+        .unwrap()
+        .shuffle_documents(1);
+    let idx = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.path().join("d.idx"))
+        .unwrap();
+    idx.set_len(40).unwrap();
+    let err = ds.gather(0, &[0], &mut [&mut t, &mut p]).unwrap_err();
+    assert!(err.to_string().contains("d.idx"), "{err}");
 }
 
 /// Every window of one epoch of `loader`, by index: tokens and positions.
@@ -211,49 +223,63 @@ fn loader_epochs_stream_shuffle_and_resume_packed_windows() {
     let dir = tempfile::tempdir().unwrap();
     let docs = common::random_documents(1500, 3000, 0x9e37_79b9_7f4a_7c15);
     let prefix = common::write_megatron(dir.path(), &docs, false);
-    let wide: Vec<Vec<i64>> = docs
-        .iter()
-        .map(|d| d.iter().map(|&t| i64::from(t)).collect())
-        .collect();
-    let (tokens, positions) = concatenation(&wide);
     let windows = Windows::Random { seed: 9 };
-    let build = |budget: Option<u64>| {
-        let ds = Packed::open_megatron(&prefix, 1024, windows).unwrap();
-        let mut b = Loader::builder(ds)
-            .batch_size(16)
-            .shuffle(Shuffle::Full { seed: 3 })
-            .workers(2);
-        if let Some(bytes) = budget {
-            b = b.page_cache_budget(bytes);
-        }
-        b.build().unwrap()
-    };
-    let reference = Packed::open_megatron(&prefix, 1024, windows).unwrap();
-    // Warm, then streamed under a zero page-cache budget.
-    for budget in [None, Some(0)] {
-        let mut loader = build(budget);
-        for epoch in 0..2 {
-            let got = epoch_windows(&mut loader, epoch, None);
-            assert_eq!(got.len() as u64, reference.len());
-            let mut seen = HashSet::new();
-            for (i, t, p) in &got {
-                assert!(seen.insert(*i), "window {i} twice");
-                let s = reference.window_start(epoch, *i) as usize;
-                let want: Vec<u16> = tokens[s..s + 1025].iter().map(|&x| x as u16).collect();
-                assert_eq!(t, &want, "window {i} of epoch {epoch}");
-                assert_eq!(p, &positions[s..s + 1025], "window {i}'s positions");
+    // Documents in stored order, then shuffled per epoch.
+    for shuffled in [false, true] {
+        let open = || {
+            let ds = Packed::open_megatron(&prefix, 1024, windows).unwrap();
+            match shuffled {
+                true => ds.shuffle_documents(11),
+                false => ds,
+            }
+        };
+        let build = |budget: Option<u64>| {
+            let mut b = Loader::builder(open())
+                .batch_size(16)
+                .shuffle(Shuffle::Full { seed: 3 })
+                .workers(2);
+            if let Some(bytes) = budget {
+                b = b.page_cache_budget(bytes);
+            }
+            b.build().unwrap()
+        };
+        let reference = open();
+        // Warm, then streamed under a zero page-cache budget.
+        for budget in [None, Some(0)] {
+            let mut loader = build(budget);
+            for epoch in 0..2 {
+                let order = |k: u64| reference.document_order(epoch).map_or(k, |o| o.apply(k));
+                let wide: Vec<Vec<i64>> = (0..docs.len() as u64)
+                    .map(|k| {
+                        docs[order(k) as usize]
+                            .iter()
+                            .map(|&t| i64::from(t))
+                            .collect()
+                    })
+                    .collect();
+                let (tokens, positions) = concatenation(&wide);
+                let got = epoch_windows(&mut loader, epoch, None);
+                assert_eq!(got.len() as u64, reference.len());
+                let mut seen = HashSet::new();
+                for (i, t, p) in &got {
+                    assert!(seen.insert(*i), "window {i} twice");
+                    let s = reference.window_start(epoch, *i) as usize;
+                    let want: Vec<u16> = tokens[s..s + 1025].iter().map(|&x| x as u16).collect();
+                    assert_eq!(t, &want, "window {i} of epoch {epoch}, shuffled {shuffled}");
+                    assert_eq!(p, &positions[s..s + 1025], "window {i}'s positions");
+                }
             }
         }
+        // Stopped after 10 batches and resumed from the state: the rest of the epoch.
+        let mut loader = build(None);
+        let whole = epoch_windows(&mut loader, 1, None);
+        let head = epoch_windows(&mut loader, 1, Some(10));
+        let state: LoaderState = loader.state();
+        let mut resumed = build(None);
+        resumed.resume(state).unwrap();
+        let tail = epoch_windows(&mut resumed, 1, None);
+        assert_eq!([head, tail].concat(), whole, "shuffled {shuffled}");
     }
-    // Stopped after 10 batches and resumed from the state: the rest of the epoch.
-    let mut loader = build(None);
-    let whole = epoch_windows(&mut loader, 1, None);
-    let head = epoch_windows(&mut loader, 1, Some(10));
-    let state: LoaderState = loader.state();
-    let mut resumed = build(None);
-    resumed.resume(state).unwrap();
-    let tail = epoch_windows(&mut resumed, 1, None);
-    assert_eq!([head, tail].concat(), whole);
 }
 
 proptest! {
@@ -284,7 +310,87 @@ proptest! {
         for windows in [Windows::Consecutive, Windows::Random { seed }] {
             let ds = Packed::open_megatron(&prefix, seq_len, windows).unwrap();
             prop_assert_eq!(ds.len(), ((total - 1) / seq_len) as u64);
+            prop_assert!(ds.document_order(0).is_none());
             check_windows(&ds, &wide, 0..2, "random documents");
+            // Shuffled: each epoch's windows are those of its own order's concatenation.
+            let ds = ds.shuffle_documents(seed);
+            for epoch in 0..3 {
+                let order = ds.document_order(epoch).unwrap();
+                let docs: Vec<Vec<i64>> = (0..wide.len() as u64)
+                    .map(|k| wide[order.apply(k) as usize].clone())
+                    .collect();
+                check_windows(&ds, &docs, epoch..epoch + 1, "shuffled documents");
+            }
         }
     }
+}
+
+/// The documents one epoch of consecutive windows holds, cut where positions are 0:
+/// all whole but the last, which may be cut short.
+fn documents_in_windows(ds: &Packed, epoch: u64) -> Vec<Vec<i64>> {
+    let mut docs: Vec<Vec<i64>> = Vec::new();
+    for i in 0..ds.len() {
+        let (tokens, positions) = window(ds, epoch, i);
+        // Each window's first token is the previous one's last.
+        let skip = usize::from(i > 0);
+        for (&t, &p) in tokens.iter().zip(&positions).skip(skip) {
+            match docs.last_mut() {
+                Some(doc) if p != 0 => {
+                    assert_eq!(p as usize, doc.len(), "positions count on in a document");
+                    doc.push(t);
+                }
+                _ => {
+                    assert_eq!(p, 0, "a document starts at position 0");
+                    docs.push(vec![t]);
+                }
+            }
+        }
+    }
+    docs
+}
+
+#[test]
+fn shuffled_documents_come_whole_once_an_epoch_in_another_order_each_epoch() {
+    let dir = tempfile::tempdir().unwrap();
+    let docs = common::random_documents(400, 60, 0x5eed);
+    let prefix = common::write_megatron(dir.path(), &docs, true);
+    let wide: Vec<Vec<i64>> = docs
+        .iter()
+        .map(|d| d.iter().map(|&t| i64::from(t)).collect())
+        .filter(|d: &Vec<i64>| !d.is_empty())
+        .collect();
+    let stored = Packed::open_megatron(&prefix, 64, Windows::Consecutive).unwrap();
+    let in_stored_order = documents_in_windows(&stored, 0);
+    let ds = Packed::open_megatron(&prefix, 64, Windows::Consecutive)
+        .unwrap()
+        .shuffle_documents(7);
+    let mut orders = Vec::new();
+    for epoch in 0..3 {
+        let got = documents_in_windows(&ds, epoch);
+        // Every document once and whole, but the last one an epoch reaches, which may
+        // be cut short, and those past it.
+        let (last, whole) = got.split_last().unwrap();
+        let mut left = wide.clone();
+        for doc in whole {
+            let at = left.iter().position(|d| d == doc);
+            left.swap_remove(at.unwrap_or_else(|| panic!("epoch {epoch}: {doc:?} is no document")));
+        }
+        assert!(
+            left.iter().any(|d| d.starts_with(last)),
+            "epoch {epoch}: the last one"
+        );
+        let short: usize = left.iter().map(Vec::len).sum::<usize>() - last.len();
+        assert!(
+            short < 65,
+            "epoch {epoch}: {short} tokens left out, less than a window"
+        );
+        assert_ne!(got, in_stored_order, "epoch {epoch} is not in stored order");
+        assert!(!orders.contains(&got), "epoch {epoch} repeats an order");
+        orders.push(got);
+    }
+    // The same seed, the same orders.
+    let again = Packed::open_megatron(&prefix, 64, Windows::Consecutive)
+        .unwrap()
+        .shuffle_documents(7);
+    assert_eq!(documents_in_windows(&again, 1), orders[1]);
 }

@@ -3,10 +3,13 @@
 //! (and position encodings) inside documents.
 
 use std::path::Path;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use super::indexed::{Scan, Stored};
 use super::{check_out, Column, DType, Dataset, MappedFile, Windows};
 use crate::error::{Error, Result};
+use crate::permutation::Permutation;
+use crate::util::mix;
 
 /// A reader of document places and lengths (see `Stored::with_extents`).
 type Extent<'a> = &'a dyn Fn(u64) -> Option<(u64, u64)>;
@@ -25,11 +28,15 @@ type Extent<'a> = &'a dyn Fn(u64) -> Option<(u64, u64)>;
 /// where `positions[j + 1] == 0` (to mask it from the loss, as Megatron's
 /// `eod_mask_loss` does).
 ///
-/// Documents stay in their stored order (Megatron's own loader also shuffles them per
-/// epoch; with `Windows::Random` each epoch cuts the stream at other offsets). A token
-/// file that holds its documents back to back (offsets always do; Megatron and fairseq
-/// tools write them so) needs no memory beyond the mappings; otherwise each document's
-/// start is kept, 8 bytes a document.
+/// Documents are concatenated in their stored order, or, after
+/// [`shuffle_documents`](Packed::shuffle_documents), in another order each epoch (as
+/// Megatron-LM's loader does), so that a document has other neighbours in each epoch's
+/// windows; with `Windows::Random` each epoch also cuts the stream at other offsets. In
+/// stored order, a token file that holds its documents back to back (offsets always
+/// do; Megatron and fairseq tools write them so) needs no memory beyond the mappings;
+/// otherwise each document's start is kept, 8 bytes a document. A shuffled order keeps
+/// each document's start in that order, 8 bytes a document for each of the two epochs
+/// last gathered, made by the epoch's first gather.
 #[derive(Debug)]
 pub struct Packed {
     stored: Stored,
@@ -43,7 +50,23 @@ pub struct Packed {
     /// starts when it is stored back to back.
     first: u64,
     columns: Vec<Column>,
+    /// The seed of the per-epoch document orders, and the latest of them, where
+    /// documents are shuffled.
+    shuffled: Option<(u64, Mutex<Vec<Arc<Order>>>)>,
 }
+
+/// One epoch's order of documents: position `k` of the concatenation holds document
+/// `permutation.apply(k)`, whose first token is the concatenation's `starts[k]`.
+#[derive(Debug)]
+struct Order {
+    epoch: u64,
+    permutation: Permutation,
+    starts: Vec<u64>,
+}
+
+/// How many epochs' document orders are kept: the loader may still gather one epoch
+/// while it starts the next.
+const ORDERS_KEPT: usize = 2;
 
 impl Packed {
     /// Packs a Megatron (or fairseq `mmap`) indexed dataset: `prefix.idx` and
@@ -157,7 +180,69 @@ impl Packed {
             starts,
             first,
             columns,
+            shuffled: None,
         })
+    }
+
+    /// Concatenates the documents in another order each epoch, a permutation of them
+    /// drawn from `(seed, epoch)`, instead of their stored order. A window's tokens then
+    /// lie in several places of the token file where they lay in one; each epoch's
+    /// first gather computes the order's document starts (8 bytes a document, reading
+    /// the whole index), and the two latest epochs' are kept.
+    pub fn shuffle_documents(mut self, seed: u64) -> Packed {
+        self.shuffled = Some((seed, Mutex::new(Vec::new())));
+        self
+    }
+
+    /// The order of `epoch`'s documents, where they are shuffled
+    /// ([`shuffle_documents`](Packed::shuffle_documents)): the concatenation's `k`-th
+    /// document is `apply(k)`. `None` for the stored order.
+    pub fn document_order(&self, epoch: u64) -> Option<Permutation> {
+        let (seed, _) = self.shuffled.as_ref()?;
+        let key = mix(mix(seed ^ 0x646f_6373) ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        Some(Permutation::new(self.stored.docs, key))
+    }
+
+    /// `epoch`'s order of documents with their starts, made by its first caller;
+    /// `None` for the stored order.
+    ///
+    /// # Errors
+    /// [`Error::Dataset`] naming the index when it could not be read, or no longer
+    /// holds the documents it held when checked.
+    fn order(&self, epoch: u64) -> Result<Option<Arc<Order>>> {
+        let (Some((_, orders)), Some(permutation)) = (&self.shuffled, self.document_order(epoch))
+        else {
+            return Ok(None);
+        };
+        // Held while the order is made: the other workers wait for it, not make it too.
+        let mut orders = orders.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(order) = orders.iter().find(|o| o.epoch == epoch) {
+            return Ok(Some(Arc::clone(order)));
+        }
+        let mut starts: Vec<u64> = (0..self.stored.docs).collect();
+        permutation.apply_in_place(&mut starts);
+        let summed = self.stored.with_extents(|extent| {
+            let mut next = 0u64;
+            for slot in &mut starts {
+                let len = extent(*slot)?.1;
+                *slot = next;
+                next = next.checked_add(len)?;
+            }
+            Some(next)
+        })?;
+        if summed != Some(self.scan.tokens) {
+            return Err(self.stored.index().changed());
+        }
+        let order = Arc::new(Order {
+            epoch,
+            permutation,
+            starts,
+        });
+        if orders.len() == ORDERS_KEPT {
+            orders.remove(0);
+        }
+        orders.push(Arc::clone(&order));
+        Ok(Some(order))
     }
 
     /// Tokens in all documents: the length of the concatenation.
@@ -191,48 +276,57 @@ impl Packed {
             .start(epoch, index, self.seq_len, self.scan.tokens)
     }
 
-    /// Document `i`'s first token in the concatenation.
-    fn start(&self, extent: Extent<'_>, i: u64) -> Option<u64> {
-        match &self.starts {
-            Some(starts) => starts.get(i as usize).copied(),
-            None => {
-                let byte = extent(i)?.0.checked_sub(self.first)?;
+    /// The first token, in the concatenation of `order` (the stored order for
+    /// `None`), of its `k`-th document.
+    fn start(&self, extent: Extent<'_>, order: Option<&Order>, k: u64) -> Option<u64> {
+        match (order, &self.starts) {
+            (Some(order), _) => order.starts.get(k as usize).copied(),
+            (None, Some(starts)) => starts.get(k as usize).copied(),
+            (None, None) => {
+                let byte = extent(k)?.0.checked_sub(self.first)?;
                 Some(byte / self.stored.dtype.size() as u64)
             }
         }
     }
 
     /// Calls `piece(byte, tokens, position)` for each run of window `from`'s tokens
-    /// that lies in one document, in order: `tokens` tokens at `byte` of the token data,
-    /// the first of them at `position` in its document. `None` if the index no longer
-    /// holds the documents it held when checked.
+    /// (in the concatenation of `order`, the stored order for `None`) that lies in one
+    /// document, in order: `tokens` tokens at `byte` of the token data, the first of
+    /// them at `position` in its document. `None` if the index no longer holds the
+    /// documents it held when checked.
     fn walk(
         &self,
         extent: Extent<'_>,
+        order: Option<&Order>,
         from: u64,
         mut piece: impl FnMut(u64, u64, u64),
     ) -> Option<()> {
+        let docs = self.stored.docs;
         // The document holding token `from`: the last one starting at or before it
         // (documents before it may be empty and start there too).
-        let (mut lo, mut hi) = (0, self.stored.docs);
+        let (mut lo, mut hi) = (0, docs);
         while hi - lo > 1 {
             let mid = lo + (hi - lo) / 2;
-            match self.start(extent, mid)? <= from {
+            match self.start(extent, order, mid)? <= from {
                 true => lo = mid,
                 false => hi = mid,
             }
         }
         let width = self.stored.dtype.size() as u64;
-        let (mut doc, mut skip) = (lo, from.checked_sub(self.start(extent, lo)?)?);
+        let (mut k, mut skip) = (lo, from.checked_sub(self.start(extent, order, lo)?)?);
         let mut left = self.seq_len as u64 + 1;
         while left > 0 {
+            let doc = match order {
+                Some(order) => (k < docs).then(|| order.permutation.apply(k))?,
+                None => k,
+            };
             let (byte, len) = extent(doc)?;
             let take = len.checked_sub(skip)?.min(left);
             if take > 0 {
                 piece(byte.checked_add(skip.checked_mul(width)?)?, take, skip);
             }
             left -= take;
-            doc += 1;
+            k += 1;
             skip = 0;
         }
         Some(())
@@ -254,6 +348,7 @@ impl Dataset for Packed {
         if let Some(&index) = indices.iter().find(|&&i| i >= len) {
             return Err(Error::OutOfRange { index, len });
         }
+        let order = self.order(epoch)?;
         let (tokens, positions) = out.split_at_mut(1);
         let rows = positions[0].chunks_exact_mut(self.columns[1].row_bytes);
         // The index first (the positions, and where each run of tokens is), then the
@@ -263,7 +358,7 @@ impl Dataset for Packed {
             for (row, &index) in rows.zip(indices) {
                 let mut slots = row.chunks_exact_mut(4);
                 let from = self.window_start(epoch, index);
-                self.walk(extent, from, |byte, n, position| {
+                self.walk(extent, order.as_deref(), from, |byte, n, position| {
                     pieces.push((byte, n));
                     // The range first: `zip` takes no slot past its end.
                     for (p, slot) in (position..position + n).zip(slots.by_ref()) {
@@ -301,13 +396,18 @@ impl Dataset for Packed {
         if index >= self.len() {
             return;
         }
+        let Ok(order) = self.order(epoch) else {
+            return;
+        };
         let width = self.stored.dtype.size() as u64;
         let mut runs: Vec<(u64, u64)> = Vec::new();
         let from = self.window_start(epoch, index);
         let walked = self.stored.with_extents(|extent| {
-            self.walk(extent, from, |byte, n, _| match runs.last_mut() {
-                Some(last) if last.0.checked_add(last.1) == Some(byte) => last.1 += n * width,
-                _ => runs.push((byte, n * width)),
+            self.walk(extent, order.as_deref(), from, |byte, n, _| {
+                match runs.last_mut() {
+                    Some(last) if last.0.checked_add(last.1) == Some(byte) => last.1 += n * width,
+                    _ => runs.push((byte, n * width)),
+                }
             })
         });
         if let Ok(Some(())) = walked {

@@ -14,10 +14,9 @@
 
 use std::sync::Arc;
 
-mod permutation;
 mod shard;
 
-pub use permutation::Permutation;
+pub use crate::permutation::Permutation;
 pub use shard::{Shard, ShardTail};
 
 use crate::error::{Error, Result};

@@ -173,9 +173,11 @@ impl OpenDataset {
 
     /// Variable-length documents packed: concatenated and cut into windows of
     /// `seq_len + 1` tokens, with each token's position in its document. The files are
-    /// those of `documents`.
+    /// those of `documents`. With `shuffle_documents`, each file's documents are
+    /// concatenated in another order each epoch (from `seed` and the file's place).
     #[staticmethod]
-    #[pyo3(signature = (paths, seq_len, windows, seed, offsets, column))]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (paths, seq_len, windows, seed, offsets, column, shuffle_documents))]
     fn packed(
         py: Python<'_>,
         paths: Vec<std::path::PathBuf>,
@@ -184,13 +186,18 @@ impl OpenDataset {
         seed: u64,
         offsets: Option<std::path::PathBuf>,
         column: Option<String>,
+        shuffle_documents: bool,
     ) -> PyResult<OpenDataset> {
         let windows = windows_named(windows, seed)?;
-        Self::parts(py, paths, offsets, column, move |path, layout| {
-            Ok(Arc::new(match layout {
+        Self::parts(py, paths, offsets, column, move |part, path, layout| {
+            let packed = match layout {
                 Layout::Npy(o) => Packed::open_npy(path, o, seq_len, windows)?,
                 Layout::Arrow(c) => Packed::open_arrow(path, &c, seq_len, windows)?,
                 Layout::Megatron => Packed::open_megatron(path, seq_len, windows)?,
+            };
+            Ok(Arc::new(match shuffle_documents {
+                true => packed.shuffle_documents(seed.wrapping_add(part as u64)),
+                false => packed,
             }))
         })
     }
@@ -209,7 +216,7 @@ impl OpenDataset {
         offsets: Option<std::path::PathBuf>,
         column: Option<String>,
     ) -> PyResult<OpenDataset> {
-        Self::parts(py, paths, offsets, column, move |path, layout| {
+        Self::parts(py, paths, offsets, column, move |_, path, layout| {
             Ok(Arc::new(match layout {
                 Layout::Npy(o) => Documents::open_npy(path, o, max_len, pad)?,
                 Layout::Arrow(c) => Documents::open_arrow(path, &c, max_len, pad)?,
@@ -227,7 +234,7 @@ impl OpenDataset {
         paths: Vec<std::path::PathBuf>,
         offsets: Option<std::path::PathBuf>,
         column: Option<String>,
-        open: impl Fn(&std::path::Path, Layout) -> stokehold::Result<Arc<dyn Dataset>> + Send,
+        open: impl Fn(usize, &std::path::Path, Layout) -> stokehold::Result<Arc<dyn Dataset>> + Send,
     ) -> PyResult<OpenDataset> {
         if paths.is_empty() || (paths.len() > 1 && offsets.is_some()) {
             return Err(PyValueError::new_err(
@@ -247,7 +254,8 @@ impl OpenDataset {
             let mut parts = paths
                 .iter()
                 .zip(layouts)
-                .map(|(p, layout)| open(p, layout))
+                .enumerate()
+                .map(|(part, (p, layout))| open(part, p, layout))
                 .collect::<stokehold::Result<Vec<_>>>()?;
             match parts.len() {
                 1 => Ok(parts.remove(0)),

@@ -410,6 +410,28 @@ def test_packed_loader_concatenates_documents_with_positions():
         stokehold.PackedLoader(FIXTURES / "megatron_u16", seq_len=7, windows="shifted")
 
 
+def test_packed_loader_shuffles_documents_per_epoch():
+    # Token j of document i is 100 i + j: a window's documents are read from its tokens.
+    lens = {0: 5, 2: 12, 3: 3, 4: 40, 5: 1}
+    loader = stokehold.PackedLoader(FIXTURES / "megatron_u16", seq_len=7, batch_size=8,
+                                    windows="consecutive", shuffle="none", seed=3,
+                                    shuffle_documents=True)
+    orders = []
+    for epoch in range(4):
+        b = next(loader.epoch(epoch))
+        tokens = np.concatenate([b["tokens"][0]] + [t[1:] for t in b["tokens"][1:]])
+        positions = np.concatenate([b["positions"][0]] + [p[1:] for p in b["positions"][1:]])
+        np.testing.assert_array_equal(positions, tokens % 100)
+        docs = [int(t) // 100 for t, p in zip(tokens, positions) if p == 0]
+        # Each document once, whole but the last one reached (57 of the 61 tokens).
+        assert sorted(docs) == sorted(set(docs)) and set(docs) <= set(lens)
+        assert [int(n) for n in np.bincount(tokens // 100, minlength=6)[docs[:-1]]] == \
+            [lens[d] for d in docs[:-1]]
+        orders.append(docs)
+    assert len({tuple(o) for o in orders}) > 1, orders
+    assert any(o != sorted(o) for o in orders), orders
+
+
 def test_arrow_tables_are_read_in_place():
     # As Hugging Face datasets writes a tokenised table (tests/fixtures/make_arrow.py).
     path = FIXTURES.parent / "arrow" / "hf_stream.arrow"

@@ -401,7 +401,8 @@ class PackedLoader(Loader):
     """A loader over variable-length documents packed for pretraining: the documents
     ``DocumentLoader`` reads (a Megatron / fairseq indexed dataset at ``path``, a
     token ``.npy`` at ``path`` with ``offsets``, or an ``.arrow`` file's list
-    ``column``) concatenated in their stored order and
+    ``column``) concatenated in their stored order (with ``shuffle_documents=True``,
+    in another order each epoch, drawn from ``seed``, as Megatron-LM does) and
     cut into windows of ``seq_len + 1`` tokens, as ``TokenLoader`` cuts a token file,
     with no padding. Several files (a table's shards) are packed each on its own: no
     window crosses two, each shard's last tokens short of a window are left out, and a
@@ -437,10 +438,11 @@ class PackedLoader(Loader):
         progress: Optional[bool] = None,
         device: Optional[str] = None,
         direct_reads: bool = True,
+        shuffle_documents: bool = False,
     ):
         dataset = _stokehold._Dataset.packed(
             _document_paths(path), seq_len, windows, seed,
-            None if offsets is None else str(offsets), column,
+            None if offsets is None else str(offsets), column, shuffle_documents,
         )
         self._build(
             dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
