@@ -68,6 +68,17 @@ fn inspect_prints_good_files_and_fails_on_bad_ones() {
     assert_eq!(out.status.code(), Some(1));
     assert!(err.contains(r#"its columns are "meta""#), "{err}");
 
+    // An MDS dataset's shards, listed from its directory: their tokens.
+    let out = stokehold(&["inspect", &fixture("../mds/mds_tokens")]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("shard.00000.mds")
+            && text.contains("(3, <=12)")
+            && text.contains("(2, <=40)"),
+        "{text}"
+    );
+
     let out = stokehold(&["inspect", "/no/such/file.npy"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("/no/such/file.npy"));

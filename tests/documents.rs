@@ -1,6 +1,8 @@
-//! Variable-length documents: Megatron indexed datasets and `.npy` tokens with offsets,
-//! read in place, padded to `max_len`, through the loader (fixtures in
-//! `tests/fixtures/npy`, written by `python3 tests/fixtures/make_npy.py`).
+//! Variable-length documents: Megatron indexed datasets, `.npy` tokens with offsets,
+//! Arrow list columns and MDS array columns, read in place, padded to `max_len`,
+//! through the loader (fixtures in `tests/fixtures/npy`, written by
+//! `python3 tests/fixtures/make_npy.py`, and in `tests/fixtures/{arrow,mds}`, written by
+//! the formats' own writers).
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -202,6 +204,110 @@ fn bad_arrow_files_are_errors_naming_the_file() {
         let err = Documents::open_arrow(arrow(name), column, 16, 0).unwrap_err();
         refused(err, name, problem);
     }
+}
+
+fn mds(name: &str) -> PathBuf {
+    Path::new(FIXTURES).join("../mds").join(name)
+}
+
+fn u8_tokens(b: &stokehold::HostBatch) -> Vec<i64> {
+    let t = b.column_named::<u8>("tokens").unwrap();
+    t.iter().map(|&x| i64::from(x)).collect()
+}
+
+#[test]
+fn mds_array_columns_are_read_in_place() {
+    // As `streaming.MDSWriter` writes them (tests/fixtures/make_mds.py): the documents
+    // but the empty one, with an int, a str and another array column, in two shards.
+    let docs: Vec<Vec<i64>> = docs().into_iter().filter(|d| !d.is_empty()).collect();
+    let want: Vec<_> = docs.iter().map(|d| expected(d, 16, 7)).collect();
+    let shards = [("shard.00000.mds", 0..3), ("shard.00001.mds", 3..5)];
+    for (shard, range) in shards.clone() {
+        let ds = Documents::open_mds(mds("mds_tokens").join(shard), "tokens", 16, 7).unwrap();
+        assert_eq!(
+            (ds.len(), ds.dtype()),
+            (range.len() as u64, stokehold::DType::U16)
+        );
+        assert_eq!(rows(ds, u16_tokens), want[range.clone()], "{shard}");
+        let ds = Documents::open_mds(mds("mds_tokens").join(shard), "mask", 50, 0).unwrap();
+        let ones: Vec<_> = docs[range]
+            .iter()
+            .map(|d| expected(&vec![1; d.len()], 50, 0))
+            .collect();
+        assert_eq!(rows(ds, u8_tokens), ones, "{shard}");
+    }
+    // LLM Foundry's concatenated windows: a fixed shape, so fixed-size samples.
+    let ds = Documents::open_mds(mds("mds_windows/shard.00000.mds"), "tokens", 8, 0).unwrap();
+    let stream: Vec<i64> = docs.concat();
+    let windows: Vec<_> = stream.chunks_exact(8).map(|w| (w.to_vec(), 8)).collect();
+    assert_eq!((ds.len(), ds.dtype()), (7, stokehold::DType::I32));
+    assert_eq!(rows(ds, i32_tokens), windows);
+    // Packed, each shard: its documents back to back.
+    let packed = stokehold::Packed::open_mds(
+        mds("mds_tokens/shard.00000.mds"),
+        "tokens",
+        7,
+        Windows::Consecutive,
+    )
+    .unwrap();
+    assert_eq!((packed.tokens(), packed.len()), (20, 2));
+    let c = packed.columns();
+    let (mut t, mut p) = (vec![0u8; 2 * c[0].row_bytes], vec![0u8; 2 * c[1].row_bytes]);
+    packed.gather(0, &[0, 1], &mut [&mut t, &mut p]).unwrap();
+    let got: Vec<i64> = t
+        .chunks_exact(2)
+        .map(|b| i64::from(u16::from_le_bytes([b[0], b[1]])))
+        .collect();
+    let first: Vec<i64> = docs[..3].concat();
+    assert_eq!(got, [&first[0..8], &first[7..15]].concat());
+}
+
+#[test]
+fn bad_mds_shards_are_errors_naming_the_file() {
+    let tokens = "mds_tokens/shard.00000.mds";
+    for (name, column, problem) in [
+        (
+            tokens,
+            "labels",
+            r#"no column "labels"; its columns are ["id", "mask", "text", "tokens"]"#,
+        ),
+        (
+            tokens,
+            "text",
+            r#"column "text" is encoded as "str", not as an array of integers"#,
+        ),
+        (
+            "mds_dynamic/shard.00000.mds",
+            "tokens",
+            r#"column "tokens" is encoded as "ndarray", not as an array of integers"#,
+        ),
+        (
+            "mds_zstd/shard.00000.mds.zstd",
+            "tokens",
+            "not an MDS shard",
+        ),
+        ("mds_tokens/index.json", "tokens", "not an MDS shard"),
+    ] {
+        let err = Documents::open_mds(mds(name), column, 16, 0).unwrap_err();
+        refused(err, name.rsplit('/').next().unwrap(), problem);
+    }
+    // Cut short, and a sample offset changed.
+    let dir = tempfile::tempdir().unwrap();
+    let bytes = std::fs::read(mds(tokens)).unwrap();
+    let path = dir.path().join("cut.mds");
+    std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
+    let err = Documents::open_mds(&path, "tokens", 16, 0).unwrap_err();
+    refused(err, "cut.mds", "offsets rise");
+    let mut bent = bytes.clone();
+    bent[12] = bent[12].wrapping_add(1); // sample 2 starts a byte late: its sizes shift
+    let path = dir.path().join("bent.mds");
+    std::fs::write(&path, &bent).unwrap();
+    let err = Documents::open_mds(&path, "tokens", 16, 0).unwrap_err();
+    refused(
+        err,
+        "bent.mds",
+        "sample 2: its array lies outside the sample",
+    );
 }
 
 /// The error of opening a bad fixture, which must name `file` and say `problem`.
@@ -522,15 +628,20 @@ fn example_09_cuts_the_padding_by_grouping() {
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
 
-    /// An Arrow file with bytes changed or cut short anywhere opens or is refused, and
-    /// one that opens serves its rows (or errors): never a panic.
+    /// An Arrow file or an MDS shard with bytes changed or cut short anywhere opens or
+    /// is refused, and one that opens serves its rows (or errors): never a panic.
     #[test]
-    fn damaged_arrow_files_never_panic(
-        name in proptest::sample::select(vec!["hf_stream.arrow", "mixed_file.arrow"]),
+    fn damaged_arrow_and_mds_files_never_panic(
+        name in proptest::sample::select(vec![
+            "arrow/hf_stream.arrow",
+            "arrow/mixed_file.arrow",
+            "mds/mds_tokens/shard.00000.mds",
+            "mds/mds_windows/shard.00000.mds",
+        ]),
         edits in proptest::collection::vec((0usize..5000, proptest::num::u8::ANY), 1..6),
         cut in proptest::option::of(0usize..5000),
     ) {
-        let mut bytes = std::fs::read(arrow(name)).unwrap();
+        let mut bytes = std::fs::read(Path::new(FIXTURES).join("..").join(name)).unwrap();
         for (at, value) in edits {
             let n = bytes.len();
             bytes[at % n] = value;
@@ -539,16 +650,24 @@ proptest::proptest! {
             bytes.truncate(cut % (bytes.len() + 1));
         }
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join(name);
+        let path = dir.path().join("damaged");
         std::fs::write(&path, &bytes).unwrap();
-        let column = if name == "hf_stream.arrow" { "input_ids" } else { "tokens" };
-        if let Ok(ds) = Documents::open_arrow(&path, column, 64, 0) {
+        let column = if name.ends_with("hf_stream.arrow") { "input_ids" } else { "tokens" };
+        let mds = name.ends_with(".mds");
+        let documents = match mds {
+            true => Documents::open_mds(&path, column, 64, 0),
+            false => Documents::open_arrow(&path, column, 64, 0),
+        };
+        if let Ok(ds) = documents {
             let n = ds.len().min(64);
             let mut tokens = vec![0u8; 64 * 64 * ds.dtype().size()];
             let mut lens = vec![0u8; 64 * 8];
             let all: Vec<u64> = (0..n).collect();
             let _ = ds.gather(0, &all, &mut [&mut tokens, &mut lens]);
-            let packed = stokehold::Packed::open_arrow(&path, column, 4, Windows::Consecutive);
+            let packed = match mds {
+                true => stokehold::Packed::open_mds(&path, column, 4, Windows::Consecutive),
+                false => stokehold::Packed::open_arrow(&path, column, 4, Windows::Consecutive),
+            };
             if let Ok(p) = packed {
                 let n = p.len().min(64);
                 let width = p.columns()[0].row_bytes;

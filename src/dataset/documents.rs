@@ -91,6 +91,29 @@ impl Documents {
         Self::build(Stored::arrow(path.as_ref(), column)?, max_len, pad)
     }
 
+    /// Opens the array column `column` of a MosaicML Streaming shard
+    /// (`shard.00000.mds`, as `streaming.MDSWriter` writes it; LLM Foundry's token
+    /// column is `"tokens"`, encoded `ndarray:uint32` say). Each sample's array, of an
+    /// integer type, is a document, read where it lies in the shard (its shape is
+    /// ignored: the values in order). A dataset of several shards is several files
+    /// (see [`Concat`](super::Concat)); a compressed shard is read once decompressed.
+    ///
+    /// # Errors
+    /// [`Error::Io`] for a file that cannot be read; [`Error::Dataset`] naming the file
+    /// for one that is not an MDS shard (sample offsets that fall or pass the file,
+    /// a configuration that is not the writer's), a missing column (the message lists
+    /// those there are), one not encoded as an array of integers
+    /// (`ndarray:<integer type>[:<shape>]`), and a sample whose array does not fit it;
+    /// [`Error::Config`] as for [`open_megatron`](Documents::open_megatron).
+    pub fn open_mds(
+        path: impl AsRef<Path>,
+        column: &str,
+        max_len: usize,
+        pad: i64,
+    ) -> Result<Documents> {
+        Self::build(Stored::mds(path.as_ref(), column)?, max_len, pad)
+    }
+
     fn build(stored: Stored, max_len: usize, pad: i64) -> Result<Documents> {
         let dtype = stored.dtype;
         if max_len == 0 || max_len >= (isize::MAX as usize) / 8 {

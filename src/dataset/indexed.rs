@@ -1,6 +1,7 @@
 //! Token sequences stored back to back with an index of where each one is: the files
-//! of a Megatron / fairseq indexed dataset, a token `.npy` with an offsets `.npy`, or a
-//! list column of an Arrow IPC file, opened and checked once. [`Documents`](super::Documents) serves them padded,
+//! of a Megatron / fairseq indexed dataset, a token `.npy` with an offsets `.npy`, a
+//! list column of an Arrow IPC file, or an array column of an MDS shard, opened and
+//! checked once. [`Documents`](super::Documents) serves them padded,
 //! [`Packed`](super::Packed) concatenated.
 
 use std::path::{Path, PathBuf};
@@ -9,6 +10,7 @@ use memmap2::Mmap;
 
 use super::arrow::{self, Chunk};
 use super::guard::Watched;
+use super::mds;
 use super::{DType, MappedFile, NpyArray};
 use crate::error::{Error, Result};
 
@@ -94,6 +96,9 @@ enum Index {
         chunks: Vec<Chunk>,
         firsts: Vec<u64>,
     },
+    /// An MDS shard's array column: each sample's offset, sizes and shape header say
+    /// where its values are (in the token file, which holds them all).
+    Mds(mds::Column),
 }
 
 /// Checks that the offsets `o` (of the integer type `dtype`) rise, from 0 at least to
@@ -161,6 +166,18 @@ impl Index {
                 let first = u64::try_from(first).ok()?.checked_mul(width as u64)?;
                 Some(((chunk.values as u64).checked_add(first)?, len))
             }
+            Index::Mds(ref column) => column.extent(idx, i),
+        }
+    }
+
+    /// Why document `i` has no extent, as a scan of the whole index says it.
+    fn unreadable(&self, i: usize) -> String {
+        match self {
+            Index::Mds(_) => format!(
+                "sample {i}: its array lies outside the sample (a size or shape header \
+                 that does not match its values)"
+            ),
+            _ => format!("document {i} has a negative length or place"),
         }
     }
 }
@@ -391,6 +408,27 @@ impl Stored {
         })
     }
 
+    /// Opens the array column `column` of an MosaicML Streaming (MDS) shard: each
+    /// sample's array is a document, read where it lies.
+    ///
+    /// # Errors
+    /// [`Error::Io`] for a file that cannot be read; [`Error::Dataset`] naming the file
+    /// for one that is not an MDS shard, a missing column, or one that is not an array
+    /// of integers.
+    pub(super) fn mds(path: &Path, column: &str) -> Result<Stored> {
+        let file = Mapped::open(path)?;
+        let found = file.read(|m| mds::column(m, column))?;
+        let column = found.map_err(|problem| Error::dataset(path, problem))?;
+        Ok(Stored {
+            tokens: file,
+            data: 0,
+            index: None,
+            dtype: column.dtype,
+            docs: column.samples,
+            layout: Index::Mds(column),
+        })
+    }
+
     /// Checks that every document lies inside the token data, and totals them
     /// (`truncated` counts those longer than `max_len`).
     ///
@@ -408,12 +446,13 @@ impl Stored {
             let mut next = None;
             for i in 0..self.docs as usize {
                 let Some((start, len)) = layout.extent(m, i, width) else {
-                    return Err(format!("document {i} has a negative length or place"));
+                    return Err(layout.unreadable(i));
                 };
                 let end = len
                     .checked_mul(width as u64)
                     .and_then(|b| b.checked_add(start));
-                if start % width as u64 != 0 {
+                // (An MDS sample's values lie wherever its headers end.)
+                if start % width as u64 != 0 && !matches!(layout, Index::Mds(_)) {
                     return Err(format!(
                         "document {i} starts at byte {start}, not on a {width}-byte token"
                     ));

@@ -20,6 +20,7 @@ mod documents;
 mod dtype;
 pub(crate) mod guard;
 mod indexed;
+mod mds;
 mod npy;
 mod packed;
 mod subset;

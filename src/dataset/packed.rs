@@ -119,6 +119,21 @@ impl Packed {
         Self::build(Stored::arrow(path.as_ref(), column)?, seq_len, windows)
     }
 
+    /// Packs the array column `column` of a MosaicML Streaming shard, as
+    /// [`Documents::open_mds`](super::Documents::open_mds) opens it.
+    ///
+    /// # Errors
+    /// As [`Documents::open_mds`](super::Documents::open_mds), and as
+    /// [`open_megatron`](Packed::open_megatron) for the windows.
+    pub fn open_mds(
+        path: impl AsRef<Path>,
+        column: &str,
+        seq_len: usize,
+        windows: Windows,
+    ) -> Result<Packed> {
+        Self::build(Stored::mds(path.as_ref(), column)?, seq_len, windows)
+    }
+
     fn build(stored: Stored, seq_len: usize, windows: Windows) -> Result<Packed> {
         if seq_len == 0 || seq_len >= (isize::MAX as usize) / 8 {
             return Err(Error::Config(format!("seq_len {seq_len} is out of range")));

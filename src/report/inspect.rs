@@ -1,5 +1,6 @@
-//! `stokehold inspect`: each `.npy` file's (or Megatron indexed dataset's, or Arrow
-//! table's `input_ids`) shape, dtype, rows, bytes and page-cache residency, as a table.
+//! `stokehold inspect`: each `.npy` file's (or Megatron indexed dataset's, Arrow
+//! table's `input_ids`, or MDS shard's `tokens`) shape, dtype, rows, bytes and
+//! page-cache residency, as a table.
 
 use std::path::{Path, PathBuf};
 
@@ -7,9 +8,10 @@ use crate::dataset::{shape_string, Dataset, Documents, MappedFile, NpyArray};
 use crate::error::Error;
 use crate::pagecache;
 
-/// The table of the `.npy` files, Megatron indexed datasets (named by their `.idx`) and
-/// Arrow tables (`.arrow`, their `input_ids` column) at `paths` (files, or directories
-/// whose `.npy`, `.idx` and `.arrow` files are listed in name order), and an error for
+/// The table of the `.npy` files, Megatron indexed datasets (named by their `.idx`),
+/// Arrow tables (`.arrow`, their `input_ids` column) and MDS shards (`.mds`, their
+/// `tokens` column) at `paths` (files, or directories whose files of those kinds are
+/// listed in name order), and an error for
 /// each path that could not be read. A dataset of documents shows its shape as
 /// `(documents, <=longest)`, its bytes as its files'. A file's
 /// residency shows as `?` where `mincore` fails.
@@ -22,9 +24,10 @@ pub fn inspect(paths: &[PathBuf]) -> (String, Vec<Error>) {
     let listed: Vec<PathBuf> = paths.iter().flat_map(|p| files(p, &mut errors)).collect();
     for f in listed {
         let ext = f.extension().and_then(|e| e.to_str()).unwrap_or_default();
-        if ext == "idx" || ext == "arrow" {
+        if DOCUMENTS.contains(&ext) {
             let opened = match ext {
                 "idx" => Documents::open_megatron(&f, 1, 0),
+                "mds" => Documents::open_mds(&f, "tokens", 1, 0),
                 _ => Documents::open_arrow(&f, "input_ids", 1, 0),
             };
             match opened {
@@ -68,8 +71,11 @@ pub fn inspect(paths: &[PathBuf]) -> (String, Vec<Error>) {
     (table, errors)
 }
 
-/// `path` itself, or the `.npy` and `.idx` files of the directory `path` in name order
-/// (an error when there is none).
+/// The extensions of the files that hold documents.
+const DOCUMENTS: [&str; 3] = ["idx", "arrow", "mds"];
+
+/// `path` itself, or the `.npy`, `.idx`, `.arrow` and `.mds` files of the directory
+/// `path` in name order (an error when there is none).
 fn files(path: &Path, errors: &mut Vec<Error>) -> Vec<PathBuf> {
     match std::fs::read_dir(path) {
         Ok(entries) => {
@@ -77,14 +83,15 @@ fn files(path: &Path, errors: &mut Vec<Error>) -> Vec<PathBuf> {
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| {
                     p.extension()
-                        .is_some_and(|e| e == "npy" || e == "idx" || e == "arrow")
+                        .and_then(|e| e.to_str())
+                        .is_some_and(|e| e == "npy" || DOCUMENTS.contains(&e))
                 })
                 .collect();
             v.sort();
             if v.is_empty() {
                 errors.push(Error::dataset(
                     path,
-                    "no .npy, .idx or .arrow file in this directory",
+                    "no .npy, .idx, .arrow or .mds file in this directory",
                 ));
             }
             v

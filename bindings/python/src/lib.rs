@@ -193,6 +193,7 @@ impl OpenDataset {
             let packed = match layout {
                 Layout::Npy(o) => Packed::open_npy(path, o, seq_len, windows)?,
                 Layout::Arrow(c) => Packed::open_arrow(path, &c, seq_len, windows)?,
+                Layout::Mds(c) => Packed::open_mds(path, &c, seq_len, windows)?,
                 Layout::Megatron => Packed::open_megatron(path, seq_len, windows)?,
             };
             Ok(Arc::new(match shuffle_documents {
@@ -220,6 +221,7 @@ impl OpenDataset {
             Ok(Arc::new(match layout {
                 Layout::Npy(o) => Documents::open_npy(path, o, max_len, pad)?,
                 Layout::Arrow(c) => Documents::open_arrow(path, &c, max_len, pad)?,
+                Layout::Mds(c) => Documents::open_mds(path, &c, max_len, pad)?,
                 Layout::Megatron => Documents::open_megatron(path, max_len, pad)?,
             }))
         })
@@ -321,27 +323,32 @@ enum Layout {
     Npy(std::path::PathBuf),
     /// This list column of an Arrow IPC file.
     Arrow(String),
+    /// This array column of an MDS shard.
+    Mds(String),
     /// A Megatron / fairseq indexed dataset.
     Megatron,
 }
 
 impl Layout {
     /// The layout `path` and the options name: offsets for a token `.npy`, an `.arrow`
-    /// file's column (`input_ids` unless given), or else a Megatron prefix.
+    /// file's column (`input_ids` unless given), an `.mds` shard's (`tokens`, LLM
+    /// Foundry's, unless given), or else a Megatron prefix.
     fn of(
         path: &std::path::Path,
         offsets: Option<std::path::PathBuf>,
         column: Option<String>,
     ) -> PyResult<Layout> {
         let arrow = path.extension().is_some_and(|e| e == "arrow");
+        let mds = path.extension().is_some_and(|e| e == "mds");
         match (offsets, column) {
             (Some(_), Some(_)) => Err(PyValueError::new_err(
-                "give offsets (a token .npy) or column (an .arrow file), not both",
+                "give offsets (a token .npy) or column (an .arrow file or .mds shard), not both",
             )),
             (Some(o), None) => Ok(Layout::Npy(o)),
             (None, column) if arrow => Ok(Layout::Arrow(column.unwrap_or("input_ids".into()))),
+            (None, column) if mds => Ok(Layout::Mds(column.unwrap_or("tokens".into()))),
             (None, Some(c)) => Err(PyValueError::new_err(format!(
-                "column {c:?} is for an .arrow file, and {} is not one",
+                "column {c:?} is for an .arrow file or an .mds shard, and {} is neither",
                 path.display()
             ))),
             (None, None) => Ok(Layout::Megatron),

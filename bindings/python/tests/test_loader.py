@@ -457,6 +457,38 @@ def test_arrow_tables_are_read_in_place():
         stokehold.PackedLoader(FIXTURES / "megatron_u16", seq_len=7, column="input_ids")
 
 
+def test_mds_datasets_are_read_in_place(tmp_path):
+    # As streaming.MDSWriter writes them (tests/fixtures/make_mds.py): the documents but
+    # the empty one, beside an int, a str and another array column, in two shards.
+    root = FIXTURES.parent / "mds"
+    lens = {0: 5, 2: 12, 3: 3, 4: 40, 5: 1}
+    docs = [[100 * i + j for j in range(n)] for i, n in lens.items()]
+    loader = stokehold.DocumentLoader(root / "mds_tokens", max_len=16, batch_size=4,
+                                      shuffle="none")
+    assert loader.columns["tokens"] == (np.dtype(np.uint16), (16,))
+    rows = [(list(t), int(n)) for b in loader.epoch(0) for t, n in zip(b["tokens"], b["len"])]
+    assert rows == [padded(d, 16, 0) for d in docs]
+    masks = stokehold.DocumentLoader(root / "mds_tokens" / "shard.00001.mds", max_len=50,
+                                     column="mask", shuffle="none")
+    assert [int(n) for b in masks.epoch(0) for n in b["len"]] == [40, 1]
+    # LLM Foundry's concatenated windows (ndarray:int32:8), packed again.
+    stream = np.concatenate([np.array(d) for d in docs])
+    packed = stokehold.PackedLoader(root / "mds_windows", seq_len=7, batch_size=8,
+                                    windows="consecutive", shuffle="none")
+    b = next(packed.epoch(0))
+    assert b["tokens"].dtype == np.int32 and len(b) == 7  # 7 windows of 8 from 56 tokens
+    np.testing.assert_array_equal(b["tokens"], np.stack([stream[7 * i:7 * i + 8] for i in range(7)]))
+    np.testing.assert_array_equal(b["positions"][:2], [np.arange(8), [7, 0, 1, 2, 3, 4, 5, 6]])
+    with pytest.raises(stokehold.Error, match=r"shard.00000.mds.zstd: a compressed shard"):
+        stokehold.DocumentLoader(root / "mds_zstd", max_len=16)
+    with pytest.raises(stokehold.Error,
+                       match=r'shard.00000.mds.*column "tokens" is encoded as "ndarray", not'):
+        stokehold.DocumentLoader(root / "mds_dynamic", max_len=16)
+    (tmp_path / "index.json").write_text('{"shards": [{"format": "json"}]}')
+    with pytest.raises(stokehold.Error, match="index.json: not the index.json of an MDS"):
+        stokehold.DocumentLoader(tmp_path, max_len=16)
+
+
 def test_shards_of_a_table_are_one_set(tmp_path):
     # A directory of .arrow shards, as datasets' save_to_disk writes one, or a list.
     src = FIXTURES.parent / "arrow" / "hf_stream.arrow"

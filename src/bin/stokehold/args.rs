@@ -22,10 +22,10 @@ pub(crate) enum Command {
     Train(TrainArgs),
     /// Write a learnable classification set (x.npy u8, y.npy i64), or a token stream.
     Gen(GenArgs),
-    /// Print each .npy file's (Megatron .idx set's, .arrow table's input_ids) shape,
-    /// dtype, rows, bytes and page-cache residency.
+    /// Print each .npy file's (Megatron .idx set's, .arrow table's input_ids, .mds shard's
+    /// tokens) shape, dtype, rows, bytes and page-cache residency.
     Inspect {
-        /// .npy, Megatron .idx or .arrow files, or directories of them.
+        /// .npy, Megatron .idx, .arrow or .mds files, or directories of them.
         #[arg(required = true)]
         paths: Vec<PathBuf>,
     },

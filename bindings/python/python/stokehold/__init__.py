@@ -322,23 +322,50 @@ class TokenLoader(Loader):
 def _document_paths(path: Union[PathLike, Sequence[PathLike]]) -> List[str]:
     """The files of a set of documents: a list of paths as given; for a directory that
     ``datasets``' ``save_to_disk`` wrote, its table's shards in order (as its
-    ``state.json`` lists them, else its ``data-*.arrow`` files by name); or the one path."""
+    ``state.json`` lists them, else its ``data-*.arrow`` files by name); for a MosaicML
+    Streaming (MDS) directory, its shards as its ``index.json`` lists them; or the one
+    path."""
     if isinstance(path, (list, tuple)):
         return [str(p) for p in path]
     root = Path(path)
     if not root.is_dir():
         return [str(path)]
-    state = root / "state.json"
+    state, index = root / "state.json", root / "index.json"
     if state.is_file():
         try:
             files = [root / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
         except (ValueError, KeyError, TypeError) as e:
             raise Error(f"{state}: not the state.json of a saved datasets table ({e!r})")
+    elif index.is_file():
+        files = _mds_shards(index)
     else:
         files = sorted(root.glob("data-*.arrow"))
     if not files:
-        raise Error(f"{root}: a directory without a saved table (no state.json, no data-*.arrow)")
+        raise Error(f"{root}: a directory without a saved table (no state.json, no index.json, "
+                    "no data-*.arrow)")
     return [str(f) for f in files]
+
+
+def _mds_shards(index: Path) -> List[Path]:
+    """The shards an MDS ``index.json`` lists, in order, decompressed: a shard kept only
+    compressed (its ``zip_data``) is an error naming it, as streaming decompresses it on
+    download."""
+    try:
+        shards = json.loads(index.read_text())["shards"]
+        files = [(s["format"], s["raw_data"]["basename"], (s.get("zip_data") or {}).get("basename"))
+                 for s in shards]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise Error(f"{index}: not the index.json of an MDS dataset ({e!r})")
+    out = []
+    for fmt, raw, zipped in files:
+        if fmt != "mds":
+            raise Error(f"{index}: shard {raw} is in format {fmt!r}, not mds")
+        shard = index.parent / raw
+        if not shard.is_file() and zipped and (index.parent / zipped).is_file():
+            raise Error(f"{index.parent / zipped}: a compressed shard; decompress it to {raw} "
+                        "(streaming does so on download)")
+        out.append(shard)
+    return out
 
 
 class DocumentLoader(Loader):
@@ -349,9 +376,13 @@ class DocumentLoader(Loader):
     offsets into it (document ``i`` is ``tokens[offsets[i]:offsets[i + 1]]``); or an
     Arrow IPC file (``path`` ending in ``.arrow``, as Hugging Face ``datasets`` writes
     its tables: ``save_to_disk``'s ``data-*.arrow``, or its cache), whose list column
-    ``column`` (``"input_ids"`` by default) holds a document a row. A directory that
-    ``save_to_disk`` wrote (its shards as its ``state.json`` lists them) or a list of
-    paths is one set, its shards in order.
+    ``column`` (``"input_ids"`` by default) holds a document a row; or a MosaicML
+    Streaming shard (``path`` ending in ``.mds``, as ``streaming.MDSWriter`` writes
+    it), whose array column ``column`` (``"tokens"`` by default, as LLM Foundry names
+    it; encoded ``ndarray:<integer type>``) holds a document a sample. A directory that
+    ``save_to_disk`` wrote (its shards as its ``state.json`` lists them), an MDS
+    directory (its shards as its ``index.json`` lists them) or a list of paths is one
+    set, its shards in order.
 
     Each batch has two columns: ``"tokens"``, shape ``(B, max_len)`` in the files' token
     type, each row a document's first ``max_len`` tokens followed by ``pad``; and
@@ -400,8 +431,8 @@ class DocumentLoader(Loader):
 class PackedLoader(Loader):
     """A loader over variable-length documents packed for pretraining: the documents
     ``DocumentLoader`` reads (a Megatron / fairseq indexed dataset at ``path``, a
-    token ``.npy`` at ``path`` with ``offsets``, or an ``.arrow`` file's list
-    ``column``) concatenated in their stored order (with ``shuffle_documents=True``,
+    token ``.npy`` at ``path`` with ``offsets``, an ``.arrow`` file's list ``column``
+    or an ``.mds`` shard's array ``column``) concatenated in their stored order (with ``shuffle_documents=True``,
     in another order each epoch, drawn from ``seed``, as Megatron-LM does) and
     cut into windows of ``seq_len + 1`` tokens, as ``TokenLoader`` cuts a token file,
     with no padding. Several files (a table's shards) are packed each on its own: no

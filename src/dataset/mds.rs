@@ -1,0 +1,198 @@
+//! MosaicML Streaming (MDS) shards, read in place: one column of NumPy arrays of
+//! integers (LLM Foundry's `tokens`), a sample's array being one document.
+//!
+//! A shard (`shard.00000.mds`, as `streaming.MDSWriter` writes it) is a little-endian
+//! `u32` sample count `n`, `n + 1` `u32` sample offsets (bytes from the file's start),
+//! the writer's configuration as JSON, then the samples. A sample starts with one `u32`
+//! size per column of variable size, then holds each column's bytes, in the order of
+//! `column_names`. An `ndarray:<dtype>` column's bytes are a shape header (a byte
+//! `ndim << 2 | k`, then `ndim` sizes of `2^k` bytes each) and the values; an
+//! `ndarray:<dtype>:<shape>` column's, the values alone.
+
+use super::DType;
+
+/// The writer's configuration in a shard (its other keys are not needed here).
+#[derive(serde::Deserialize)]
+struct Config {
+    format: String,
+    column_names: Vec<String>,
+    column_encodings: Vec<String>,
+    column_sizes: Vec<Option<u64>>,
+}
+
+/// Where each sample of a shard keeps one column's array.
+#[derive(Debug, Clone)]
+pub(super) struct Column {
+    /// Samples in the shard.
+    pub(super) samples: u64,
+    /// The element type.
+    pub(super) dtype: DType,
+    /// Columns of variable size: each sample starts with their `u32` sizes.
+    variable: usize,
+    /// The bytes of the fixed-size columns before this one in a sample.
+    fixed_before: u64,
+    /// The variable columns before this one: their sizes are the first at a sample's
+    /// start (this one's, if variable, the next).
+    variable_before: usize,
+    /// The elements of a fixed shape, or `None` where each array has its own shape
+    /// header.
+    elements: Option<u64>,
+}
+
+/// The `u32` at byte `at`.
+fn word(bytes: &[u8], at: u64) -> Option<u64> {
+    let at = usize::try_from(at).ok()?;
+    let b = bytes.get(at..at.checked_add(4)?)?;
+    Some(u64::from(u32::from_le_bytes(b.try_into().ok()?)))
+}
+
+/// The integer type NumPy calls `name`.
+fn integer(name: &str) -> Option<DType> {
+    [
+        DType::U8,
+        DType::I8,
+        DType::U16,
+        DType::I16,
+        DType::U32,
+        DType::I32,
+        DType::U64,
+        DType::I64,
+    ]
+    .into_iter()
+    .find(|d| d.name() == name)
+}
+
+/// Reads the shard `bytes`' layout and column `name`'s place in its samples, checking
+/// the sample offsets (they rise, from the end of the configuration to the end of the
+/// file).
+///
+/// # Errors
+/// What is wrong, for a file that is not an MDS shard, a missing column (the message
+/// lists those there are) and a column that is not an array of integers.
+pub(super) fn column(bytes: &[u8], name: &str) -> Result<Column, String> {
+    let len = bytes.len() as u64;
+    let not = |why: String| format!("not an MDS shard: {why}");
+    let samples = word(bytes, 0).ok_or_else(|| not(format!("{len} bytes")))?;
+    let table = 4 + 4 * (samples + 1);
+    let first = word(bytes, 4)
+        .filter(|_| table <= len)
+        .ok_or_else(|| not(format!("{samples} samples need {table} bytes of offsets")))?;
+    let config = bytes
+        .get(table as usize..usize::try_from(first).unwrap_or(usize::MAX))
+        .ok_or_else(|| not(format!("the first sample starts at byte {first}")))?;
+    let config: Config = serde_json::from_slice(config)
+        .map_err(|e| not(format!("its configuration is not the writer's JSON ({e})")))?;
+    let columns = config.column_names.len();
+    if config.format != "mds"
+        || config.column_encodings.len() != columns
+        || config.column_sizes.len() != columns
+    {
+        return Err(not(format!(
+            "format {:?} with {columns} column names, {} encodings, {} sizes",
+            config.format,
+            config.column_encodings.len(),
+            config.column_sizes.len()
+        )));
+    }
+    let mut last = first;
+    for k in 1..=samples {
+        let at = word(bytes, 4 + 4 * k).unwrap_or(0);
+        if at < last || at > len {
+            return Err(format!(
+                "sample offset {k} is {at}: offsets rise, from the end of the configuration \
+                 ({first}) to the end of the file ({len}) at most"
+            ));
+        }
+        last = at;
+    }
+    let Some(c) = config.column_names.iter().position(|n| n == name) else {
+        return Err(format!(
+            "no column {name:?}; its columns are {:?}",
+            config.column_names
+        ));
+    };
+    let encoding = &config.column_encodings[c];
+    let parts: Vec<&str> = encoding.split(':').collect();
+    let dtype = match parts[..] {
+        ["ndarray", dtype, ..] if parts.len() <= 3 => integer(dtype),
+        _ => None,
+    }
+    .ok_or_else(|| {
+        format!(
+            "column {name:?} is encoded as {encoding:?}, not as an array of integers \
+             (ndarray:<integer type>)"
+        )
+    })?;
+    let elements = match parts.get(2) {
+        None => None,
+        Some(shape) => Some(
+            shape
+                .split(',')
+                .try_fold(1u64, |n, d| n.checked_mul(d.parse().ok()?))
+                .ok_or_else(|| format!("column {name:?}: bad shape in {encoding:?}"))?,
+        ),
+    };
+    let sizes = &config.column_sizes;
+    let fixed = elements.and_then(|n| n.checked_mul(dtype.size() as u64));
+    if fixed.is_some() != sizes[c].is_some() || (fixed.is_some() && fixed != sizes[c]) {
+        return Err(not(format!(
+            "column {name:?} ({encoding:?}) has size {:?}",
+            sizes[c]
+        )));
+    }
+    let variable_before = sizes[..c].iter().filter(|s| s.is_none()).count();
+    let fixed_before = sizes[..c]
+        .iter()
+        .flatten()
+        .try_fold(0u64, |a, &s| a.checked_add(s));
+    Ok(Column {
+        samples,
+        dtype,
+        variable: sizes.iter().filter(|s| s.is_none()).count(),
+        fixed_before: fixed_before.ok_or_else(|| not("column sizes overflow".into()))?,
+        variable_before,
+        elements,
+    })
+}
+
+impl Column {
+    /// Sample `i`'s array: its first value's byte in the shard and its length in
+    /// elements. `None` where the shard does not hold it (a size or a header that
+    /// passes its sample, a shape that does not match the values).
+    pub(super) fn extent(&self, bytes: &[u8], i: usize) -> Option<(u64, u64)> {
+        let start = word(bytes, 4 + 4 * i as u64)?;
+        let end = word(bytes, 4 + 4 * (i as u64 + 1))?;
+        let size = |j: usize| word(bytes, start.checked_add(4 * j as u64)?);
+        let mut at = start.checked_add(4 * self.variable as u64)?;
+        at = at.checked_add(self.fixed_before)?;
+        for j in 0..self.variable_before {
+            at = at.checked_add(size(j)?)?;
+        }
+        let width = self.dtype.size() as u64;
+        let (values, count) = match self.elements {
+            Some(n) => (at, n),
+            None => {
+                // This column is variable: its size is the next one after those before.
+                let bytes_len = size(self.variable_before)?;
+                let head = *bytes.get(usize::try_from(at).ok()?)?;
+                let (ndim, k) = (u64::from(head >> 2), head & 3);
+                let shape = (at + 1, 1u64 << k);
+                let mut n = 1u64;
+                for d in 0..ndim {
+                    let b = bytes.get(usize::try_from(shape.0 + d * shape.1).ok()?..)?;
+                    let b = b.get(..shape.1 as usize)?;
+                    let mut v = [0u8; 8];
+                    v[..b.len()].copy_from_slice(b);
+                    n = n.checked_mul(u64::from_le_bytes(v))?;
+                }
+                let header = 1 + ndim * shape.1;
+                if ndim == 0 || header.checked_add(n.checked_mul(width)?)? != bytes_len {
+                    return None;
+                }
+                (at.checked_add(header)?, n)
+            }
+        };
+        let last = values.checked_add(count.checked_mul(width)?)?;
+        (last <= end).then_some((values, count))
+    }
+}
