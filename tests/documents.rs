@@ -284,7 +284,7 @@ fn bad_mds_shards_are_errors_naming_the_file() {
         (
             "mds_zstd/shard.00000.mds.zstd",
             "tokens",
-            "not an MDS shard",
+            "a zstd-compressed shard: decompress it",
         ),
         ("mds_tokens/index.json", "tokens", "not an MDS shard"),
     ] {
@@ -298,6 +298,19 @@ fn bad_mds_shards_are_errors_naming_the_file() {
     std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
     let err = Documents::open_mds(&path, "tokens", 16, 0).unwrap_err();
     refused(err, "cut.mds", "offsets rise");
+    // A layout version streaming has not written.
+    let key = br#""version": 2"#;
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap();
+    let mut v3 = bytes.clone();
+    v3[at + key.len() - 1] = b'3';
+    let path = dir.path().join("v3.mds");
+    std::fs::write(&path, &v3).unwrap();
+    let err = Documents::open_mds(&path, "tokens", 16, 0).unwrap_err();
+    refused(
+        err,
+        "v3.mds",
+        "an MDS shard of version 3: stokehold reads version 2",
+    );
     let mut bent = bytes.clone();
     bent[12] = bent[12].wrapping_add(1); // sample 2 starts a byte late: its sizes shift
     let path = dir.path().join("bent.mds");

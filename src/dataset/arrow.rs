@@ -53,7 +53,7 @@ fn u16_at(buf: &[u8], at: usize) -> Option<u16> {
     ))
 }
 
-fn u32_at(buf: &[u8], at: usize) -> Option<u32> {
+pub(super) fn u32_at(buf: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_le_bytes(
         buf.get(at..at.checked_add(4)?)?.try_into().ok()?,
     ))

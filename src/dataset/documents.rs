@@ -96,12 +96,14 @@ impl Documents {
     /// column is `"tokens"`, encoded `ndarray:uint32` say). Each sample's array, of an
     /// integer type, is a document, read where it lies in the shard (its shape is
     /// ignored: the values in order). A dataset of several shards is several files
-    /// (see [`Concat`](super::Concat)); a compressed shard is read once decompressed.
+    /// (see [`Concat`](super::Concat)); a compressed shard (`.mds.zstd`) is refused,
+    /// saying so: decompress it first, as `streaming` does on download.
     ///
     /// # Errors
     /// [`Error::Io`] for a file that cannot be read; [`Error::Dataset`] naming the file
     /// for one that is not an MDS shard (sample offsets that fall or pass the file,
-    /// a configuration that is not the writer's), a missing column (the message lists
+    /// a configuration that is not the writer's, a layout version other than 2, zstd
+    /// compression), a missing column (the message lists
     /// those there are), one not encoded as an array of integers
     /// (`ndarray:<integer type>[:<shape>]`), and a sample whose array does not fit it;
     /// [`Error::Config`] as for [`open_megatron`](Documents::open_megatron).

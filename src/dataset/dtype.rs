@@ -81,6 +81,28 @@ impl DType {
         }
     }
 
+    /// Every type, in the order declared.
+    pub const ALL: [DType; 12] = [
+        DType::Bool,
+        DType::U8,
+        DType::I8,
+        DType::U16,
+        DType::I16,
+        DType::U32,
+        DType::I32,
+        DType::U64,
+        DType::I64,
+        DType::F16,
+        DType::F32,
+        DType::F64,
+    ];
+
+    /// The type NumPy calls `name` (`uint16`, `float32`...), as [`name`](DType::name)
+    /// gives it.
+    pub fn from_name(name: &str) -> Option<DType> {
+        DType::ALL.into_iter().find(|d| d.name() == name)
+    }
+
     /// Whether the type is an integer type (bool excluded).
     pub const fn is_integer(self) -> bool {
         matches!(

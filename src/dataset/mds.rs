@@ -9,11 +9,13 @@
 //! `ndim << 2 | k`, then `ndim` sizes of `2^k` bytes each) and the values; an
 //! `ndarray:<dtype>:<shape>` column's, the values alone.
 
+use super::arrow::u32_at;
 use super::DType;
 
 /// The writer's configuration in a shard (its other keys are not needed here).
 #[derive(serde::Deserialize)]
 struct Config {
+    version: u64,
     format: String,
     column_names: Vec<String>,
     column_encodings: Vec<String>,
@@ -41,26 +43,15 @@ pub(super) struct Column {
 
 /// The `u32` at byte `at`.
 fn word(bytes: &[u8], at: u64) -> Option<u64> {
-    let at = usize::try_from(at).ok()?;
-    let b = bytes.get(at..at.checked_add(4)?)?;
-    Some(u64::from(u32::from_le_bytes(b.try_into().ok()?)))
+    u32_at(bytes, usize::try_from(at).ok()?).map(u64::from)
 }
 
-/// The integer type NumPy calls `name`.
-fn integer(name: &str) -> Option<DType> {
-    [
-        DType::U8,
-        DType::I8,
-        DType::U16,
-        DType::I16,
-        DType::U32,
-        DType::I32,
-        DType::U64,
-        DType::I64,
-    ]
-    .into_iter()
-    .find(|d| d.name() == name)
-}
+/// The first bytes of a zstd frame: a shard `streaming` keeps compressed
+/// (`shard.00000.mds.zstd`).
+const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
+
+/// The version of the shard layout `streaming` writes (its `MDSWriter`'s `version`).
+const VERSION: u64 = 2;
 
 /// Reads the shard `bytes`' layout and column `name`'s place in its samples, checking
 /// the sample offsets (they rise, from the end of the configuration to the end of the
@@ -71,6 +62,13 @@ fn integer(name: &str) -> Option<DType> {
 /// lists those there are) and a column that is not an array of integers.
 pub(super) fn column(bytes: &[u8], name: &str) -> Result<Column, String> {
     let len = bytes.len() as u64;
+    if bytes.starts_with(&ZSTD_MAGIC) {
+        return Err(
+            "a zstd-compressed shard: decompress it (as streaming does on download, \
+                    `zstd -d`) and read the .mds"
+                .into(),
+        );
+    }
     let not = |why: String| format!("not an MDS shard: {why}");
     let samples = word(bytes, 0).ok_or_else(|| not(format!("{len} bytes")))?;
     let table = 4 + 4 * (samples + 1);
@@ -83,6 +81,12 @@ pub(super) fn column(bytes: &[u8], name: &str) -> Result<Column, String> {
     let config: Config = serde_json::from_slice(config)
         .map_err(|e| not(format!("its configuration is not the writer's JSON ({e})")))?;
     let columns = config.column_names.len();
+    if config.version != VERSION {
+        return Err(format!(
+            "an MDS shard of version {}: stokehold reads version {VERSION}",
+            config.version
+        ));
+    }
     if config.format != "mds"
         || config.column_encodings.len() != columns
         || config.column_sizes.len() != columns
@@ -114,9 +118,10 @@ pub(super) fn column(bytes: &[u8], name: &str) -> Result<Column, String> {
     let encoding = &config.column_encodings[c];
     let parts: Vec<&str> = encoding.split(':').collect();
     let dtype = match parts[..] {
-        ["ndarray", dtype, ..] if parts.len() <= 3 => integer(dtype),
+        ["ndarray", dtype, ..] if parts.len() <= 3 => DType::from_name(dtype),
         _ => None,
     }
+    .filter(|d| d.is_integer())
     .ok_or_else(|| {
         format!(
             "column {name:?} is encoded as {encoding:?}, not as an array of integers \

@@ -35,8 +35,8 @@ type Extent<'a> = &'a dyn Fn(u64) -> Option<(u64, u64)>;
 /// stored order, a token file that holds its documents back to back (offsets always
 /// do; Megatron and fairseq tools write them so) needs no memory beyond the mappings;
 /// otherwise each document's start is kept, 8 bytes a document. A shuffled order keeps
-/// each document's start and place in that order, 16 bytes a document for each of the two epochs
-/// last gathered, made by the epoch's first gather.
+/// each document's start and place in that order, 16 bytes a document for each of the
+/// two epochs last gathered, laid out by the epoch's first gather.
 #[derive(Debug)]
 pub struct Packed {
     stored: Stored,
@@ -50,19 +50,28 @@ pub struct Packed {
     /// starts when it is stored back to back.
     first: u64,
     columns: Vec<Column>,
-    /// The seed of the per-epoch document orders, and the latest of them, where
-    /// documents are shuffled.
-    shuffled: Option<(u64, Mutex<Vec<Arc<Order>>>)>,
+    /// The per-epoch document orders, where documents are shuffled.
+    shuffled: Option<Shuffled>,
 }
 
+/// Documents in another order each epoch: the seed, and the latest epochs' slots.
+#[derive(Debug)]
+struct Shuffled {
+    seed: u64,
+    slots: Mutex<Vec<(u64, Slot)>>,
+}
+
+/// Where one epoch's order is laid out, by the first gather that needs it: the others
+/// of that epoch wait for it (and those of another epoch do not).
+type Slot = Arc<Mutex<Option<Arc<Order>>>>;
+
 /// One epoch's order of documents, laid out for walking windows: the concatenation's
-/// `k`-th document starts at its token `starts[k]` (`starts[k + 1] - starts[k]`
-/// tokens) and at byte `bytes[k]` of the token data.
+/// `k`-th document starts at its token `places[k].0` (and ends where the next starts,
+/// the last at `tokens`) and at byte `places[k].1` of the token data.
 #[derive(Debug)]
 struct Order {
-    epoch: u64,
-    starts: Vec<u64>,
-    bytes: Vec<u64>,
+    places: Vec<(u64, u64)>,
+    tokens: u64,
 }
 
 /// How many epochs' document orders are kept: the loader may still gather one epoch
@@ -207,7 +216,10 @@ impl Packed {
     /// token file, 16 bytes a document, from a read of the whole index: about 5 ms for
     /// 200,000 documents here), and the two latest epochs' are kept.
     pub fn shuffle_documents(mut self, seed: u64) -> Packed {
-        self.shuffled = Some((seed, Mutex::new(Vec::new())));
+        self.shuffled = Some(Shuffled {
+            seed,
+            slots: Mutex::default(),
+        });
         self
     }
 
@@ -215,52 +227,56 @@ impl Packed {
     /// ([`shuffle_documents`](Packed::shuffle_documents)): the concatenation's `k`-th
     /// document is `apply(k)`. `None` for the stored order.
     pub fn document_order(&self, epoch: u64) -> Option<Permutation> {
-        let (seed, _) = self.shuffled.as_ref()?;
+        let seed = self.shuffled.as_ref()?.seed;
         let key = mix(mix(seed ^ 0x646f_6373) ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         Some(Permutation::new(self.stored.docs, key))
     }
 
-    /// `epoch`'s order of documents with their starts, made by its first caller;
-    /// `None` for the stored order.
+    /// `epoch`'s order of documents with their starts and places, laid out by its
+    /// first caller; `None` for the stored order.
     ///
     /// # Errors
     /// [`Error::Dataset`] naming the index when it could not be read, or no longer
     /// holds the documents it held when checked.
     fn order(&self, epoch: u64) -> Result<Option<Arc<Order>>> {
-        let (Some((_, orders)), Some(permutation)) = (&self.shuffled, self.document_order(epoch))
+        let (Some(shuffled), Some(permutation)) = (&self.shuffled, self.document_order(epoch))
         else {
             return Ok(None);
         };
-        // Held while the order is made: the other workers wait for it, not make it too.
-        let mut orders = orders.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(order) = orders.iter().find(|o| o.epoch == epoch) {
+        let slot = {
+            let mut slots = shuffled
+                .slots
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            match slots.iter().find(|(e, _)| *e == epoch) {
+                Some((_, slot)) => Arc::clone(slot),
+                None => {
+                    if slots.len() == ORDERS_KEPT {
+                        slots.remove(0);
+                    }
+                    slots.push((epoch, Slot::default()));
+                    Arc::clone(&slots[slots.len() - 1].1)
+                }
+            }
+        };
+        let mut laid = slot.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(order) = &*laid {
             return Ok(Some(Arc::clone(order)));
         }
-        let mut bytes: Vec<u64> = (0..self.stored.docs).collect();
-        permutation.apply_in_place(&mut bytes);
-        let mut starts = Vec::with_capacity(bytes.len() + 1);
-        let summed = self.stored.with_extents(|extent| {
-            let mut next = 0u64;
-            for slot in &mut bytes {
-                let (byte, len) = extent(*slot)?;
-                (*slot, next) = (byte, next.checked_add(len)?);
-                starts.push(next - len);
-            }
-            starts.push(next);
-            Some(next)
+        let mut next = 0u64;
+        let docs = (0..self.stored.docs).map(|k| permutation.apply(k));
+        let places = self.stored.each_extent(docs, |(byte, len)| {
+            next = next.saturating_add(len);
+            (next - len, byte)
         })?;
-        if summed != Some(self.scan.tokens) {
+        if next != self.scan.tokens {
             return Err(self.stored.index().changed());
         }
         let order = Arc::new(Order {
-            epoch,
-            starts,
-            bytes,
+            places,
+            tokens: next,
         });
-        if orders.len() == ORDERS_KEPT {
-            orders.remove(0);
-        }
-        orders.push(Arc::clone(&order));
+        *laid = Some(Arc::clone(&order));
         Ok(Some(order))
     }
 
@@ -299,7 +315,7 @@ impl Packed {
     /// `None`), of its `k`-th document.
     fn start(&self, extent: Extent<'_>, order: Option<&Order>, k: u64) -> Option<u64> {
         match (order, &self.starts) {
-            (Some(order), _) => order.starts.get(k as usize).copied(),
+            (Some(order), _) => order.places.get(k as usize).map(|p| p.0),
             (None, Some(starts)) => starts.get(k as usize).copied(),
             (None, None) => {
                 let byte = extent(k)?.0.checked_sub(self.first)?;
@@ -314,8 +330,9 @@ impl Packed {
         match order {
             Some(order) => {
                 let k = usize::try_from(k).ok()?;
-                let len = order.starts.get(k + 1)? - order.starts[k];
-                Some((*order.bytes.get(k)?, len))
+                let (start, byte) = *order.places.get(k)?;
+                let end = order.places.get(k + 1).map_or(order.tokens, |p| p.0);
+                Some((byte, end - start))
             }
             None => extent(k),
         }

@@ -339,7 +339,9 @@ impl Layout {
         column: Option<String>,
     ) -> PyResult<Layout> {
         let arrow = path.extension().is_some_and(|e| e == "arrow");
-        let mds = path.extension().is_some_and(|e| e == "mds");
+        // (`shard.00000.mds.zstd` too: its error says to decompress it.)
+        let name = path.file_name().map(|n| n.to_string_lossy());
+        let mds = name.is_some_and(|n| n.ends_with(".mds") || n.contains(".mds."));
         match (offsets, column) {
             (Some(_), Some(_)) => Err(PyValueError::new_err(
                 "give offsets (a token .npy) or column (an .arrow file or .mds shard), not both",

@@ -481,11 +481,18 @@ def test_mds_datasets_are_read_in_place(tmp_path):
     np.testing.assert_array_equal(b["positions"][:2], [np.arange(8), [7, 0, 1, 2, 3, 4, 5, 6]])
     with pytest.raises(stokehold.Error, match=r"shard.00000.mds.zstd: a compressed shard"):
         stokehold.DocumentLoader(root / "mds_zstd", max_len=16)
+    with pytest.raises(stokehold.Error, match=r"shard.00000.mds.zstd: a zstd-compressed shard"):
+        stokehold.DocumentLoader(root / "mds_zstd" / "shard.00000.mds.zstd", max_len=16)
+    # The index itself names its directory.
+    assert len(stokehold.DocumentLoader(root / "mds_tokens" / "index.json", max_len=16)) == 1
     with pytest.raises(stokehold.Error,
                        match=r'shard.00000.mds.*column "tokens" is encoded as "ndarray", not'):
         stokehold.DocumentLoader(root / "mds_dynamic", max_len=16)
     (tmp_path / "index.json").write_text('{"shards": [{"format": "json"}]}')
     with pytest.raises(stokehold.Error, match="index.json: not the index.json of an MDS"):
+        stokehold.DocumentLoader(tmp_path, max_len=16)
+    (tmp_path / "index.json").write_text('{"shards": []}')
+    with pytest.raises(stokehold.Error, match="index.json: an MDS index that lists no shards"):
         stokehold.DocumentLoader(tmp_path, max_len=16)
 
 

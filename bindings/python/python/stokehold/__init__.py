@@ -328,6 +328,8 @@ def _document_paths(path: Union[PathLike, Sequence[PathLike]]) -> List[str]:
     if isinstance(path, (list, tuple)):
         return [str(p) for p in path]
     root = Path(path)
+    if root.name == "index.json" and root.is_file():
+        root = root.parent
     if not root.is_dir():
         return [str(path)]
     state, index = root / "state.json", root / "index.json"
@@ -365,6 +367,8 @@ def _mds_shards(index: Path) -> List[Path]:
             raise Error(f"{index.parent / zipped}: a compressed shard; decompress it to {raw} "
                         "(streaming does so on download)")
         out.append(shard)
+    if not out:
+        raise Error(f"{index}: an MDS index that lists no shards")
     return out
 
 
@@ -432,8 +436,9 @@ class PackedLoader(Loader):
     """A loader over variable-length documents packed for pretraining: the documents
     ``DocumentLoader`` reads (a Megatron / fairseq indexed dataset at ``path``, a
     token ``.npy`` at ``path`` with ``offsets``, an ``.arrow`` file's list ``column``
-    or an ``.mds`` shard's array ``column``) concatenated in their stored order (with ``shuffle_documents=True``,
-    in another order each epoch, drawn from ``seed``, as Megatron-LM does) and
+    or an ``.mds`` shard's array ``column``) concatenated in their stored order (with
+    ``shuffle_documents=True``, in another order each epoch, drawn from ``seed``, as
+    Megatron-LM does, within each file) and
     cut into windows of ``seq_len + 1`` tokens, as ``TokenLoader`` cuts a token file,
     with no padding. Several files (a table's shards) are packed each on its own: no
     window crosses two, each shard's last tokens short of a window are left out, and a
