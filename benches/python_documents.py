@@ -93,11 +93,13 @@ class PackedMegatron(Megatron):
         return np.concatenate(tokens), np.concatenate(positions)
 
 
-def padder(max_len: int):
+def padder(max_len: int, dtype=np.uint16, document=lambda d: d):
+    """A collate function padding each sample's ``document(sample)`` to ``max_len``."""
+
     def collate(docs):
-        out = np.zeros((len(docs), max_len), dtype=np.uint16)
+        out = np.zeros((len(docs), max_len), dtype=dtype)
         lens = np.empty(len(docs), dtype=np.int64)
-        for k, d in enumerate(docs):
+        for k, d in enumerate(map(document, docs)):
             n = min(len(d), max_len)
             out[k, :n] = d[:n]
             lens[k] = n

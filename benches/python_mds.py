@@ -22,7 +22,7 @@ from streaming import MDSWriter, StreamingDataset
 from torch.utils.data import DataLoader
 
 import stokehold
-from python_documents import race  # this directory is on sys.path when run as a script
+from python_documents import padder, race  # this directory is on sys.path when run as a script
 
 
 def write(out: Path, docs: int) -> None:
@@ -32,20 +32,6 @@ def write(out: Path, docs: int) -> None:
     with MDSWriter(out=str(out), columns={"tokens": "ndarray:int32"}, size_limit="16mb") as w:
         for n in lengths:
             w.write({"tokens": rng.integers(0, 50_000, size=int(n), dtype=np.int32)})
-
-
-def padder(max_len: int):
-    def collate(rows):
-        out = np.zeros((len(rows), max_len), dtype=np.int32)
-        lens = np.empty(len(rows), dtype=np.int64)
-        for k, r in enumerate(rows):
-            d = r["tokens"]
-            n = min(len(d), max_len)
-            out[k, :n] = d[:n]
-            lens[k] = n
-        return torch.from_numpy(out), torch.from_numpy(lens)
-
-    return collate
 
 
 def main() -> None:
@@ -73,7 +59,7 @@ def main() -> None:
                               batch_size=args.batch)
     peer = DataLoader(stream, batch_size=args.batch, num_workers=args.workers,
                       persistent_workers=True, prefetch_factor=4,
-                      collate_fn=padder(args.max_len))
+                      collate_fn=padder(args.max_len, np.int32, lambda r: r["tokens"]))
     n = len(stream)
     assert len(ours) == -(-n // args.batch)
     a, b = race(ours, peer, ("tokens", "len"), args.reps)
