@@ -65,7 +65,7 @@ pub mod testing;
 
 pub use backend::Trainer;
 pub use dataset::{
-    Column, Concat, DType, Dataset, Documents, Element, MappedFile, NpyArray, NpyDataset,
+    Column, Concat, DType, Dataset, Documents, Element, LitData, MappedFile, NpyArray, NpyDataset,
     NpyHeader, Packed, Subset, TokenDataset, Windows,
 };
 pub use error::{Error, NpyProblem, Result};

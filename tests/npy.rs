@@ -880,3 +880,111 @@ fn bad_llmc_token_files_are_errors_naming_the_file() {
         );
     }
 }
+
+fn litdata(name: &str) -> PathBuf {
+    Path::new(FIXTURES).join("../litdata").join(name)
+}
+
+/// Every window of `ds` in epoch 0, as `i64` tokens.
+fn all_windows(ds: &dyn Dataset) -> Vec<Vec<i64>> {
+    let column = &ds.columns()[0];
+    let all: Vec<u64> = (0..ds.len()).collect();
+    let out = gather(ds, 0, &all).unwrap();
+    out[0]
+        .chunks_exact(column.row_bytes)
+        .map(|row| {
+            row.chunks_exact(column.dtype.size())
+                .map(|t| column.dtype.read_i64(t).unwrap())
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn litdata_token_chunks_are_read_in_place() {
+    // As litgpt prepares pretraining data (tests/fixtures/make_litdata.py): items of 5,
+    // 12, 3, 40 and 1 tokens (token j of item k is 100 k + j) in chunks of 20, 40 and 1.
+    let items: Vec<Vec<i64>> = [5, 12, 3, 40, 1]
+        .iter()
+        .enumerate()
+        .map(|(k, &n)| (0..n).map(|j| 100 * k as i64 + j).collect())
+        .collect();
+    let set = stokehold::LitData::open(litdata("litdata_u16")).unwrap();
+    assert_eq!(
+        (set.dtype(), set.tokens(), set.chunks().count()),
+        (DType::U16, 61, 3)
+    );
+    // Windows of 8 (seq_len 7) cut each chunk on its own: 2 from the first chunk's 20
+    // tokens, 5 from the second's 40, none from the third's 1.
+    let ds = set.windows(7, Windows::Consecutive).unwrap();
+    let chunk0: Vec<i64> = items[..3].concat();
+    let want: Vec<Vec<i64>> = (0..2)
+        .map(|i| chunk0[7 * i..7 * i + 8].to_vec())
+        .chain((0..5).map(|i| items[3][7 * i..7 * i + 8].to_vec()))
+        .collect();
+    assert_eq!(all_windows(&ds), want);
+    // numpy int32 tokens (no_header_numpy), one chunk, and the index.json path itself.
+    let set = stokehold::LitData::open(litdata("litdata_i32/index.json")).unwrap();
+    assert_eq!(set.dtype(), DType::I32);
+    let ds = set.windows(60, Windows::Consecutive).unwrap();
+    assert_eq!(all_windows(&ds), vec![items.concat()]);
+}
+
+#[test]
+fn bad_litdata_sets_are_errors_naming_the_file() {
+    let problem = |err: Error, file: &str, what: &str| {
+        assert!(matches!(err, Error::Dataset { .. }), "{err:?}");
+        let text = err.to_string();
+        assert!(text.contains(file) && text.contains(what), "{text}");
+    };
+    let err = stokehold::LitData::open(litdata("litdata_items")).unwrap_err();
+    problem(err, "index.json", "optimized for the PyTreeLoader");
+    let err = stokehold::LitData::open(litdata("missing")).unwrap_err();
+    assert!(matches!(err, Error::Io { .. }), "{err:?}");
+    let set = stokehold::LitData::open(litdata("litdata_u16")).unwrap();
+    let err = set.windows(40, Windows::Consecutive).unwrap_err();
+    problem(
+        err,
+        "chunk-0-0.bin",
+        "no chunk holds a window of seq_len + 1 = 41",
+    );
+    // A chunk changed after optimizing: cut short, an offset bent, another item count.
+    let dir = tempfile::tempdir().unwrap();
+    let copy = |name: &str, edit: &dyn Fn(&mut Vec<u8>)| {
+        for f in [
+            "index.json",
+            "chunk-0-0.bin",
+            "chunk-0-1.bin",
+            "chunk-0-2.bin",
+        ] {
+            let mut bytes = std::fs::read(litdata("litdata_u16").join(f)).unwrap();
+            if f == name {
+                edit(&mut bytes);
+            }
+            std::fs::write(dir.path().join(f), bytes).unwrap();
+        }
+        stokehold::LitData::open(dir.path())
+            .unwrap()
+            .windows(7, Windows::Consecutive)
+            .unwrap_err()
+    };
+    let err = copy("chunk-0-1.bin", &|b| b.truncate(b.len() - 2));
+    problem(err, "chunk-0-1.bin", "item offset 1 is 92");
+    let err = copy("chunk-0-0.bin", &|b| b[8] = b[8].wrapping_add(200));
+    problem(err, "chunk-0-0.bin", "item offset 1 is 230");
+    let err = copy("chunk-0-1.bin", &|b| b[0] = 2);
+    problem(
+        err,
+        "chunk-0-1.bin",
+        "holds 2 items, and its index.json counts 1",
+    );
+    let err = copy("index.json", &|b| {
+        let text = String::from_utf8(b.clone()).unwrap();
+        *b = text.replace("\"dim\": 40", "\"dim\": 41").into_bytes();
+    });
+    problem(
+        err,
+        "chunk-0-1.bin",
+        "holds 40 tokens, and its index.json counts 41",
+    );
+}

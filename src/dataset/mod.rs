@@ -3,6 +3,8 @@
 //! - [`NpyArray`]: one `.npy` file, validated at open time.
 //! - [`NpyDataset`]: several `.npy` columns with one first dimension (`x.npy`, `y.npy`).
 //! - [`TokenDataset`]: a flat token stream cut into windows of `seq_len + 1` tokens.
+//! - [`LitData`]: the token chunks of a LitData dataset (`litdata.optimize` with its
+//!   `TokensLoader`), as windows.
 //! - [`Documents`]: variable-length token sequences (a Megatron indexed dataset, or
 //!   tokens and offsets in `.npy`), padded to one row width, with their lengths.
 //! - [`Packed`]: the same documents concatenated and cut into windows, with each
@@ -20,6 +22,7 @@ mod documents;
 mod dtype;
 pub(crate) mod guard;
 mod indexed;
+mod litdata;
 mod mds;
 mod npy;
 mod packed;
@@ -32,6 +35,7 @@ pub use columns::NpyDataset;
 pub use concat::Concat;
 pub use documents::Documents;
 pub use dtype::{DType, Element};
+pub use litdata::LitData;
 pub use npy::{shape_string, NpyArray, NpyHeader};
 pub use packed::Packed;
 pub use subset::Subset;

@@ -168,13 +168,30 @@ impl TokenDataset {
                 "token files hold uint16 or uint32, not {dtype}"
             )));
         }
+        Self::open_with(path, dtype, seq_len, windows, |map| {
+            match llmc_header(map) {
+                Some(header) => header.check(path, map, dtype),
+                None => Ok(0),
+            }
+        })
+    }
+
+    /// Opens the token file at `path`, whose tokens of `dtype` follow the bytes that
+    /// `header` reads and checks (it returns how many there are).
+    ///
+    /// # Errors
+    /// As [`open_bin`](TokenDataset::open_bin), and `header`'s.
+    pub(super) fn open_with(
+        path: &Path,
+        dtype: DType,
+        seq_len: usize,
+        windows: Windows,
+        header: impl FnOnce(&[u8]) -> Result<usize>,
+    ) -> Result<TokenDataset> {
         let (watched, map) =
             super::open_mapped(path, || Error::dataset(path, "the token file is empty"))?;
         let len = watched.len();
-        let offset = match llmc_header(&map) {
-            Some(header) => header.check(path, &map, dtype)?,
-            None => 0,
-        };
+        let offset = header(&map)?;
         let body = len - offset as u64;
         if body % dtype.size() as u64 != 0 {
             return Err(Error::dataset(

@@ -20,8 +20,8 @@ use stokehold::model::Metrics;
 use stokehold::pagecache::{self, Residency};
 use stokehold::report::{EpochProgress, EpochRow, LoopTimes, Setup, TrainReport};
 use stokehold::{
-    Column, Concat, DType, Dataset, Documents, HostBatch, LoaderState, NpyDataset, Packed, Shard,
-    Shuffle, TokenDataset, Windows,
+    Column, Concat, DType, Dataset, Documents, HostBatch, LitData, LoaderState, NpyDataset, Packed,
+    Shard, Shuffle, TokenDataset, Windows,
 };
 
 pyo3::create_exception!(
@@ -139,8 +139,10 @@ impl OpenDataset {
         })
     }
 
-    /// A token file (llm.c `.bin`, a raw stream of `dtype`, or a 1-d `.npy`), cut into
-    /// windows of `seq_len + 1` tokens.
+    /// A token file (llm.c `.bin`, a raw stream of `dtype`, or a 1-d `.npy`), or a
+    /// LitData dataset of token chunks (its directory or `index.json`: the token type is
+    /// its own, and `dtype`, if given, must agree), cut into windows of `seq_len + 1`
+    /// tokens.
     #[staticmethod]
     #[pyo3(signature = (path, seq_len, windows, seed, dtype))]
     fn tokens(
@@ -149,25 +151,39 @@ impl OpenDataset {
         seq_len: usize,
         windows: &str,
         seed: u64,
-        dtype: &str,
+        dtype: Option<String>,
     ) -> PyResult<OpenDataset> {
         let windows = windows_named(windows, seed)?;
-        let dtype = match dtype {
-            "uint16" => DType::U16,
-            "uint32" => DType::U32,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "dtype {other:?}: token files hold \"uint16\" or \"uint32\""
-                )))
-            }
-        };
+        let litdata = path.is_dir() || path.file_name().is_some_and(|n| n == "index.json");
+        let named = dtype.as_deref().map(|name| match DType::from_name(name) {
+            Some(d) if litdata || matches!(d, DType::U16 | DType::U32) => Ok(d),
+            _ => Err(PyValueError::new_err(format!(
+                "dtype {name:?}: token files hold \"uint16\" or \"uint32\""
+            ))),
+        });
+        let named = named.transpose()?;
         let data = path.display().to_string();
         Self::opened(py, data, move || {
-            let ds = match path.extension().is_some_and(|e| e == "npy") {
-                true => TokenDataset::open_npy(&path, seq_len, windows)?,
-                false => TokenDataset::open_bin(&path, dtype, seq_len, windows)?,
+            let ds: Arc<dyn Dataset> = match path.extension().is_some_and(|e| e == "npy") {
+                _ if litdata => {
+                    let set = LitData::open(&path)?;
+                    if let Some(d) = named.filter(|&d| d != set.dtype()) {
+                        return Err(stokehold::Error::Config(format!(
+                            "dtype {d} was asked for, and the LitData set at {} holds {} \
+                             tokens",
+                            path.display(),
+                            set.dtype()
+                        )));
+                    }
+                    Arc::new(set.windows(seq_len, windows)?)
+                }
+                true => Arc::new(TokenDataset::open_npy(&path, seq_len, windows)?),
+                false => {
+                    let dtype = named.unwrap_or(DType::U16);
+                    Arc::new(TokenDataset::open_bin(&path, dtype, seq_len, windows)?)
+                }
             };
-            Ok(Arc::new(ds))
+            Ok(ds)
         })
     }
 

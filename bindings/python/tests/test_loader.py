@@ -346,6 +346,29 @@ def test_token_loader(tmp_path):
     np.testing.assert_array_equal(next(n.epoch(0))["tokens"][0], tokens[:65])
     with pytest.raises(stokehold.Error, match="train.bin"):
         stokehold.TokenLoader(raw, seq_len=100_000)
+    with pytest.raises(ValueError, match="dtype 'int64'|dtype \"int64\""):
+        stokehold.TokenLoader(raw, seq_len=8, dtype="int64")
+
+
+def test_token_loader_reads_litdata_chunks():
+    # As litgpt prepares pretraining data (tests/fixtures/make_litdata.py): items of 5,
+    # 12, 3, 40 and 1 tokens (token j of item k is 100 k + j) in chunks of 20, 40 and 1.
+    root = REPO / "tests" / "fixtures" / "litdata"
+    items = [100 * k + np.arange(n) for k, n in enumerate([5, 12, 3, 40, 1])]
+    loader = stokehold.TokenLoader(root / "litdata_u16", seq_len=7, batch_size=16,
+                                   windows="consecutive", shuffle="none")
+    assert loader.columns["tokens"] == (np.dtype(np.uint16), (8,))
+    b = next(loader.epoch(0))
+    chunk0 = np.concatenate(items[:3])
+    want = [chunk0[7 * i:7 * i + 8] for i in range(2)] + [items[3][7 * i:7 * i + 8] for i in range(5)]
+    np.testing.assert_array_equal(b["tokens"], np.stack(want))
+    i32 = stokehold.TokenLoader(root / "litdata_i32" / "index.json", seq_len=60, batch_size=4,
+                                dtype="int32", shuffle="none")
+    np.testing.assert_array_equal(next(i32.epoch(0))["tokens"], [np.concatenate(items)])
+    with pytest.raises(stokehold.Error, match="dtype uint16 was asked for.*holds int32"):
+        stokehold.TokenLoader(root / "litdata_i32", seq_len=60, dtype="uint16")
+    with pytest.raises(stokehold.Error, match="index.json.*optimized for the PyTreeLoader"):
+        stokehold.TokenLoader(root / "litdata_items", seq_len=4)
 
 
 

@@ -285,7 +285,11 @@ class Loader:
 
 class TokenLoader(Loader):
     """A loader over a token file: an llm.c / modded-nanogpt ``.bin`` (header and
-    ``uint16`` or ``uint32`` tokens), a raw stream of ``dtype`` tokens, or a 1-d ``.npy``.
+    ``uint16`` or ``uint32`` tokens), a raw stream of ``dtype`` tokens (``"uint16"`` by
+    default), or a 1-d ``.npy``; or over a LitData dataset optimized with its
+    ``TokensLoader``, as litgpt prepares pretraining data (``path`` its directory or
+    its ``index.json``; the token type is the set's own, and ``dtype``, if given, must
+    agree), each chunk cut on its own as LitData cuts its blocks.
     Each sample is a window of ``seq_len + 1`` tokens (inputs and shifted targets), the
     column ``"tokens"``. ``windows="random"`` starts each window at a random offset per
     epoch (from ``seed``); ``"consecutive"`` cuts the stream in order."""
@@ -297,7 +301,7 @@ class TokenLoader(Loader):
         batch_size: int = 32,
         windows: str = "random",
         seed: int = 0,
-        dtype: str = "uint16",
+        dtype: Optional[str] = None,
         shuffle: str = "full",
         workers: Optional[int] = None,
         drop_last: bool = False,
