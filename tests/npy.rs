@@ -948,6 +948,10 @@ fn bad_litdata_sets_are_errors_naming_the_file() {
         "chunk-0-0.bin",
         "no chunk holds a window of seq_len + 1 = 41",
     );
+    for seq_len in [0, usize::MAX] {
+        let err = set.windows(seq_len, Windows::Consecutive).unwrap_err();
+        assert!(matches!(err, Error::Config(_)), "{err:?}");
+    }
     // A chunk changed after optimizing: cut short, an offset bent, another item count.
     let dir = tempfile::tempdir().unwrap();
     let copy = |name: &str, edit: &dyn Fn(&mut Vec<u8>)| {
@@ -987,4 +991,40 @@ fn bad_litdata_sets_are_errors_naming_the_file() {
         "chunk-0-1.bin",
         "holds 40 tokens, and its index.json counts 41",
     );
+    // A chunk named by a path, not a file name of the set's directory.
+    let index = std::fs::read_to_string(litdata("litdata_u16/index.json")).unwrap();
+    let escape = dir.path().join("escape");
+    std::fs::create_dir(&escape).unwrap();
+    let bent = index.replace("\"chunk-0-1.bin\"", "\"../chunk-0-1.bin\"");
+    std::fs::write(escape.join("index.json"), bent).unwrap();
+    let err = stokehold::LitData::open(&escape).unwrap_err();
+    problem(
+        err,
+        "index.json",
+        "chunk \"../chunk-0-1.bin\" is not a file name",
+    );
+}
+
+#[test]
+fn random_windows_differ_between_the_parts_of_a_set() {
+    // Equal chunks of a LitData set (or shards packed each on its own) are not cut at
+    // the same offsets: each later part draws from another seed.
+    let random = Windows::Random { seed: 4 };
+    assert_eq!(random.for_part(0), random);
+    assert_ne!(random.for_part(1), random);
+    assert_ne!(random.for_part(1), random.for_part(2));
+    assert_eq!(Windows::Consecutive.for_part(3), Windows::Consecutive);
+    // Two copies of one stream as parts 0 and 1: their windows start elsewhere.
+    let dir = tempfile::tempdir().unwrap();
+    let raw = dir.path().join("t.bin");
+    let bytes: Vec<u8> = (0..4000u16).flat_map(|t| t.to_le_bytes()).collect();
+    std::fs::write(&raw, bytes).unwrap();
+    let part = |k: usize| TokenDataset::open_bin(&raw, DType::U16, 16, random.for_part(k)).unwrap();
+    let (a, b) = (part(0), part(1));
+    let starts = |ds: &TokenDataset| {
+        (0..ds.len())
+            .map(|i| ds.window_start(0, i))
+            .collect::<Vec<_>>()
+    };
+    assert_ne!(starts(&a), starts(&b));
 }

@@ -127,6 +127,20 @@ impl LitData {
         if parsed.chunks.is_empty() {
             return Err(bad("it lists no chunks".into()));
         }
+        // A chunk is a file of the set's directory: a name, not a path.
+        let plain = |name: &str| {
+            let mut parts = Path::new(name).components();
+            matches!(
+                (parts.next(), parts.next()),
+                (Some(std::path::Component::Normal(_)), None)
+            )
+        };
+        if let Some(c) = parsed.chunks.iter().find(|c| !plain(&c.filename)) {
+            return Err(bad(format!(
+                "chunk {:?} is not a file name of its directory",
+                c.filename
+            )));
+        }
         let chunks = parsed
             .chunks
             .iter()
@@ -154,23 +168,29 @@ impl LitData {
     }
 
     /// The chunks' token streams cut into windows of `seq_len + 1` tokens, as
-    /// [`TokenDataset`] cuts a token file: each chunk on its own, as LitData's
-    /// `TokensLoader` cuts its blocks (no window crosses two chunks, and a chunk
-    /// shorter than a window gives none).
+    /// [`TokenDataset`] cuts a token file (window `i` consecutive at token
+    /// `i * seq_len`, sharing a token with the next, where LitData's `TokensLoader`
+    /// cuts blocks that share none): each chunk on its own, so that, as with LitData's
+    /// blocks, no window crosses two chunks and a chunk shorter than a window gives
+    /// none. Random windows are drawn from another seed for each chunk (derived from
+    /// `windows`' and the chunk's place), so equal chunks are not cut alike.
     ///
     /// # Errors
     /// [`Error::Dataset`] naming a chunk that cannot be read, is not a LitData chunk
     /// (item offsets that do not start past the header, fall, or end other than at the
     /// file's end), or holds other than the tokens the index counts; or naming the
-    /// first chunk when no chunk holds a window; [`Error::Config`] for `seq_len == 0`.
+    /// first chunk when no chunk holds a window; [`Error::Config`] for a `seq_len` out
+    /// of range.
     pub fn windows(&self, seq_len: usize, windows: Windows) -> Result<Concat> {
+        Windows::check(seq_len)?;
         let mut parts: Vec<Arc<dyn Dataset>> = Vec::new();
-        for (path, items, tokens) in &self.chunks {
+        for (k, (path, items, tokens)) in self.chunks.iter().enumerate() {
             if *tokens <= seq_len as u64 {
                 continue;
             }
             let header =
                 |bytes: &[u8]| chunk_header(bytes, *items).map_err(|p| Error::dataset(path, p));
+            let windows = windows.for_part(k);
             let ds = TokenDataset::open_with(path, self.dtype, seq_len, windows, header)?;
             if ds.tokens() != *tokens {
                 return Err(Error::dataset(

@@ -144,9 +144,7 @@ impl Packed {
     }
 
     fn build(stored: Stored, seq_len: usize, windows: Windows) -> Result<Packed> {
-        if seq_len == 0 || seq_len >= (isize::MAX as usize) / 8 {
-            return Err(Error::Config(format!("seq_len {seq_len} is out of range")));
-        }
+        Windows::check(seq_len)?;
         let scan = stored.scan(u64::MAX)?;
         let path = &stored.tokens.path;
         if scan.tokens <= seq_len as u64 {

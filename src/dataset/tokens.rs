@@ -40,6 +40,29 @@ impl Windows {
         }
     }
 
+    /// The windows of part `part` of a set of several token streams: the same for the
+    /// first part and for consecutive windows; random ones are drawn from another seed
+    /// for each later part, so parts of one length are not cut alike.
+    pub fn for_part(self, part: usize) -> Windows {
+        match self {
+            Windows::Random { seed } if part > 0 => Windows::Random {
+                seed: mix(seed ^ mix(part as u64)),
+            },
+            other => other,
+        }
+    }
+
+    /// Checks that `seq_len` makes windows: at least 1, and rows that fit in memory.
+    ///
+    /// # Errors
+    /// [`Error::Config`] otherwise.
+    pub(super) fn check(seq_len: usize) -> Result<()> {
+        match seq_len == 0 || seq_len >= (isize::MAX as usize) / 8 {
+            true => Err(Error::Config(format!("seq_len {seq_len} is out of range"))),
+            false => Ok(()),
+        }
+    }
+
     /// Windows an epoch has over a stream of `tokens` tokens: as many as the
     /// consecutive cut, whose last target is the stream's last token.
     pub(super) fn count(seq_len: usize, tokens: u64) -> u64 {
@@ -250,9 +273,7 @@ impl TokenDataset {
         seq_len: usize,
         windows: Windows,
     ) -> Result<TokenDataset> {
-        if seq_len == 0 || seq_len >= (isize::MAX as usize) / 8 {
-            return Err(Error::Config(format!("seq_len {seq_len} is out of range")));
-        }
+        Windows::check(seq_len)?;
         if tokens < seq_len as u64 + 1 {
             return Err(Error::dataset(
                 path,

@@ -156,7 +156,11 @@ impl OpenDataset {
         let windows = windows_named(windows, seed)?;
         let litdata = path.is_dir() || path.file_name().is_some_and(|n| n == "index.json");
         let named = dtype.as_deref().map(|name| match DType::from_name(name) {
-            Some(d) if litdata || matches!(d, DType::U16 | DType::U32) => Ok(d),
+            Some(d) if litdata && d.is_integer() => Ok(d),
+            Some(d) if matches!(d, DType::U16 | DType::U32) => Ok(d),
+            _ if litdata => Err(PyValueError::new_err(format!(
+                "dtype {name:?}: a LitData set holds integer tokens (\"uint16\", \"int32\"...)"
+            ))),
             _ => Err(PyValueError::new_err(format!(
                 "dtype {name:?}: token files hold \"uint16\" or \"uint32\""
             ))),
@@ -206,6 +210,7 @@ impl OpenDataset {
     ) -> PyResult<OpenDataset> {
         let windows = windows_named(windows, seed)?;
         Self::parts(py, paths, offsets, column, move |part, path, layout| {
+            let windows = windows.for_part(part);
             let packed = match layout {
                 Layout::Npy(o) => Packed::open_npy(path, o, seq_len, windows)?,
                 Layout::Arrow(c) => Packed::open_arrow(path, &c, seq_len, windows)?,

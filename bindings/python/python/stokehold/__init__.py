@@ -289,7 +289,8 @@ class TokenLoader(Loader):
     default), or a 1-d ``.npy``; or over a LitData dataset optimized with its
     ``TokensLoader``, as litgpt prepares pretraining data (``path`` its directory or
     its ``index.json``; the token type is the set's own, and ``dtype``, if given, must
-    agree), each chunk cut on its own as LitData cuts its blocks.
+    agree), each chunk cut on its own (no window crosses two chunks, as none of
+    LitData's blocks does; consecutive windows share a token, LitData's blocks do not).
     Each sample is a window of ``seq_len + 1`` tokens (inputs and shifted targets), the
     column ``"tokens"``. ``windows="random"`` starts each window at a random offset per
     epoch (from ``seed``); ``"consecutive"`` cuts the stream in order."""
