@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::arrow::u32_at;
+use super::mds::falling_offset;
 use super::{Concat, DType, Dataset, TokenDataset, Windows};
 use crate::error::{Error, Result};
 
@@ -232,22 +233,19 @@ fn chunk_header(bytes: &[u8], expected: u64) -> std::result::Result<usize, Strin
     if header > bytes.len() as u64 {
         return Err(not(format!("{items} items need {header} bytes of offsets")));
     }
-    let mut last = header;
-    for k in 0..=items {
-        let at = word(1 + k).unwrap_or(0);
-        let fits = match k {
-            0 => at == header,
-            _ if k == items => at == bytes.len() as u64 && at >= last,
-            _ => at >= last && at <= bytes.len() as u64,
-        };
-        if !fits {
-            return Err(not(format!(
-                "item offset {k} is {at}: offsets rise from the end of the header ({header}) \
-                 to the end of the file ({})",
-                bytes.len()
-            )));
-        }
-        last = at;
+    let (first, end) = (word(1).unwrap_or(0), word(1 + items).unwrap_or(0));
+    let wrong = match falling_offset(bytes, items) {
+        _ if first != header => Some((0, first)),
+        Some(falling) => Some(falling),
+        None if end != bytes.len() as u64 => Some((items, end)),
+        None => None,
+    };
+    if let Some((k, at)) = wrong {
+        return Err(not(format!(
+            "item offset {k} is {at}: offsets rise from the end of the header ({header}) \
+             to the end of the file ({})",
+            bytes.len()
+        )));
     }
     Ok(header as usize)
 }

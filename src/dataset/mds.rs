@@ -53,6 +53,21 @@ const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
 /// The version of the shard layout `streaming` writes (its `MDSWriter`'s `version`).
 const VERSION: u64 = 2;
 
+/// The first of the `count + 1` `u32` byte offsets that follow the `u32` count at the
+/// start of `bytes` (the table an MDS shard and a LitData chunk start with) that falls
+/// below the one before it or passes the end of `bytes`, as `(k, offset)`; `None` where
+/// they rise within the file.
+pub(super) fn falling_offset(bytes: &[u8], count: u64) -> Option<(u64, u64)> {
+    let mut last = 0;
+    (0..=count)
+        .map(|k| (k, word(bytes, 4 + 4 * k).unwrap_or(0)))
+        .find(|&(_, at)| {
+            let falls = at < last || at > bytes.len() as u64;
+            last = at;
+            falls
+        })
+}
+
 /// Reads the shard `bytes`' layout and column `name`'s place in its samples, checking
 /// the sample offsets (they rise, from the end of the configuration to the end of the
 /// file).
@@ -98,16 +113,11 @@ pub(super) fn column(bytes: &[u8], name: &str) -> Result<Column, String> {
             config.column_sizes.len()
         )));
     }
-    let mut last = first;
-    for k in 1..=samples {
-        let at = word(bytes, 4 + 4 * k).unwrap_or(0);
-        if at < last || at > len {
-            return Err(format!(
-                "sample offset {k} is {at}: offsets rise, from the end of the configuration \
-                 ({first}) to the end of the file ({len}) at most"
-            ));
-        }
-        last = at;
+    if let Some((k, at)) = falling_offset(bytes, samples) {
+        return Err(format!(
+            "sample offset {k} is {at}: offsets rise, from the end of the configuration \
+             ({first}) to the end of the file ({len}) at most"
+        ));
     }
     let Some(c) = config.column_names.iter().position(|n| n == name) else {
         return Err(format!(
