@@ -65,8 +65,8 @@ pub mod testing;
 
 pub use backend::Trainer;
 pub use dataset::{
-    Column, Concat, DType, Dataset, Documents, Element, LitData, MappedFile, NpyArray, NpyDataset,
-    NpyHeader, Packed, Subset, TokenDataset, Windows,
+    Column, Concat, DType, Dataset, Documents, Element, LitData, MappedFile, Mix, NpyArray,
+    NpyDataset, NpyHeader, Packed, Subset, TokenDataset, Windows,
 };
 pub use error::{Error, NpyProblem, Result};
 pub use loader::{

@@ -39,10 +39,13 @@ impl Concat {
     /// [`Error::Config`] for no parts, or a part whose columns differ from the first
     /// part's (name, type or shape), naming both.
     pub fn new(parts: Vec<Arc<dyn Dataset>>) -> Result<Concat> {
+        Concat::named(parts, "concatenation")
+    }
+
+    /// [`Concat::new`], with the joined set called `what` in errors ("a mix").
+    pub(crate) fn named(parts: Vec<Arc<dyn Dataset>>, what: &str) -> Result<Concat> {
         let Some(first) = parts.first() else {
-            return Err(Error::Config(
-                "a concatenation needs a part at least".into(),
-            ));
+            return Err(Error::Config(format!("a {what} needs a part at least")));
         };
         let describe = |c: &[Column]| {
             c.iter()
@@ -56,7 +59,7 @@ impl Concat {
             .find(|(_, part)| part.columns() != first.columns())
         {
             return Err(Error::Config(format!(
-                "part {p} of a concatenation has the columns [{}], part 0 [{}]",
+                "part {p} of a {what} has the columns [{}], part 0 [{}]",
                 describe(part.columns()),
                 describe(first.columns())
             )));
@@ -67,7 +70,7 @@ impl Concat {
             files_before.push(files);
             samples = samples
                 .checked_add(part.len())
-                .ok_or_else(|| Error::Config("a concatenation of more than 2^64 samples".into()))?;
+                .ok_or_else(|| Error::Config(format!("a {what} of more than 2^64 samples")))?;
             files += part.files().len();
             ends.push(samples);
         }
@@ -83,11 +86,16 @@ impl Concat {
         &self.parts
     }
 
+    /// The samples of the parts before part `p`: sample `i` of part `p` is sample
+    /// `start(p) + i` of the whole.
+    pub(crate) fn start(&self, p: usize) -> u64 {
+        p.checked_sub(1).map_or(0, |q| self.ends[q])
+    }
+
     /// The part holding sample `index`, and the sample's index in it.
     fn part_of(&self, index: u64) -> Option<(usize, u64)> {
         let p = self.ends.partition_point(|&end| end <= index);
-        let before = p.checked_sub(1).map_or(0, |q| self.ends[q]);
-        (p < self.parts.len()).then(|| (p, index - before))
+        (p < self.parts.len()).then(|| (p, index - self.start(p)))
     }
 }
 
@@ -192,53 +200,7 @@ impl std::fmt::Debug for Concat {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dataset::DType;
-
-    /// `n` samples in one `u16` column: sample `i` is `base + i`, in file `file`'s
-    /// bytes `2 * i..2 * i + 2` (as `locate` says; no file is mapped).
-    struct Counting {
-        base: u16,
-        n: u64,
-        columns: Vec<Column>,
-    }
-
-    fn part(base: u16, n: u64, name: &str) -> Arc<dyn Dataset> {
-        let columns = vec![Column {
-            name: name.into(),
-            dtype: DType::U16,
-            shape: vec![],
-            row_bytes: 2,
-        }];
-        Arc::new(Counting { base, n, columns })
-    }
-
-    impl Dataset for Counting {
-        fn len(&self) -> u64 {
-            self.n
-        }
-        fn columns(&self) -> &[Column] {
-            &self.columns
-        }
-        fn gather(&self, _: u64, indices: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
-            for (k, &i) in indices.iter().enumerate() {
-                if i >= self.n {
-                    return Err(Error::OutOfRange {
-                        index: i,
-                        len: self.n,
-                    });
-                }
-                let v = self.base + i as u16;
-                out[0][2 * k..2 * k + 2].copy_from_slice(&v.to_le_bytes());
-            }
-            Ok(())
-        }
-        fn lengths(&self) -> Result<Option<Vec<u32>>> {
-            Ok((self.base > 0).then(|| (0..self.n as u32).collect()))
-        }
-        fn locate(&self, _: u64, index: u64, each: &mut dyn FnMut(usize, usize, usize)) {
-            each(0, 2 * index as usize, 2);
-        }
-    }
+    use crate::dataset::counting::part;
 
     fn values(c: &Concat, indices: &[u64]) -> Vec<u16> {
         let mut out = vec![0u8; 2 * indices.len()];

@@ -12,18 +12,23 @@
 //! - [`Subset`]: a contiguous range of another dataset's samples.
 //! - [`Concat`]: several datasets with the same columns, one after another (a table's
 //!   shards).
+//! - [`Mix`]: several datasets with the same columns, mixed by weight (a pretraining
+//!   mixture).
 //!
 //! Anything implementing [`Dataset`] can be fed to a [`Loader`](crate::Loader).
 
 mod arrow;
 mod columns;
 mod concat;
+#[cfg(test)]
+mod counting;
 mod documents;
 mod dtype;
 pub(crate) mod guard;
 mod indexed;
 mod litdata;
 mod mds;
+mod mix;
 mod npy;
 mod packed;
 mod subset;
@@ -36,6 +41,7 @@ pub use concat::Concat;
 pub use documents::Documents;
 pub use dtype::{DType, Element};
 pub use litdata::LitData;
+pub use mix::Mix;
 pub use npy::{shape_string, NpyArray, NpyHeader};
 pub use packed::Packed;
 pub use subset::Subset;
