@@ -20,8 +20,8 @@ use stokehold::model::Metrics;
 use stokehold::pagecache::{self, Residency};
 use stokehold::report::{EpochProgress, EpochRow, LoopTimes, Setup, TrainReport};
 use stokehold::{
-    Column, Concat, DType, Dataset, Documents, HostBatch, LitData, LoaderState, NpyDataset, Packed,
-    Shard, Shuffle, TokenDataset, Windows,
+    Column, Concat, DType, Dataset, Documents, HostBatch, LitData, LoaderState, Mix, NpyDataset,
+    Packed, Shard, Shuffle, TokenDataset, Windows,
 };
 
 pyo3::create_exception!(
@@ -87,6 +87,8 @@ struct OpenDataset {
     data: String,
     /// Seconds opening it took.
     open_s: f64,
+    /// The same dataset where it is a mix, for its parts' shares and sources.
+    mix: Option<Arc<Mix>>,
 }
 
 impl OpenDataset {
@@ -101,6 +103,7 @@ impl OpenDataset {
             dataset,
             data,
             open_s: start.elapsed().as_secs_f64(),
+            mix: None,
         })
     }
 }
@@ -247,9 +250,62 @@ impl OpenDataset {
             }))
         })
     }
+
+    /// Several opened datasets mixed by `weights`, `samples` an epoch (`None`: as many
+    /// as they hold together), their orders drawn from `seed`.
+    #[staticmethod]
+    #[pyo3(signature = (parts, weights, samples, seed))]
+    fn mix(
+        parts: Vec<PyRef<'_, OpenDataset>>,
+        weights: Vec<f64>,
+        samples: Option<u64>,
+        seed: u64,
+    ) -> PyResult<OpenDataset> {
+        let data = parts
+            .iter()
+            .zip(&weights)
+            .map(|(p, w)| format!("{}*{w}", p.data))
+            .collect::<Vec<_>>()
+            .join("+");
+        let open_s = parts.iter().map(|p| p.open_s).sum();
+        let datasets = parts.iter().map(|p| Arc::clone(&p.dataset)).collect();
+        let mix = Arc::new(Mix::new(datasets, &weights, samples, seed).map_err(error)?);
+        Ok(OpenDataset {
+            dataset: Arc::clone(&mix) as Arc<dyn Dataset>,
+            data,
+            open_s,
+            mix: Some(mix),
+        })
+    }
+
+    /// A mix's samples from each part an epoch.
+    fn takes(&self) -> PyResult<Vec<u64>> {
+        Ok(self.as_mix()?.takes().to_vec())
+    }
+
+    /// A mix's part and part's sample at each of `indices` in `epoch`.
+    fn sources(&self, epoch: u64, indices: Vec<u64>) -> PyResult<(Vec<i64>, Vec<u64>)> {
+        let mix = self.as_mix()?;
+        let (mut parts, mut samples) = (Vec::new(), Vec::new());
+        for i in indices {
+            let (p, s) = mix.source(epoch, i).ok_or_else(|| {
+                PyIndexError::new_err(format!("position {i} of a mix of {}", mix.len()))
+            })?;
+            parts.push(p as i64);
+            samples.push(s);
+        }
+        Ok((parts, samples))
+    }
 }
 
 impl OpenDataset {
+    /// The mix this dataset is, or an error saying it is none.
+    fn as_mix(&self) -> PyResult<&Arc<Mix>> {
+        self.mix
+            .as_ref()
+            .ok_or_else(|| PyValueError::new_err("not a mix of datasets"))
+    }
+
     /// Opens each of `paths` with `open` (in the layout its name and the options say),
     /// as one dataset: a [`Concat`] of them where there are several.
     fn parts(

@@ -654,6 +654,52 @@ def test_documents_shuffle_once_per_epoch_and_resume_exactly(tmp_path):
         stokehold.Loader(FIXTURES / "dir", shuffle="grouped")
 
 
+def test_a_mix_gives_each_source_its_share_and_resumes(tmp_path):
+    # Two corpora of 64-token windows: "web" (token i is i % 30000) and "code" (30000 +
+    # i % 3000), with 300 and 20 windows; code is upsampled to a quarter of the epoch.
+    streams = {"web": np.arange(300 * 64 + 1) % 30_000, "code": 30_000 + np.arange(20 * 64 + 1) % 3_000}
+    sources = []
+    for name, tokens in streams.items():
+        tokens.astype(np.uint16).tofile(tmp_path / f"{name}.bin")
+        sources.append(stokehold.TokenLoader(tmp_path / f"{name}.bin", seq_len=64, windows="consecutive"))
+    mix = lambda **kw: stokehold.MixLoader(sources, weights=[3, 1], samples=400, batch_size=16,
+                                           seed=5, **kw)
+    loader = mix(workers=2)
+    assert loader.takes == [300, 100] and len(loader) == 25
+    assert list(loader.columns) == ["tokens"]
+    for epoch in range(2):
+        seen, per_source = [], [0, 0]
+        for b in loader.epoch(epoch):
+            parts, samples = loader.source(epoch, b.indices)
+            for row, p, s in zip(b["tokens"], parts, samples):
+                want = list(streams.values())[p][64 * s:64 * s + 65]
+                np.testing.assert_array_equal(row, want)
+                per_source[p] += 1
+            seen.extend(b.indices.tolist())
+        assert sorted(seen) == list(range(400)) and per_source == [300, 100]
+    # Resumed through JSON after 6 batches: the rest of the epoch, on another worker count.
+    whole = [b.indices.copy() for b in loader.epoch(1)]
+    it = loader.epoch(1)
+    head = [next(it).indices.copy() for _ in range(6)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    resumed = mix(workers=1)
+    resumed.load_state_dict(state)
+    tail = [b.indices.copy() for b in resumed.epoch(1)]
+    np.testing.assert_array_equal(np.concatenate(head + tail), np.concatenate(whole))
+    # Bad mixes are errors.
+    short = stokehold.TokenLoader(tmp_path / "web.bin", seq_len=32)
+    with pytest.raises(stokehold.Error, match="part 1 of a mix has the columns"):
+        stokehold.MixLoader([sources[0], short], weights=[1, 1])
+    with pytest.raises(stokehold.Error, match="weight -1 of part 1"):
+        stokehold.MixLoader(sources, weights=[1, -1])
+    with pytest.raises(stokehold.Error, match="2 parts was given 1 weights"):
+        stokehold.MixLoader(sources, weights=[1])
+    with pytest.raises(stokehold.Error, match="not str"):
+        stokehold.MixLoader([sources[0], "code.bin"], weights=[1, 1])
+    with pytest.raises(IndexError, match="position 400"):
+        loader.source(0, [400])
+
+
 def test_the_report(cols):
     loader = stokehold.Loader(cols, batch_size=100, workers=2)
     report = stokehold.TrainReport(loader)

@@ -32,6 +32,7 @@ __all__ = [
     "EpochTimer",
     "Error",
     "Loader",
+    "MixLoader",
     "PackedLoader",
     "TokenLoader",
     "TrainReport",
@@ -231,6 +232,7 @@ class Loader:
 
     def _build(self, dataset: Any, *options: Any, direct_reads: bool = True,
                group: Optional[int] = None) -> None:
+        self._dataset = dataset
         self._raw = _stokehold._Loader(dataset, *options, direct_reads=direct_reads,
                                        group=group)
         device = options[-1]
@@ -490,6 +492,71 @@ class PackedLoader(Loader):
             rank, world_size, page_cache_budget, progress, device,
             direct_reads=direct_reads,
         )
+
+
+class MixLoader(Loader):
+    """A loader over a mixture: the datasets of ``sources`` (loaders of any kind whose
+    batches have the same columns: ``TokenLoader``s of several corpora, say) mixed by
+    ``weights``, as Megatron-LM's blended datasets, MosaicML Streaming's stream
+    proportions and LitData's ``CombinedStreamingDataset`` mix them. Only the sources'
+    data and data options count (path, ``seq_len``, ``windows``...), not their batch
+    size, shuffle or workers.
+
+    Each epoch has ``samples`` samples (by default as many as the sources hold
+    together), of which source ``k`` gives its share ``weights[k] / sum(weights)``
+    (``takes`` says how many). A source is drawn in shuffled orders of its own: one
+    that gives fewer samples an epoch than it holds serves, over the next epochs, all
+    of them before any again; one that gives more serves each several times an epoch.
+    The draws and the loader's shuffle are pure functions of ``seed``, the epoch and
+    the position, so epochs resume exactly (``state_dict``) and shard across ranks.
+    ``source(epoch, batch.indices)`` says which source and which of its samples each
+    row is (to log each source's loss, say). ``shuffle="full"`` (the default) spreads
+    each source over the whole epoch; ``"grouped"`` is refused. The other options are
+    ``Loader``'s."""
+
+    def __init__(
+        self,
+        sources: Sequence[Loader],
+        weights: Sequence[float],
+        samples: Optional[int] = None,
+        batch_size: int = 32,
+        shuffle: str = "full",
+        seed: int = 0,
+        workers: Optional[int] = None,
+        drop_last: bool = False,
+        prefetch: Optional[int] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        page_cache_budget: Optional[int] = None,
+        held: Optional[int] = None,
+        progress: Optional[bool] = None,
+        device: Optional[str] = None,
+        direct_reads: bool = True,
+    ):
+        sources = list(sources)
+        bad = [type(s).__name__ for s in sources if not isinstance(s, Loader)]
+        if bad:
+            raise Error(f"a mix's sources are stokehold loaders, not {', '.join(bad)}")
+        dataset = _stokehold._Dataset.mix(
+            [s._dataset for s in sources], [float(w) for w in weights], samples, seed,
+        )
+        self._build(
+            dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
+            rank, world_size, page_cache_budget, progress, device,
+            direct_reads=direct_reads,
+        )
+
+    @property
+    def takes(self) -> List[int]:
+        """Samples each source gives an epoch, in the order of ``sources``."""
+        return self._dataset.takes()
+
+    def source(self, epoch: int, indices: Any) -> Tuple[np.ndarray, np.ndarray]:
+        """Which source (``int64``, its place in ``sources``) and which of its samples
+        (``uint64``) each of ``indices`` (a batch's ``indices``) is in ``epoch``."""
+        flat = np.asarray(indices, dtype=np.uint64).ravel()
+        parts, samples = self._dataset.sources(epoch, flat.tolist())
+        return np.asarray(parts, dtype=np.int64), np.asarray(samples, dtype=np.uint64)
 
 
 class EpochTimer:
