@@ -95,6 +95,50 @@ pub fn page_size() -> usize {
         .unwrap_or(4096)
 }
 
+/// Runs `open` (an `open` or `dup` of a file); where it fails for want of file
+/// descriptors (`EMFILE`), raises this process's soft limit on open files to its hard
+/// limit and runs it again. A set of thousands of shards keeps a descriptor a file,
+/// and many systems start processes at a soft limit of 1,024 under a hard one of
+/// 524,288 or more; the Go runtime and the JVM raise it at start-up for the same reason.
+/// Nothing is raised for a process that never reaches its limit.
+///
+/// # Errors
+/// The error of `open`, the second one where the limit was raised.
+pub(crate) fn with_room<T>(open: impl Fn() -> std::io::Result<T>) -> std::io::Result<T> {
+    match open() {
+        Err(e) if e.raw_os_error() == Some(libc::EMFILE) && raise_open_files() => open(),
+        other => other,
+    }
+}
+
+/// This process's soft and hard limits on open files (`RLIMIT_NOFILE`).
+pub(crate) fn open_files_limit() -> Option<(u64, u64)> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `getrlimit` writes the limits into `lim`, a valid `rlimit`.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0;
+    ok.then_some((lim.rlim_cur, lim.rlim_max))
+}
+
+/// Raises the soft limit on open files to the hard one; whether it rose.
+fn raise_open_files() -> bool {
+    let Some((soft, hard)) = open_files_limit() else {
+        return false;
+    };
+    if soft >= hard {
+        return false;
+    }
+    let raised = libc::rlimit {
+        rlim_cur: hard,
+        rlim_max: hard,
+    };
+    // SAFETY: `setrlimit` reads `raised`, a valid `rlimit`; raising the soft limit up to
+    // the hard one needs no privilege.
+    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 }
+}
+
 #[cfg(test)]
 mod tests {
     use super::{megabytes, mix, write_whole};

@@ -103,10 +103,10 @@ impl<'a> MappedFile<'a> {
     /// # Errors
     /// The error of `dup` or `open`.
     pub(crate) fn reopen(&self) -> std::io::Result<std::fs::File> {
-        match self.watched {
+        crate::util::with_room(|| match self.watched {
             Some(w) => w.file().try_clone(),
             None => std::fs::File::open(self.path),
-        }
+        })
     }
 
     /// The file's path.
@@ -181,11 +181,14 @@ pub trait Dataset: Send + Sync + 'static {
 
 /// Opens `path` for reading if it is a regular file (or a link to one). A FIFO would
 /// block the open, and a directory or a device would fail later with a misleading
-/// message: they are refused here, naming the path and what it is.
+/// message: they are refused here, naming the path and what it is. A process out of
+/// file descriptors has its soft limit raised to its hard one first
+/// ([`with_room`](crate::util::with_room)).
 ///
 /// # Errors
 /// [`Error::Io`] if `path` does not exist; [`Error::Dataset`] for a dangling symbolic
-/// link or anything that is not a regular file.
+/// link, anything that is not a regular file, or a process that has its hard limit of
+/// files open.
 pub(crate) fn open_regular(path: &Path) -> Result<std::fs::File> {
     use std::os::unix::fs::FileTypeExt;
     let meta = match std::fs::metadata(path) {
@@ -216,7 +219,20 @@ pub(crate) fn open_regular(path: &Path) -> Result<std::fs::File> {
         let problem = format!("is {kind}, not a regular file");
         return Err(crate::Error::dataset(path, problem));
     }
-    std::fs::File::open(path).map_err(|e| crate::Error::io(path, e))
+    crate::util::with_room(|| std::fs::File::open(path)).map_err(|e| {
+        match (e.raw_os_error(), crate::util::open_files_limit()) {
+            (Some(libc::EMFILE), Some((soft, _))) => crate::Error::dataset(
+                path,
+                format!(
+                    "cannot be opened: this process already has its limit of {soft} \
+                     files open (RLIMIT_NOFILE, `ulimit -n`; a set keeps each of its files \
+                     open): raise the hard limit, or join the shards into fewer, larger \
+                     files"
+                ),
+            ),
+            _ => crate::Error::io(path, e),
+        }
+    })
 }
 
 /// Opens `path` (a regular file, see [`open_regular`]), watched for changes, and maps

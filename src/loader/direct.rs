@@ -23,7 +23,7 @@ use io_uring::{opcode, types, IoUring};
 use super::pool::{HostAlloc, HostMemory, PlainAlloc, BUFFER_ALIGN};
 use crate::dataset::{check_out, Dataset, MappedFile};
 use crate::error::{Error, Result};
-use crate::util::page_size;
+use crate::util::{page_size, with_room};
 
 /// The longest single read, in bytes (a longer row is read alone).
 const MAX_READ: u64 = 1 << 20;
@@ -55,11 +55,7 @@ impl Source {
         }
         let watched = mapped.watched()?;
         let path = format!("/proc/self/fd/{}", watched.file().as_raw_fd());
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(path)
-            .ok()?;
+        let file = open_direct(path.as_ref()).ok()?;
         let align = direct_align(&file)?;
         Some(Source { file, align })
     }
@@ -83,12 +79,17 @@ impl Source {
 /// The alignment direct reads of the file at `path` need ([`direct_align`]), or `None`
 /// where it cannot be opened with `O_DIRECT`.
 pub(crate) fn path_align(path: &std::path::Path) -> Option<u64> {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .ok()?;
-    direct_align(&file)
+    direct_align(&open_direct(path).ok()?)
+}
+
+/// `path` opened for reading with `O_DIRECT` (with room: [`with_room`]).
+fn open_direct(path: &std::path::Path) -> std::io::Result<File> {
+    with_room(|| {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+    })
 }
 
 /// The alignment direct reads of `file` need (offset, length and memory), from
