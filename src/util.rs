@@ -97,7 +97,7 @@ pub fn page_size() -> usize {
 
 /// Runs `open` (an `open` or `dup` of a file); where it fails for want of file
 /// descriptors (`EMFILE`), raises this process's soft limit on open files to its hard
-/// limit and runs it again. A set of thousands of shards keeps a descriptor a file,
+/// limit (another thread may have done so meanwhile) and runs it again, once. A set of thousands of shards keeps a descriptor a file,
 /// and many systems start processes at a soft limit of 1,024 under a hard one of
 /// 524,288 or more; the Go runtime and the JVM raise it at start-up for the same reason.
 /// Nothing is raised for a process that never reaches its limit.
@@ -106,7 +106,10 @@ pub fn page_size() -> usize {
 /// The error of `open`, the second one where the limit was raised.
 pub(crate) fn with_room<T>(open: impl Fn() -> std::io::Result<T>) -> std::io::Result<T> {
     match open() {
-        Err(e) if e.raw_os_error() == Some(libc::EMFILE) && raise_open_files() => open(),
+        Err(e) if e.raw_os_error() == Some(libc::EMFILE) => {
+            raise_open_files();
+            open()
+        }
         other => other,
     }
 }

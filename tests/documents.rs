@@ -263,6 +263,60 @@ fn mds_array_columns_are_read_in_place() {
 }
 
 #[test]
+fn mds_bytes_columns_are_read_with_the_type_given() {
+    // LLM Foundry's older token columns: each sample's int64 values as raw bytes.
+    use stokehold::{DType, Packed};
+    let docs: Vec<Vec<i64>> = docs().into_iter().filter(|d| !d.is_empty()).collect();
+    let shard = mds("mds_bytes/shard.00000.mds");
+    let ds = Documents::open_mds_bytes(&shard, "tokens", DType::I64, 16, 7).unwrap();
+    assert_eq!((ds.len(), ds.dtype()), (5, DType::I64));
+    let i64_tokens = |b: &stokehold::HostBatch| b.column_named::<i64>("tokens").unwrap().to_vec();
+    let want: Vec<_> = docs.iter().map(|d| expected(d, 16, 7)).collect();
+    assert_eq!(rows(ds, i64_tokens), want);
+    let packed =
+        Packed::open_mds_bytes(&shard, "tokens", DType::I64, 7, Windows::Consecutive).unwrap();
+    assert_eq!(packed.tokens(), docs.concat().len() as u64);
+    // An array column read with its own type, as without one.
+    let ds = Documents::open_mds_bytes(
+        mds("mds_tokens/shard.00000.mds"),
+        "tokens",
+        DType::U16,
+        16,
+        7,
+    )
+    .unwrap();
+    assert_eq!(rows(ds, u16_tokens), want[..3]);
+    for (name, dtype, problem) in [
+        (
+            "mds_bytes/shard.00000.mds",
+            None,
+            r#"column "tokens" is encoded as "bytes": give the integer type"#,
+        ),
+        (
+            "mds_bytes/shard.00000.mds",
+            Some(DType::F32),
+            "give the integer type",
+        ),
+        (
+            "mds_tokens/shard.00000.mds",
+            Some(DType::I64),
+            r#"column "tokens" holds uint16 values ("ndarray:uint16"), and int64 was asked for"#,
+        ),
+        (
+            "mds_bytes_cut/shard.00000.mds",
+            Some(DType::I64),
+            "sample 2: its array lies outside the sample",
+        ),
+    ] {
+        let err = match dtype {
+            Some(d) => Documents::open_mds_bytes(mds(name), "tokens", d, 16, 0).unwrap_err(),
+            None => Documents::open_mds(mds(name), "tokens", 16, 0).unwrap_err(),
+        };
+        refused(err, "shard.00000.mds", problem);
+    }
+}
+
+#[test]
 fn bad_mds_shards_are_errors_naming_the_file() {
     let tokens = "mds_tokens/shard.00000.mds";
     for (name, column, problem) in [

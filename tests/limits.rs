@@ -1,4 +1,4 @@
-//! A set of more files than the process's soft limit on open files: the limit is raised
+//! A set of more files (200) than the process's soft limit on open files: the limit is raised
 //! to the hard one and every window streams; where the hard limit is reached too, the
 //! error names the file and the limit. Its own test binary: it changes the process's
 //! limits.
@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use stokehold::{Concat, DType, Dataset, Loader, Shuffle, TokenDataset, Windows};
 
-const FILES: usize = 300;
+const FILES: usize = 200;
 
 fn limits() -> (u64, u64) {
     let mut lim = libc::rlimit {
@@ -47,12 +47,14 @@ fn open_all(dir: &std::path::Path) -> stokehold::Result<Concat> {
 #[test]
 fn more_shards_than_the_soft_limit_open_and_stream() {
     let (_, hard) = limits();
-    if hard < 4 * FILES as u64 + 256 {
-        eprintln!("skipped: the hard limit on open files is {hard}");
+    // Three descriptors a streamed file, and room: 856, under the lowest hard limit
+    // common today (1,024).
+    if hard < 4 * FILES as u64 + 56 {
+        eprintln!("skipped: the hard limit on open files, {hard}, is below what 200 shards need");
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    // 300 shards of 5 windows of 8 + 1 tokens: token `i` of shard `k` is `100 k + i`.
+    // 200 shards of 5 windows of 8 + 1 tokens: token `i` of shard `k` is `100 k + i`.
     for k in 0..FILES {
         let tokens: Vec<u8> = (0..41u16)
             .flat_map(|i| (100 * k as u16 + i).to_le_bytes())
@@ -94,7 +96,8 @@ fn more_shards_than_the_soft_limit_open_and_stream() {
     let low = open_files() + 64;
     set_limits(low, low);
     let err = open_all(dir.path()).unwrap_err().to_string();
-    assert!(err.contains("shard-0"), "{err}");
+    let shard = dir.path().join("shard-0").display().to_string();
+    assert!(err.starts_with(&shard), "{err}");
     assert!(
         err.contains(&format!("its limit of {low} files open")),
         "{err}"

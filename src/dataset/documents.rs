@@ -113,7 +113,30 @@ impl Documents {
         max_len: usize,
         pad: i64,
     ) -> Result<Documents> {
-        Self::build(Stored::mds(path.as_ref(), column)?, max_len, pad)
+        Self::build(Stored::mds(path.as_ref(), column, None)?, max_len, pad)
+    }
+
+    /// [`open_mds`](Documents::open_mds) for a column whose values are `dtype`: one
+    /// encoded `bytes`, as LLM Foundry's `convert_dataset_hf.py` wrote `int64` tokens
+    /// before it wrote `ndarray:int32` (each sample's bytes are its values), or an
+    /// array column, which must then hold `dtype`.
+    ///
+    /// # Errors
+    /// As [`open_mds`](Documents::open_mds); [`Error::Dataset`](crate::Error::Dataset)
+    /// naming the file for a `dtype` that is not an integer type or not the array
+    /// column's, and a sample whose bytes are no whole number of values.
+    pub fn open_mds_bytes(
+        path: impl AsRef<Path>,
+        column: &str,
+        dtype: DType,
+        max_len: usize,
+        pad: i64,
+    ) -> Result<Documents> {
+        Self::build(
+            Stored::mds(path.as_ref(), column, Some(dtype))?,
+            max_len,
+            pad,
+        )
     }
 
     fn build(stored: Stored, max_len: usize, pad: i64) -> Result<Documents> {

@@ -175,7 +175,8 @@ impl Index {
         match self {
             Index::Mds(_) => format!(
                 "sample {i}: its array lies outside the sample (a size or shape header \
-                 that does not match its values)"
+                 that does not match its values, or raw bytes that are no whole number \
+                 of values)"
             ),
             _ => format!("document {i} has a negative length or place"),
         }
@@ -409,15 +410,16 @@ impl Stored {
     }
 
     /// Opens the array column `column` of an MosaicML Streaming (MDS) shard: each
-    /// sample's array is a document, read where it lies.
+    /// sample's array is a document, read where it lies. `dtype` is the type of a
+    /// `bytes` column's values (and must be an array column's own where given).
     ///
     /// # Errors
     /// [`Error::Io`] for a file that cannot be read; [`Error::Dataset`] naming the file
-    /// for one that is not an MDS shard, a missing column, or one that is not an array
-    /// of integers.
-    pub(super) fn mds(path: &Path, column: &str) -> Result<Stored> {
+    /// for one that is not an MDS shard, a missing column, one that is not an array of
+    /// integers, or one whose type is not `dtype`.
+    pub(super) fn mds(path: &Path, column: &str, dtype: Option<DType>) -> Result<Stored> {
         let file = Mapped::open(path)?;
-        let found = file.read(|m| mds::column(m, column))?;
+        let found = file.read(|m| mds::column(m, column, dtype))?;
         let column = found.map_err(|problem| Error::dataset(path, problem))?;
         Ok(Stored {
             tokens: file,

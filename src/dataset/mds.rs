@@ -7,7 +7,8 @@
 //! size per column of variable size, then holds each column's bytes, in the order of
 //! `column_names`. An `ndarray:<dtype>` column's bytes are a shape header (a byte
 //! `ndim << 2 | k`, then `ndim` sizes of `2^k` bytes each) and the values; an
-//! `ndarray:<dtype>:<shape>` column's, the values alone.
+//! `ndarray:<dtype>:<shape>` column's, the values alone; a `bytes` column's, raw bytes
+//! (older LLM Foundry sets keep their `int64` tokens so), whose type the reader is told.
 
 use super::arrow::u32_at;
 use super::DType;
@@ -36,9 +37,10 @@ pub(super) struct Column {
     /// The variable columns before this one: their sizes are the first at a sample's
     /// start (this one's, if variable, the next).
     variable_before: usize,
-    /// The elements of a fixed shape, or `None` where each array has its own shape
-    /// header.
+    /// The elements of a fixed shape, or `None` where each sample has its own size.
     elements: Option<u64>,
+    /// A `bytes` column: each sample's values are its bytes, with no shape header.
+    raw: bool,
 }
 
 /// The `u32` at byte `at`.
@@ -70,12 +72,14 @@ pub(super) fn falling_offset(bytes: &[u8], count: u64) -> Option<(u64, u64)> {
 
 /// Reads the shard `bytes`' layout and column `name`'s place in its samples, checking
 /// the sample offsets (they rise, from the end of the configuration to the end of the
-/// file).
+/// file). `dtype` is the type of a `bytes` column's values, and must be an array
+/// column's own type where given.
 ///
 /// # Errors
 /// What is wrong, for a file that is not an MDS shard, a missing column (the message
-/// lists those there are) and a column that is not an array of integers.
-pub(super) fn column(bytes: &[u8], name: &str) -> Result<Column, String> {
+/// lists those there are), a column that is not an array of integers, a `bytes` column
+/// without an integer `dtype`, and an array column of another type than `dtype`.
+pub(super) fn column(bytes: &[u8], name: &str, dtype: Option<DType>) -> Result<Column, String> {
     let len = bytes.len() as u64;
     if bytes.starts_with(&ZSTD_MAGIC) {
         return Err(
@@ -126,7 +130,36 @@ pub(super) fn column(bytes: &[u8], name: &str) -> Result<Column, String> {
         ));
     };
     let encoding = &config.column_encodings[c];
+    let sizes = &config.column_sizes;
+    let variable_before = sizes[..c].iter().filter(|s| s.is_none()).count();
+    let fixed_before = sizes[..c]
+        .iter()
+        .flatten()
+        .try_fold(0u64, |a, &s| a.checked_add(s))
+        .ok_or_else(|| not("column sizes overflow".into()))?;
+    let layout = |dtype, elements, raw| Column {
+        samples,
+        dtype,
+        variable: sizes.iter().filter(|s| s.is_none()).count(),
+        fixed_before,
+        variable_before,
+        elements,
+        raw,
+    };
+    if encoding == "bytes" {
+        return match dtype {
+            Some(d) if d.is_integer() && sizes[c].is_none() => Ok(layout(d, None, true)),
+            Some(d) if d.is_integer() => {
+                Err(not(format!("column {name:?} (bytes) has a fixed size")))
+            }
+            _ => Err(format!(
+                "column {name:?} is encoded as \"bytes\": give the integer type of its \
+                 values (int64 for the token columns older LLM Foundry versions wrote)"
+            )),
+        };
+    }
     let parts: Vec<&str> = encoding.split(':').collect();
+    let asked = dtype;
     let dtype = match parts[..] {
         ["ndarray", dtype, ..] if parts.len() <= 3 => DType::from_name(dtype),
         _ => None,
@@ -147,7 +180,6 @@ pub(super) fn column(bytes: &[u8], name: &str) -> Result<Column, String> {
                 .ok_or_else(|| format!("column {name:?}: bad shape in {encoding:?}"))?,
         ),
     };
-    let sizes = &config.column_sizes;
     let fixed = elements.and_then(|n| n.checked_mul(dtype.size() as u64));
     if fixed.is_some() != sizes[c].is_some() || (fixed.is_some() && fixed != sizes[c]) {
         return Err(not(format!(
@@ -155,19 +187,12 @@ pub(super) fn column(bytes: &[u8], name: &str) -> Result<Column, String> {
             sizes[c]
         )));
     }
-    let variable_before = sizes[..c].iter().filter(|s| s.is_none()).count();
-    let fixed_before = sizes[..c]
-        .iter()
-        .flatten()
-        .try_fold(0u64, |a, &s| a.checked_add(s));
-    Ok(Column {
-        samples,
-        dtype,
-        variable: sizes.iter().filter(|s| s.is_none()).count(),
-        fixed_before: fixed_before.ok_or_else(|| not("column sizes overflow".into()))?,
-        variable_before,
-        elements,
-    })
+    match asked {
+        Some(asked) if asked != dtype => Err(format!(
+            "column {name:?} holds {dtype} values ({encoding:?}), and {asked} was asked for"
+        )),
+        _ => Ok(layout(dtype, elements, false)),
+    }
 }
 
 impl Column {
@@ -186,6 +211,11 @@ impl Column {
         let width = self.dtype.size() as u64;
         let (values, count) = match self.elements {
             Some(n) => (at, n),
+            // Raw bytes: a whole number of values.
+            None if self.raw => {
+                let bytes_len = size(self.variable_before)?;
+                (bytes_len % width == 0).then_some((at, bytes_len / width))?
+            }
             None => {
                 // This column is variable: its size is the next one after those before.
                 let bytes_len = size(self.variable_before)?;

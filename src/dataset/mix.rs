@@ -20,7 +20,8 @@ use crate::util::mix;
 /// epochs, through passes of their own, so that a part giving fewer samples than it
 /// holds (downsampled) serves, over the next epochs, all of its samples before any
 /// again. (An epoch whose rest crosses from one pass into the next may hold a sample
-/// from both.) Which sample of which part
+/// from both.) A part whose share rounds to less than one sample gives none. Which
+/// sample of which part
 /// position `i` of epoch `e` is ([`Mix::source`]) is a pure function of the seed, `e`
 /// and `i`, like the loader's order, so epochs resume exactly and shard across ranks as
 /// over any dataset.
@@ -99,8 +100,10 @@ impl Mix {
         }
         let parts = Concat::named(parts, "mix")?;
         let samples = samples.unwrap_or_else(|| parts.len());
-        if samples == 0 {
-            return Err(Error::Config("a mix of no samples an epoch".into()));
+        if samples == 0 || samples > MAX_SAMPLES {
+            return Err(Error::Config(format!(
+                "a mix of {samples} samples an epoch: between 1 and 2^53"
+            )));
         }
         let takes = apportion(weights, samples);
         if let Some(p) = (0..takes.len()).find(|&p| takes[p] > 0 && parts.parts()[p].is_empty()) {
@@ -150,7 +153,6 @@ impl Mix {
             true => (mix(mix(base ^ epoch) ^ (k / n)), k % n),
             false => {
                 let drawn = u128::from(epoch) * u128::from(take - whole) + u128::from(k - whole);
-                // (A pass number past 2^64 would need 2^64 epochs of a one-sample part.)
                 let pass = (drawn / u128::from(n)) as u64;
                 (
                     mix(mix(!base ^ pass) ^ u64::MAX),
@@ -173,10 +175,18 @@ impl Mix {
     }
 }
 
-/// `total` split in the shares `weights` (not all 0) by largest remainders: each part
-/// gets the floor of its quota, then the parts with the largest fractions (the first of
-/// equal ones) one more each until the parts sum to `total`. A part of weight 0 gets 0.
+/// The most samples a mix's epoch may have: its shares are computed in `f64`, exact
+/// for integers up to 2^53.
+const MAX_SAMPLES: u64 = 1 << 53;
+
+/// `total` (at most [`MAX_SAMPLES`]) split in the shares `weights` (finite, `>= 0`, not
+/// all 0) by largest remainders: each part gets the floor of its quota, then the parts
+/// with the largest fractions (the first of equal ones) one more each until the parts
+/// sum to `total`. A part of weight 0 gets 0, as may one whose share is below a sample.
 fn apportion(weights: &[f64], total: u64) -> Vec<u64> {
+    // Relative to the largest, so that the sum of weights near f64::MAX stays finite.
+    let largest = weights.iter().copied().fold(0.0, f64::max);
+    let weights: Vec<f64> = weights.iter().map(|w| w / largest).collect();
     let sum: f64 = weights.iter().sum();
     let quotas: Vec<f64> = weights.iter().map(|w| w / sum * total as f64).collect();
     let mut takes: Vec<u64> = quotas
@@ -284,7 +294,10 @@ mod tests {
         assert_eq!(apportion(&[1.0, 1.0, 1.0], 10), [4, 3, 3]);
         assert_eq!(apportion(&[1.0, 0.0, 1.0], 5), [3, 0, 2]);
         assert_eq!(apportion(&[1e-9, 1.0], 3), [0, 3]);
-        assert_eq!(apportion(&[2.0], u64::MAX), [u64::MAX]);
+        assert_eq!(apportion(&[2.0], MAX_SAMPLES), [MAX_SAMPLES]);
+        assert_eq!(apportion(&[1.0, 1.0], MAX_SAMPLES), [1 << 52, 1 << 52]);
+        // Weights whose sum passes f64::MAX keep their shares.
+        assert_eq!(apportion(&[1.7e308, 1e308, 1e300], 27), [17, 10, 0]);
         for total in [1u64, 7, 1000, 123_457] {
             let takes = apportion(&[0.5, 0.25, 0.125, 0.125, 1e-3], total);
             assert_eq!(takes.iter().sum::<u64>(), total);
@@ -391,7 +404,9 @@ mod tests {
         assert!(err(two(), &[1.0, -1.0], None).contains("weight -1 of part 1"));
         assert!(err(two(), &[1.0, f64::NAN], None).contains("of part 1"));
         assert!(err(two(), &[0.0, 0.0], None).contains("all 0"));
-        assert!(err(two(), &[1.0, 1.0], Some(0)).contains("no samples"));
+        assert!(err(two(), &[1.0, 1.0], Some(0)).contains("0 samples an epoch"));
+        let e = err(two(), &[1.0, 1.0], Some(u64::MAX));
+        assert!(e.contains("between 1 and 2^53"), "{e}");
         assert!(err(Vec::new(), &[], None).contains("a mix needs a part"));
         let e = err(vec![part(0, 3, "t"), part(0, 0, "t")], &[1.0, 1.0], Some(4));
         assert!(

@@ -140,7 +140,27 @@ impl Packed {
         seq_len: usize,
         windows: Windows,
     ) -> Result<Packed> {
-        Self::build(Stored::mds(path.as_ref(), column)?, seq_len, windows)
+        Self::build(Stored::mds(path.as_ref(), column, None)?, seq_len, windows)
+    }
+
+    /// Packs column `column` of a MosaicML Streaming shard, its values `dtype`, as
+    /// [`Documents::open_mds_bytes`](super::Documents::open_mds_bytes) opens it.
+    ///
+    /// # Errors
+    /// As [`Documents::open_mds_bytes`](super::Documents::open_mds_bytes), and as
+    /// [`open_megatron`](Packed::open_megatron) for the windows.
+    pub fn open_mds_bytes(
+        path: impl AsRef<Path>,
+        column: &str,
+        dtype: DType,
+        seq_len: usize,
+        windows: Windows,
+    ) -> Result<Packed> {
+        Self::build(
+            Stored::mds(path.as_ref(), column, Some(dtype))?,
+            seq_len,
+            windows,
+        )
     }
 
     fn build(stored: Stored, seq_len: usize, windows: Windows) -> Result<Packed> {

@@ -242,7 +242,7 @@ impl Reader {
     /// [`Error::Io`] where io_uring cannot be set up (an old kernel, or a sandbox that
     /// forbids it); the worker then gathers through the mapping.
     pub(crate) fn new() -> Result<Reader> {
-        let ring = IoUring::new(DEPTH).map_err(|e| Error::io("<io_uring>", e))?;
+        let ring = with_room(|| IoUring::new(DEPTH)).map_err(|e| Error::io("<io_uring>", e))?;
         Ok(Reader {
             ring,
             buf: None,
@@ -258,7 +258,7 @@ impl Reader {
     /// Whether io_uring works here: a ring can be made, and it knows the read opcode
     /// (kernels before 5.6 do not).
     pub(crate) fn available() -> bool {
-        let Ok(ring) = IoUring::new(2) else {
+        let Ok(ring) = with_room(|| IoUring::new(2)) else {
             return false;
         };
         let mut probe = io_uring::Probe::new();

@@ -200,7 +200,7 @@ impl OpenDataset {
     /// concatenated in another order each epoch (from `seed` and the file's place).
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (paths, seq_len, windows, seed, offsets, column, shuffle_documents))]
+    #[pyo3(signature = (paths, seq_len, windows, seed, offsets, column, shuffle_documents, dtype=None))]
     fn packed(
         py: Python<'_>,
         paths: Vec<std::path::PathBuf>,
@@ -210,14 +210,17 @@ impl OpenDataset {
         offsets: Option<std::path::PathBuf>,
         column: Option<String>,
         shuffle_documents: bool,
+        dtype: Option<&str>,
     ) -> PyResult<OpenDataset> {
         let windows = windows_named(windows, seed)?;
-        Self::parts(py, paths, offsets, column, move |part, path, layout| {
+        let found = (offsets, column, dtype);
+        Self::parts(py, paths, found, move |part, path, layout| {
             let windows = windows.for_part(part);
             let packed = match layout {
                 Layout::Npy(o) => Packed::open_npy(path, o, seq_len, windows)?,
                 Layout::Arrow(c) => Packed::open_arrow(path, &c, seq_len, windows)?,
-                Layout::Mds(c) => Packed::open_mds(path, &c, seq_len, windows)?,
+                Layout::Mds(c, None) => Packed::open_mds(path, &c, seq_len, windows)?,
+                Layout::Mds(c, Some(d)) => Packed::open_mds_bytes(path, &c, d, seq_len, windows)?,
                 Layout::Megatron => Packed::open_megatron(path, seq_len, windows)?,
             };
             Ok(Arc::new(match shuffle_documents {
@@ -230,9 +233,10 @@ impl OpenDataset {
     /// Variable-length documents padded to `max_len`: a Megatron indexed dataset
     /// (`path` is its prefix, or its `.idx` or `.bin`), an Arrow IPC file's list
     /// `column`, or, with `offsets`, a 1-d token `.npy` at `path` and the `n + 1`
-    /// offsets into it. Several paths (a table's shards) are one set, in order.
+    /// offsets into it; an MDS shard's `column`, its values `dtype` where given (a
+    /// `bytes` column's). Several paths (a table's shards) are one set, in order.
     #[staticmethod]
-    #[pyo3(signature = (paths, max_len, pad, offsets, column))]
+    #[pyo3(signature = (paths, max_len, pad, offsets, column, dtype=None))]
     fn documents(
         py: Python<'_>,
         paths: Vec<std::path::PathBuf>,
@@ -240,15 +244,24 @@ impl OpenDataset {
         pad: i64,
         offsets: Option<std::path::PathBuf>,
         column: Option<String>,
+        dtype: Option<&str>,
     ) -> PyResult<OpenDataset> {
-        Self::parts(py, paths, offsets, column, move |_, path, layout| {
-            Ok(Arc::new(match layout {
-                Layout::Npy(o) => Documents::open_npy(path, o, max_len, pad)?,
-                Layout::Arrow(c) => Documents::open_arrow(path, &c, max_len, pad)?,
-                Layout::Mds(c) => Documents::open_mds(path, &c, max_len, pad)?,
-                Layout::Megatron => Documents::open_megatron(path, max_len, pad)?,
-            }))
-        })
+        Self::parts(
+            py,
+            paths,
+            (offsets, column, dtype),
+            move |_, path, layout| {
+                Ok(Arc::new(match layout {
+                    Layout::Npy(o) => Documents::open_npy(path, o, max_len, pad)?,
+                    Layout::Arrow(c) => Documents::open_arrow(path, &c, max_len, pad)?,
+                    Layout::Mds(c, None) => Documents::open_mds(path, &c, max_len, pad)?,
+                    Layout::Mds(c, Some(d)) => {
+                        Documents::open_mds_bytes(path, &c, d, max_len, pad)?
+                    }
+                    Layout::Megatron => Documents::open_megatron(path, max_len, pad)?,
+                }))
+            },
+        )
     }
 
     /// Several opened datasets mixed by `weights`, `samples` an epoch (`None`: as many
@@ -306,15 +319,24 @@ impl OpenDataset {
             .ok_or_else(|| PyValueError::new_err("not a mix of datasets"))
     }
 
-    /// Opens each of `paths` with `open` (in the layout its name and the options say),
-    /// as one dataset: a [`Concat`] of them where there are several.
+    /// Opens each of `paths` with `open` (in the layout its name and the options
+    /// `(offsets, column, dtype)` say), as one dataset: a [`Concat`] of them where there
+    /// are several.
     fn parts(
         py: Python<'_>,
         paths: Vec<std::path::PathBuf>,
-        offsets: Option<std::path::PathBuf>,
-        column: Option<String>,
+        (offsets, column, dtype): (Option<std::path::PathBuf>, Option<String>, Option<&str>),
         open: impl Fn(usize, &std::path::Path, Layout) -> stokehold::Result<Arc<dyn Dataset>> + Send,
     ) -> PyResult<OpenDataset> {
+        let dtype = dtype
+            .map(|name| {
+                DType::from_name(name).ok_or_else(|| {
+                    PyValueError::new_err(format!(
+                        "dtype {name:?}: not a NumPy type stokehold reads"
+                    ))
+                })
+            })
+            .transpose()?;
         if paths.is_empty() || (paths.len() > 1 && offsets.is_some()) {
             return Err(PyValueError::new_err(
                 "give one path, or several (a table's shards) without offsets",
@@ -322,7 +344,7 @@ impl OpenDataset {
         }
         let layouts = paths
             .iter()
-            .map(|p| Layout::of(p, offsets.clone(), column.clone()))
+            .map(|p| Layout::of(p, offsets.clone(), column.clone(), dtype))
             .collect::<PyResult<Vec<_>>>()?;
         let data = paths
             .iter()
@@ -400,8 +422,9 @@ enum Layout {
     Npy(std::path::PathBuf),
     /// This list column of an Arrow IPC file.
     Arrow(String),
-    /// This array column of an MDS shard.
-    Mds(String),
+    /// This array column of an MDS shard, its values of this type where given (a
+    /// `bytes` column's).
+    Mds(String, Option<DType>),
     /// A Megatron / fairseq indexed dataset.
     Megatron,
 }
@@ -414,18 +437,25 @@ impl Layout {
         path: &std::path::Path,
         offsets: Option<std::path::PathBuf>,
         column: Option<String>,
+        dtype: Option<DType>,
     ) -> PyResult<Layout> {
         let arrow = path.extension().is_some_and(|e| e == "arrow");
         // (`shard.00000.mds.zstd` too: its error says to decompress it.)
         let name = path.file_name().map(|n| n.to_string_lossy());
         let mds = name.is_some_and(|n| n.ends_with(".mds") || n.contains(".mds."));
+        if dtype.is_some() && !mds {
+            return Err(PyValueError::new_err(format!(
+                "dtype is for an .mds shard's column (raw bytes), and {} is none",
+                path.display()
+            )));
+        }
         match (offsets, column) {
             (Some(_), Some(_)) => Err(PyValueError::new_err(
                 "give offsets (a token .npy) or column (an .arrow file or .mds shard), not both",
             )),
             (Some(o), None) => Ok(Layout::Npy(o)),
             (None, column) if arrow => Ok(Layout::Arrow(column.unwrap_or("input_ids".into()))),
-            (None, column) if mds => Ok(Layout::Mds(column.unwrap_or("tokens".into()))),
+            (None, column) if mds => Ok(Layout::Mds(column.unwrap_or("tokens".into()), dtype)),
             (None, Some(c)) => Err(PyValueError::new_err(format!(
                 "column {c:?} is for an .arrow file or an .mds shard, and {} is neither",
                 path.display()

@@ -519,6 +519,29 @@ def test_mds_datasets_are_read_in_place(tmp_path):
         stokehold.DocumentLoader(tmp_path, max_len=16)
 
 
+def test_mds_bytes_columns_take_their_type():
+    # Older LLM Foundry sets: int64 tokens as raw bytes (tests/fixtures/make_mds.py).
+    root = REPO / "tests" / "fixtures" / "mds"
+    docs = [100 * i + np.arange(n) for i, n in {0: 5, 2: 12, 3: 3, 4: 40, 5: 1}.items()]
+    loader = stokehold.DocumentLoader(root / "mds_bytes", max_len=16, dtype="int64",
+                                      shuffle="none", batch_size=8)
+    b = next(loader.epoch(0))
+    assert b["tokens"].dtype == np.int64 and list(b["len"]) == [5, 12, 3, 16, 1]
+    for row, n, d in zip(b["tokens"], b["len"], docs):
+        np.testing.assert_array_equal(row[:n], d[:16])
+    packed = stokehold.PackedLoader(root / "mds_bytes", seq_len=60, dtype="int64",
+                                    windows="consecutive", shuffle="none")
+    np.testing.assert_array_equal(next(packed.epoch(0))["tokens"][0], np.concatenate(docs))
+    with pytest.raises(stokehold.Error, match='encoded as "bytes": give the integer type'):
+        stokehold.DocumentLoader(root / "mds_bytes", max_len=16)
+    with pytest.raises(stokehold.Error, match="sample 2: its array lies outside"):
+        stokehold.DocumentLoader(root / "mds_bytes_cut", max_len=16, dtype="int64")
+    with pytest.raises(ValueError, match="dtype is for an .mds shard"):
+        stokehold.DocumentLoader(root / "x.arrow", max_len=16, dtype="int64")
+    with pytest.raises(ValueError, match="dtype 'int65'|dtype \"int65\""):
+        stokehold.DocumentLoader(root / "mds_bytes", max_len=16, dtype="int65")
+
+
 def test_shards_of_a_table_are_one_set(tmp_path):
     # A directory of .arrow shards, as datasets' save_to_disk writes one, or a list.
     src = FIXTURES.parent / "arrow" / "hf_stream.arrow"
@@ -698,6 +721,10 @@ def test_a_mix_gives_each_source_its_share_and_resumes(tmp_path):
         stokehold.MixLoader([sources[0], "code.bin"], weights=[1, 1])
     with pytest.raises(IndexError, match="position 400"):
         loader.source(0, [400])
+    with pytest.raises(IndexError, match="position -1"):
+        loader.source(0, [3, -1])
+    with pytest.raises(stokehold.Error, match="integers, not float64"):
+        loader.source(0, [1.5])
 
 
 def test_the_report(cols):

@@ -393,7 +393,9 @@ class DocumentLoader(Loader):
     it; encoded ``ndarray:<integer type>``) holds a document a sample. A directory that
     ``save_to_disk`` wrote (its shards as its ``state.json`` lists them), an MDS
     directory (its shards as its ``index.json`` lists them) or a list of paths is one
-    set, its shards in order.
+    set, its shards in order. ``dtype`` is the integer type of an MDS column encoded as
+    raw ``bytes`` (``"int64"`` for the token columns older LLM Foundry versions wrote);
+    given for an array column, it must be the column's own.
 
     Each batch has two columns: ``"tokens"``, shape ``(B, max_len)`` in the files' token
     type, each row a document's first ``max_len`` tokens followed by ``pad``; and
@@ -427,10 +429,11 @@ class DocumentLoader(Loader):
         progress: Optional[bool] = None,
         device: Optional[str] = None,
         direct_reads: bool = True,
+        dtype: Optional[str] = None,
     ):
         dataset = _stokehold._Dataset.documents(
             _document_paths(path), max_len, pad, None if offsets is None else str(offsets),
-            column,
+            column, dtype,
         )
         self._build(
             dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
@@ -443,7 +446,7 @@ class PackedLoader(Loader):
     """A loader over variable-length documents packed for pretraining: the documents
     ``DocumentLoader`` reads (a Megatron / fairseq indexed dataset at ``path``, a
     token ``.npy`` at ``path`` with ``offsets``, an ``.arrow`` file's list ``column``
-    or an ``.mds`` shard's array ``column``) concatenated in their stored order (with
+    or an ``.mds`` shard's array ``column``, or ``bytes`` column of ``dtype``) concatenated in their stored order (with
     ``shuffle_documents=True``, in another order each epoch, drawn from ``seed``, as
     Megatron-LM does, within each file) and
     cut into windows of ``seq_len + 1`` tokens, as ``TokenLoader`` cuts a token file,
@@ -482,10 +485,11 @@ class PackedLoader(Loader):
         device: Optional[str] = None,
         direct_reads: bool = True,
         shuffle_documents: bool = False,
+        dtype: Optional[str] = None,
     ):
         dataset = _stokehold._Dataset.packed(
             _document_paths(path), seq_len, windows, seed,
-            None if offsets is None else str(offsets), column, shuffle_documents,
+            None if offsets is None else str(offsets), column, shuffle_documents, dtype,
         )
         self._build(
             dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
@@ -554,7 +558,12 @@ class MixLoader(Loader):
     def source(self, epoch: int, indices: Any) -> Tuple[np.ndarray, np.ndarray]:
         """Which source (``int64``, its place in ``sources``) and which of its samples
         (``uint64``) each of ``indices`` (a batch's ``indices``) is in ``epoch``."""
-        flat = np.asarray(indices, dtype=np.uint64).ravel()
+        given = np.asarray(indices)
+        if given.size and given.dtype.kind not in "ui":
+            raise Error(f"a mix's positions are integers, not {given.dtype}")
+        if given.size and given.dtype.kind == "i" and given.min() < 0:
+            raise IndexError(f"position {given.min()} of a mix")
+        flat = given.astype(np.uint64).ravel()
         parts, samples = self._dataset.sources(epoch, flat.tolist())
         return np.asarray(parts, dtype=np.int64), np.asarray(samples, dtype=np.uint64)
 
