@@ -695,7 +695,7 @@ fn example_09_cuts_the_padding_by_grouping() {
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
 
-    /// An Arrow file or an MDS shard with bytes changed or cut short anywhere opens or
+    /// An Arrow file or an MDS shard (array or bytes columns) with bytes changed or cut short anywhere opens or
     /// is refused, and one that opens serves its rows (or errors): never a panic.
     #[test]
     fn damaged_arrow_and_mds_files_never_panic(
@@ -704,6 +704,7 @@ proptest::proptest! {
             "arrow/mixed_file.arrow",
             "mds/mds_tokens/shard.00000.mds",
             "mds/mds_windows/shard.00000.mds",
+            "mds/mds_bytes/shard.00000.mds",
         ]),
         edits in proptest::collection::vec((0usize..5000, proptest::num::u8::ANY), 1..6),
         cut in proptest::option::of(0usize..5000),
@@ -721,9 +722,12 @@ proptest::proptest! {
         std::fs::write(&path, &bytes).unwrap();
         let column = if name.ends_with("hf_stream.arrow") { "input_ids" } else { "tokens" };
         let mds = name.ends_with(".mds");
-        let documents = match mds {
-            true => Documents::open_mds(&path, column, 64, 0),
-            false => Documents::open_arrow(&path, column, 64, 0),
+        // The bytes shard's int64 values, read with their type given.
+        let raw = name.contains("mds_bytes").then_some(stokehold::DType::I64);
+        let documents = match (mds, raw) {
+            (true, Some(d)) => Documents::open_mds_bytes(&path, column, d, 64, 0),
+            (true, None) => Documents::open_mds(&path, column, 64, 0),
+            (false, _) => Documents::open_arrow(&path, column, 64, 0),
         };
         if let Ok(ds) = documents {
             let n = ds.len().min(64);
@@ -731,9 +735,12 @@ proptest::proptest! {
             let mut lens = vec![0u8; 64 * 8];
             let all: Vec<u64> = (0..n).collect();
             let _ = ds.gather(0, &all, &mut [&mut tokens, &mut lens]);
-            let packed = match mds {
-                true => stokehold::Packed::open_mds(&path, column, 4, Windows::Consecutive),
-                false => stokehold::Packed::open_arrow(&path, column, 4, Windows::Consecutive),
+            let packed = match (mds, raw) {
+                (true, Some(d)) => {
+                    stokehold::Packed::open_mds_bytes(&path, column, d, 4, Windows::Consecutive)
+                }
+                (true, None) => stokehold::Packed::open_mds(&path, column, 4, Windows::Consecutive),
+                (false, _) => stokehold::Packed::open_arrow(&path, column, 4, Windows::Consecutive),
             };
             if let Ok(p) = packed {
                 let n = p.len().min(64);
