@@ -211,33 +211,41 @@ impl Column {
         let width = self.dtype.size() as u64;
         let (values, count) = match self.elements {
             Some(n) => (at, n),
-            // Raw bytes: a whole number of values.
-            None if self.raw => {
-                let bytes_len = size(self.variable_before)?;
-                (bytes_len % width == 0).then_some((at, bytes_len / width))?
-            }
             None => {
                 // This column is variable: its size is the next one after those before.
                 let bytes_len = size(self.variable_before)?;
-                let head = *bytes.get(usize::try_from(at).ok()?)?;
-                let (ndim, k) = (u64::from(head >> 2), head & 3);
-                let shape = (at + 1, 1u64 << k);
-                let mut n = 1u64;
-                for d in 0..ndim {
-                    let b = bytes.get(usize::try_from(shape.0 + d * shape.1).ok()?..)?;
-                    let b = b.get(..shape.1 as usize)?;
-                    let mut v = [0u8; 8];
-                    v[..b.len()].copy_from_slice(b);
-                    n = n.checked_mul(u64::from_le_bytes(v))?;
+                if self.raw {
+                    // Raw bytes: a whole number of values.
+                    (bytes_len % width == 0).then_some((at, bytes_len / width))?
+                } else {
+                    self.array(bytes, at, bytes_len)?
                 }
-                let header = 1 + ndim * shape.1;
-                if ndim == 0 || header.checked_add(n.checked_mul(width)?)? != bytes_len {
-                    return None;
-                }
-                (at.checked_add(header)?, n)
             }
         };
         let last = values.checked_add(count.checked_mul(width)?)?;
         (last <= end).then_some((values, count))
+    }
+
+    /// An `ndarray` sample's values, `bytes_len` bytes at `at` with their shape header
+    /// first: the first value's byte and the elements, `None` where the header does not
+    /// match the size.
+    fn array(&self, bytes: &[u8], at: u64, bytes_len: u64) -> Option<(u64, u64)> {
+        let width = self.dtype.size() as u64;
+        let head = *bytes.get(usize::try_from(at).ok()?)?;
+        let (ndim, k) = (u64::from(head >> 2), head & 3);
+        let shape = (at + 1, 1u64 << k);
+        let mut n = 1u64;
+        for d in 0..ndim {
+            let b = bytes.get(usize::try_from(shape.0 + d * shape.1).ok()?..)?;
+            let b = b.get(..shape.1 as usize)?;
+            let mut v = [0u8; 8];
+            v[..b.len()].copy_from_slice(b);
+            n = n.checked_mul(u64::from_le_bytes(v))?;
+        }
+        let header = 1 + ndim * shape.1;
+        if ndim == 0 || header.checked_add(n.checked_mul(width)?)? != bytes_len {
+            return None;
+        }
+        Some((at.checked_add(header)?, n))
     }
 }
