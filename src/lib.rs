@@ -39,6 +39,7 @@ mod error;
 mod permutation;
 mod util;
 // L1: the data, its order, the model's math
+pub mod augment;
 pub mod dataset;
 pub mod gen;
 pub mod model;
@@ -63,6 +64,7 @@ pub mod train;
 #[doc(hidden)]
 pub mod testing;
 
+pub use augment::{Augment, Augmenter, Draw};
 pub use backend::Trainer;
 pub use dataset::{
     Column, Concat, DType, Dataset, Documents, Element, LitData, MappedFile, Mix, NpyArray,

@@ -26,11 +26,12 @@ pub use epoch::{Epoch, EpochStats};
 pub use plan::Storage;
 pub use pool::{HostAlloc, HostMemory, PlainAlloc, BUFFER_ALIGN};
 
+use crate::augment::{Augment, Augmenter};
 use crate::dataset::Dataset;
 use crate::error::{Error, Result};
 use crate::sampler::{EpochOrder, Order, Shard, Shuffle};
 use pool::Pool;
-use worker::{Assignment, Job};
+use worker::{Assignment, Job, Staged};
 
 /// Bytes of prefetched batches the loader aims for when no prefetch depth is given.
 pub const DEFAULT_PREFETCH_BYTES: usize = 32 << 20;
@@ -131,6 +132,7 @@ pub struct LoaderBuilder {
     budget: Option<u64>,
     plan: bool,
     direct: bool,
+    augment: Option<Augment>,
 }
 
 /// How a saved state is resumed.
@@ -267,6 +269,18 @@ impl LoaderBuilder {
         self
     }
 
+    /// Augments an image column in the workers, as each batch is gathered (see
+    /// [`Augment`]): the batches then have the columns of
+    /// [`Augmenter::columns`](crate::Augmenter::columns), and sample `i` of epoch `e`
+    /// is cropped and flipped by `augment.draw(e, i)`, whatever the workers, shard or
+    /// resume. To augment on the GPU instead, after the copy of the raw bytes, leave
+    /// the loader without it and give it to the device's copy (see
+    /// [`cuda::DeviceSlots`](crate::cuda::DeviceSlots)).
+    pub fn augment(mut self, augment: Augment) -> Self {
+        self.augment = Some(augment);
+        self
+    }
+
     /// Resume from a saved state: [`Loader::epoch`] for `state.epoch` yields only the
     /// batches after `state.batch` (once); asking for an earlier epoch first is an error,
     /// a later one abandons the resume.
@@ -356,7 +370,17 @@ impl LoaderBuilder {
         // Buffers hold the rows a batch can have; capped by usize::MAX, `batches` fits.
         let rows = (self.batch_size as u64).min(order.samples()) as usize;
         let batches = usize::try_from(order.batches()).unwrap_or(usize::MAX);
-        let layout = Arc::new(BatchLayout::new(columns, rows)?);
+        let augment = match &self.augment {
+            Some(a) => Some(Arc::new(Staged {
+                augmenter: a.bind(columns)?,
+                layout: BatchLayout::new(columns, rows)?,
+            })),
+            None => None,
+        };
+        let layout = Arc::new(match &augment {
+            Some(s) => BatchLayout::new(s.augmenter.columns(), rows)?,
+            None => BatchLayout::new(columns, rows)?,
+        });
         let workers = self.workers.min(batches);
         let prefetch = self.prefetch.unwrap_or_else(|| {
             (DEFAULT_PREFETCH_BYTES / layout.bytes())
@@ -417,6 +441,7 @@ impl LoaderBuilder {
             budget,
             direct: self.direct && self.plan,
             uring: self.direct && self.plan && direct::Reader::available(),
+            augment,
         })
     }
 }
@@ -642,6 +667,8 @@ pub struct Loader {
     direct: bool,
     /// Whether io_uring works here (the workers' direct reads of single rows need it).
     uring: bool,
+    /// The augmentation the workers apply, if any.
+    augment: Option<Arc<Staged>>,
 }
 
 impl Loader {
@@ -670,6 +697,7 @@ impl Loader {
             budget: None,
             plan: true,
             direct: true,
+            augment: None,
         }
     }
 
@@ -752,6 +780,7 @@ impl Loader {
                 .filter(|_| planned)
                 .and_then(|p| p.handle.as_ref())
                 .map(|h| h.thread().clone()),
+            augment: self.augment.clone(),
         });
         self.last = Some(Arc::clone(&job));
         for w in &self.workers {
@@ -818,6 +847,12 @@ impl Loader {
     /// The dataset.
     pub fn dataset(&self) -> &Arc<dyn Dataset> {
         &self.dataset
+    }
+
+    /// The augmentation the workers apply to each batch, if any
+    /// ([`LoaderBuilder::augment`]).
+    pub fn augmenter(&self) -> Option<&Augmenter> {
+        self.augment.as_ref().map(|s| &s.augmenter)
     }
 
     /// The order (batches per epoch, shard, shuffle).

@@ -60,6 +60,16 @@ pub(crate) struct Job {
     pub(crate) extents: Option<Arc<Extents>>,
     /// The planner's thread, woken when a batch is claimed.
     pub(crate) planner: Option<std::thread::Thread>,
+    /// The augmentation applied to each batch after its gather, if any.
+    pub(crate) augment: Option<Arc<Staged>>,
+}
+
+/// An augmentation and the layout of the dataset's own columns, which a worker gathers
+/// into its staging buffer before augmenting them into the batch.
+#[derive(Debug)]
+pub(crate) struct Staged {
+    pub(crate) augmenter: crate::augment::Augmenter,
+    pub(crate) layout: BatchLayout,
 }
 
 /// A job and the sender a worker drops when it is done with it.
@@ -130,24 +140,50 @@ impl Job {
         self.order.batch(number, indices);
         let rows = indices.len();
         let (mut parts, n) = self.layout.split(bytes, rows);
+        let Some(staged) = &self.augment else {
+            self.gather(number, indices, &mut parts[..n], local)?;
+            return Ok(rows);
+        };
+        let mut staging = std::mem::take(&mut local.staging);
+        staging.resize(staged.layout.bytes(), 0);
+        let (mut raw, m) = staged.layout.split(&mut staging, rows);
+        let result = self
+            .gather(number, indices, &mut raw[..m], local)
+            .and_then(|()| {
+                let input: Vec<&[u8]> = raw[..m].iter().map(|p| &**p).collect();
+                let epoch = self.order.epoch();
+                staged
+                    .augmenter
+                    .apply(epoch, indices, &input, &mut parts[..n])
+            });
+        local.staging = staging;
+        result.map(|()| rows)
+    }
+
+    /// Gathers the samples `indices` of batch `number` into `out`: from the planner's
+    /// extents, by direct reads, or through the dataset's mappings.
+    fn gather(
+        &self,
+        number: u64,
+        indices: &[u64],
+        out: &mut [&mut [u8]],
+        local: &mut Local,
+    ) -> Result<()> {
         let epoch = self.order.epoch();
+        let dataset = self.dataset.as_ref();
         if let Some(extents) = &self.extents {
-            let (dataset, out) = (self.dataset.as_ref(), &mut parts[..n]);
             if extents.gather(dataset, epoch, number, indices, out, &mut local.window)? {
-                return Ok(rows);
+                return Ok(());
             }
         }
         if let Some(sources) = &self.direct {
             if let Some(reader) = local.reader.get() {
-                let dataset = self.dataset.as_ref();
-                if reader.gather(dataset, sources, epoch, indices, &mut parts[..n])? {
-                    return Ok(rows);
+                if reader.gather(dataset, sources, epoch, indices, out)? {
+                    return Ok(());
                 }
             }
         }
-        self.dataset
-            .gather(epoch, indices, &mut parts[..n])
-            .map(|()| rows)
+        dataset.gather(epoch, indices, out)
     }
 }
 
@@ -161,12 +197,13 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
-/// What a worker keeps from batch to batch: its direct reader, and its lists for
-/// copying from extents.
+/// What a worker keeps from batch to batch: its direct reader, its lists for copying
+/// from extents, and the buffer it gathers a batch into before augmenting it.
 #[derive(Debug, Default)]
 pub(crate) struct Local {
     reader: ReaderSlot,
     window: Scratch,
+    staging: Vec<u8>,
 }
 
 /// A worker's direct reader: not made yet, made, or not to be had here (the worker
