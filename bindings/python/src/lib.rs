@@ -5,6 +5,7 @@
 //! batch, and the buffer returns to the loader's pool when the batch and every view of
 //! it are gone. The GIL is released while a batch is awaited.
 
+mod augment;
 mod device;
 
 use std::ptr::NonNull;
@@ -505,6 +506,8 @@ struct Options {
     progress: Option<bool>,
     /// `"cuda"` or `"cuda:N"`: batches are copied to that device.
     device: Option<String>,
+    /// The augmentation of an image column, if any.
+    augment: Option<stokehold::Augment>,
     data: String,
     /// Seconds opening the dataset took.
     open_s: f64,
@@ -540,6 +543,7 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
         direct_reads,
         progress,
         device,
+        augment,
         data,
         open_s,
     } = o;
@@ -569,6 +573,9 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
     }
     if let Some(bytes) = page_cache_budget {
         b = b.page_cache_budget(bytes);
+    }
+    if let Some(a) = augment {
+        b = b.augment(a);
     }
     if let Some(d) = &cuda {
         // Batches are gathered straight into page-locked memory, for asynchronous copies.
@@ -633,7 +640,7 @@ impl Loader {
     /// Builds a loader over `dataset` (from `_Dataset.npy`, `_Dataset.tokens` or
     /// `_Dataset.documents`); `group` sets a grouped shuffle's group.
     #[new]
-    #[pyo3(signature = (dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held, rank, world_size, page_cache_budget, progress, device=None, direct_reads=true, group=None))]
+    #[pyo3(signature = (dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held, rank, world_size, page_cache_budget, progress, device=None, direct_reads=true, group=None, augment=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         dataset: PyRef<'_, OpenDataset>,
@@ -651,6 +658,7 @@ impl Loader {
         device: Option<String>,
         direct_reads: bool,
         group: Option<u64>,
+        augment: Option<augment::Args>,
     ) -> PyResult<Loader> {
         let shuffle = match (shuffle_named(shuffle, seed)?, group) {
             (Shuffle::Grouped { seed, .. }, Some(group)) => Shuffle::Grouped { seed, group },
@@ -671,6 +679,7 @@ impl Loader {
             direct_reads,
             progress,
             device,
+            augment: augment.map(augment::Args::augment),
             data: dataset.data.clone(),
             open_s: dataset.open_s,
         };
@@ -1131,6 +1140,7 @@ fn _stokehold(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<device::DeviceArray>()?;
     m.add_class::<Row>()?;
     m.add_class::<Report>()?;
+    m.add_function(wrap_pyfunction!(augment::_augment_draws, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

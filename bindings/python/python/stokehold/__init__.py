@@ -25,6 +25,7 @@ from . import _stokehold
 from ._stokehold import Error, __version__
 
 __all__ = [
+    "Augment",
     "Batch",
     "DeviceBatch",
     "DocumentLoader",
@@ -175,6 +176,61 @@ class Epoch:
         return self._loader.state_dict()
 
 
+class Augment:
+    """A random crop, a horizontal flip and a per-channel normalisation of a ``uint8``
+    image column, drawn for each sample from ``(seed, epoch, sample)``: the same
+    whatever the workers, after a resume, and on the CPU or the GPU. Give it to
+    ``Loader(..., augment=...)``.
+
+    ``crop`` pads each side by that many pixels of value ``fill`` and cuts the image back
+    to its size at a random offset (torchvision's ``RandomCrop(size, padding=crop)``);
+    ``flip`` mirrors it left to right with probability one half
+    (``RandomHorizontalFlip``); ``mean`` and ``std`` (one value, or one a channel, on
+    the 0-1 scale) make the column ``float32``, ``(v / 255 - mean) / std``
+    (``ToTensor`` then ``Normalize``). Images are ``(channels, height, width)`` or
+    ``(height, width)`` a sample; ``(height, width, channels)`` with
+    ``channels_last=True``. The loader's workers augment each batch as they gather it;
+    with ``device="cuda"``, the raw bytes are copied and the GPU augments them.
+
+        augment = stokehold.Augment("x", crop=4, flip=True,
+                                    mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616))
+    """
+
+    def __init__(
+        self,
+        column: str = "x",
+        crop: int = 0,
+        flip: bool = False,
+        mean: Optional[Sequence[float]] = None,
+        std: Optional[Sequence[float]] = None,
+        fill: int = 0,
+        channels_last: bool = False,
+        seed: int = 0,
+    ):
+        if (mean is None) != (std is None):
+            raise ValueError("mean and std go together")
+        as_list = lambda v: None if v is None else [float(x) for x in np.atleast_1d(v)]
+        self.column, self.crop, self.flip = str(column), int(crop), bool(flip)
+        self.mean, self.std = as_list(mean), as_list(std)
+        self.fill, self.channels_last, self.seed = int(fill), bool(channels_last), int(seed)
+
+    def _args(self) -> Tuple[Any, ...]:
+        return (self.column, self.seed, self.crop, self.flip, self.fill,
+                self.channels_last, self.mean, self.std)
+
+    def draws(self, epoch: int, indices: Any) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The draws of samples ``indices`` of ``epoch``: ``(dy, dx, flip)``, where output
+        pixel ``(y, x)`` is input pixel ``(y + dy, x' + dx)``, ``x' = width - 1 - x`` where
+        ``flip`` and ``x`` otherwise (``fill`` outside the image)."""
+        positions = [int(i) for i in np.asarray(indices, dtype=np.uint64).ravel()]
+        return _stokehold._augment_draws(self._args(), int(epoch), positions)
+
+    def __repr__(self) -> str:
+        norm = "" if self.mean is None else f", mean={self.mean}, std={self.std}"
+        return (f"Augment({self.column!r}, crop={self.crop}, flip={self.flip}{norm}, "
+                f"fill={self.fill}, channels_last={self.channels_last}, seed={self.seed})")
+
+
 class Loader:
     """A prefetching, shuffling, multi-threaded loader over ``.npy`` columns.
 
@@ -201,6 +257,8 @@ class Loader:
     it keeps is in use on another thread, which is waited for. Without a usable CUDA
     driver and device, ``device="cuda"`` raises ``stokehold.Error`` saying why.
 
+    ``augment`` (an ``Augment``) crops, flips and normalises an image column.
+
     Raises ``stokehold.Error`` naming the file and the problem for bad input.
     """
 
@@ -221,20 +279,24 @@ class Loader:
         progress: Optional[bool] = None,
         device: Optional[str] = None,
         direct_reads: bool = True,
+        augment: Optional[Augment] = None,
     ):
         cols = None if columns is None else [str(c) for c in columns]
+        if augment is not None and not isinstance(augment, Augment):
+            raise TypeError(f"augment is a stokehold.Augment, not {type(augment).__name__}")
         dataset = _stokehold._Dataset.npy(None if path is None else str(path), cols)
         self._build(
             dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
             rank, world_size, page_cache_budget, progress, device,
-            direct_reads=direct_reads,
+            direct_reads=direct_reads, augment=augment,
         )
 
     def _build(self, dataset: Any, *options: Any, direct_reads: bool = True,
-               group: Optional[int] = None) -> None:
+               group: Optional[int] = None, augment: Optional[Augment] = None) -> None:
         self._dataset = dataset
-        self._raw = _stokehold._Loader(dataset, *options, direct_reads=direct_reads,
-                                       group=group)
+        self._raw = _stokehold._Loader(
+            dataset, *options, direct_reads=direct_reads, group=group,
+            augment=None if augment is None else augment._args())
         device = options[-1]
         self._device = None if device in (None, "cpu") else device
         self._columns = {
