@@ -390,6 +390,13 @@ fn lent_batches_wait_for_their_consumers() {
 }
 
 #[test]
+fn augmenting_on_the_device_matches_the_workers() {
+    emulated("augmenting_on_the_device_matches_the_workers", 50, |c| {
+        gpu_checks::augmenting_on_the_device_matches_the_workers(c)
+    });
+}
+
+#[test]
 fn a_bad_label_is_an_error() {
     emulated("a_bad_label_is_an_error", 0, |c| {
         gpu_checks::a_bad_label_is_an_error(c)

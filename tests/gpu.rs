@@ -83,6 +83,11 @@ fn lent_batches_wait_for_their_consumers() {
 }
 
 #[test]
+fn augmenting_on_the_device_matches_the_workers() {
+    on_gpu(gpu_checks::augmenting_on_the_device_matches_the_workers);
+}
+
+#[test]
 fn a_bad_label_is_an_error() {
     on_gpu(gpu_checks::a_bad_label_is_an_error);
 }

@@ -149,107 +149,7 @@ impl Kernels {
     /// # Errors
     /// As [`load`](Kernels::load): the last error met.
     pub fn load_from(cuda: &Cuda, dir: &Path) -> Result<Kernels> {
-        let mut last = None;
-        for cubin in [true, false] {
-            for attempt in 0..2 {
-                let (image, origin) = match Self::image(cuda, dir, cubin) {
-                    Ok(found) => found,
-                    Err(e) => {
-                        last = Some(e);
-                        break;
-                    }
-                };
-                match Self::from_image(cuda, image, origin.clone()) {
-                    Ok(k) => return Ok(k),
-                    Err(e) => {
-                        last = Some(e);
-                        if attempt == 0 && matches!(origin, KernelOrigin::Cached { .. }) {
-                            let _ = std::fs::remove_file(origin.cache());
-                            continue;
-                        }
-                        break;
-                    }
-                }
-            }
-        }
-        Err(last.unwrap_or_else(|| Error::Cuda("no kernel image could be built".into())))
-    }
-
-    /// The compiled image (a cubin for the device's own architecture, or PTX), from the
-    /// cache or from NVRTC.
-    fn image(cuda: &Cuda, dir: &Path, cubin: bool) -> Result<(Ptx, KernelOrigin)> {
-        let archs = cuda.nvrtc.supported_archs();
-        let arch = build_arch(cuda.arch, &archs);
-        if cubin && arch != cuda.arch {
-            return Err(Error::Cuda(format!(
-                "NVRTC {:?} cannot build a cubin for sm_{}{}",
-                cuda.nvrtc.version(),
-                cuda.arch.0,
-                cuda.arch.1
-            )));
-        }
-        if !cubin && cuda.nvrtc.version() > cuda.driver {
-            // PTX from a newer NVRTC names a PTX ISA the driver cannot JIT
-            // (CUDA_ERROR_UNSUPPORTED_PTX_VERSION): say so instead of trying.
-            return Err(Error::Cuda(format!(
-                "NVRTC {}.{} is newer than the driver's CUDA {}.{}: its PTX would not load, \
-                 and no cubin could be used (point STOKEHOLD_NVRTC at an NVRTC no newer than \
-                 the driver, or update the driver)",
-                cuda.nvrtc.version().0,
-                cuda.nvrtc.version().1,
-                cuda.driver.0,
-                cuda.driver.1
-            )));
-        }
-        let options = compile_options(arch, cubin);
-        let (major, minor) = cuda.nvrtc.version();
-        let key = fnv1a(&[
-            SOURCE.as_bytes(),
-            options.join(" ").as_bytes(),
-            format!("nvrtc {major}.{minor}").as_bytes(),
-        ]);
-        let file = dir.join(format!(
-            "mlp-{key:016x}.{}",
-            if cubin { "cubin" } else { "ptx" }
-        ));
-        let t = Instant::now();
-        let cache = file.display().to_string();
-        if let Ok(bytes) = std::fs::read(&file) {
-            let ok = if cubin {
-                elf_complete(&bytes)
-            } else {
-                !bytes.contains(&0) && bytes.windows(6).any(|w| w == b".entry")
-            };
-            if ok {
-                let seconds = t.elapsed().as_secs_f64();
-                return Ok((image(bytes, cubin), KernelOrigin::Cached { seconds, cache }));
-            }
-        }
-        let bytes = if cubin {
-            cuda.nvrtc.compile_cubin(SOURCE, "mlp.cu", &options)
-        } else {
-            cuda.nvrtc
-                .compile(SOURCE, "mlp.cu", &options)
-                .map(String::into_bytes)
-        }
-        .map_err(Error::Cuda)?;
-        let seconds = t.elapsed().as_secs_f64();
-        // A temporary name of our own, renamed into place: concurrent writers never
-        // expose a half-written file. A cache that cannot be written only costs the next
-        // run a compile.
-        let tmp = file.with_extension(format!(
-            "{}.{:?}.tmp",
-            std::process::id(),
-            std::thread::current().id()
-        ));
-        let _ = std::fs::create_dir_all(dir)
-            .and_then(|()| std::fs::write(&tmp, &bytes))
-            .and_then(|()| std::fs::rename(&tmp, &file));
-        let _ = std::fs::remove_file(&tmp);
-        Ok((
-            image(bytes, cubin),
-            KernelOrigin::Compiled { seconds, cache },
-        ))
+        load_program(cuda, dir, &MLP, Self::from_image)
     }
 
     fn from_image(cuda: &Cuda, ptx: Ptx, origin: KernelOrigin) -> Result<Kernels> {
@@ -267,6 +167,145 @@ impl Kernels {
             module,
         })
     }
+}
+
+/// A CUDA C source of `kernels/`, and the name its compiled images are cached under.
+#[derive(Debug, Clone, Copy)]
+pub struct Program {
+    /// The source.
+    pub source: &'static str,
+    /// Its name (`mlp`: `mlp.cu`, cached as `mlp-<hash>.cubin`).
+    pub name: &'static str,
+}
+
+/// The training step's kernels.
+pub const MLP: Program = Program {
+    source: SOURCE,
+    name: "mlp",
+};
+
+/// Compiles `program` (or reads it from the cache in `dir`) and hands the image to
+/// `load`: a cubin for the device's own architecture first, PTX if that cannot be built
+/// or loaded. A cached image the driver rejects (damaged, or from another driver) is
+/// deleted and compiled afresh, once.
+///
+/// # Errors
+/// [`Error::Cuda`] with NVRTC's log or the driver's error: the last one met.
+pub(crate) fn load_program<T>(
+    cuda: &Cuda,
+    dir: &Path,
+    program: &Program,
+    load: impl Fn(&Cuda, Ptx, KernelOrigin) -> Result<T>,
+) -> Result<T> {
+    let mut last = None;
+    for cubin in [true, false] {
+        for attempt in 0..2 {
+            let (image, origin) = match compiled(cuda, dir, program, cubin) {
+                Ok(found) => found,
+                Err(e) => {
+                    last = Some(e);
+                    break;
+                }
+            };
+            match load(cuda, image, origin.clone()) {
+                Ok(k) => return Ok(k),
+                Err(e) => {
+                    last = Some(e);
+                    if attempt == 0 && matches!(origin, KernelOrigin::Cached { .. }) {
+                        let _ = std::fs::remove_file(origin.cache());
+                        continue;
+                    }
+                    break;
+                }
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| Error::Cuda("no kernel image could be built".into())))
+}
+
+/// The compiled image (a cubin for the device's own architecture, or PTX), from the
+/// cache or from NVRTC.
+fn compiled(
+    cuda: &Cuda,
+    dir: &Path,
+    program: &Program,
+    cubin: bool,
+) -> Result<(Ptx, KernelOrigin)> {
+    let archs = cuda.nvrtc.supported_archs();
+    let arch = build_arch(cuda.arch, &archs);
+    if cubin && arch != cuda.arch {
+        return Err(Error::Cuda(format!(
+            "NVRTC {:?} cannot build a cubin for sm_{}{}",
+            cuda.nvrtc.version(),
+            cuda.arch.0,
+            cuda.arch.1
+        )));
+    }
+    if !cubin && cuda.nvrtc.version() > cuda.driver {
+        // PTX from a newer NVRTC names a PTX ISA the driver cannot JIT
+        // (CUDA_ERROR_UNSUPPORTED_PTX_VERSION): say so instead of trying.
+        return Err(Error::Cuda(format!(
+            "NVRTC {}.{} is newer than the driver's CUDA {}.{}: its PTX would not load, \
+             and no cubin could be used (point STOKEHOLD_NVRTC at an NVRTC no newer than \
+             the driver, or update the driver)",
+            cuda.nvrtc.version().0,
+            cuda.nvrtc.version().1,
+            cuda.driver.0,
+            cuda.driver.1
+        )));
+    }
+    let options = compile_options(arch, cubin);
+    let (major, minor) = cuda.nvrtc.version();
+    let key = fnv1a(&[
+        program.source.as_bytes(),
+        options.join(" ").as_bytes(),
+        format!("nvrtc {major}.{minor}").as_bytes(),
+    ]);
+    let file = dir.join(format!(
+        "{}-{key:016x}.{}",
+        program.name,
+        if cubin { "cubin" } else { "ptx" }
+    ));
+    let file_name = format!("{}.cu", program.name);
+    let t = Instant::now();
+    let cache = file.display().to_string();
+    if let Ok(bytes) = std::fs::read(&file) {
+        let ok = if cubin {
+            elf_complete(&bytes)
+        } else {
+            !bytes.contains(&0) && bytes.windows(6).any(|w| w == b".entry")
+        };
+        if ok {
+            let seconds = t.elapsed().as_secs_f64();
+            return Ok((image(bytes, cubin), KernelOrigin::Cached { seconds, cache }));
+        }
+    }
+    let bytes = if cubin {
+        cuda.nvrtc
+            .compile_cubin(program.source, &file_name, &options)
+    } else {
+        cuda.nvrtc
+            .compile(program.source, &file_name, &options)
+            .map(String::into_bytes)
+    }
+    .map_err(Error::Cuda)?;
+    let seconds = t.elapsed().as_secs_f64();
+    // A temporary name of our own, renamed into place: concurrent writers never
+    // expose a half-written file. A cache that cannot be written only costs the next
+    // run a compile.
+    let tmp = file.with_extension(format!(
+        "{}.{:?}.tmp",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let _ = std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::write(&tmp, &bytes))
+        .and_then(|()| std::fs::rename(&tmp, &file));
+    let _ = std::fs::remove_file(&tmp);
+    Ok((
+        image(bytes, cubin),
+        KernelOrigin::Compiled { seconds, cache },
+    ))
 }
 
 impl KernelOrigin {

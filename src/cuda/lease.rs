@@ -21,7 +21,10 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaSlice, CudaStream};
 
+use super::augment::DeviceAugment;
 use super::feeder::addr;
+use super::Cuda;
+use crate::augment::Augmenter;
 use crate::error::{Error, Result};
 use crate::loader::{BatchLayout, HostBatch};
 
@@ -123,6 +126,8 @@ pub struct DeviceSlots {
     layout: Arc<BatchLayout>,
     /// Host batches whose copies may still be running, with their slots.
     in_flight: VecDeque<(HostBatch, usize)>,
+    /// The augmentation run on the device after each copy, if any.
+    augment: Option<DeviceAugment>,
 }
 
 impl DeviceSlots {
@@ -159,7 +164,42 @@ impl DeviceSlots {
             copy,
             layout: Arc::new(layout.clone()),
             in_flight: VecDeque::with_capacity(IN_FLIGHT + 1),
+            augment: None,
         })
+    }
+
+    /// `slots` device slots for batches of `raw` (the loader's layout) that `augmenter`
+    /// augments on the device (`kernels/augment.cu`, compiled by NVRTC, cached on disk):
+    /// each batch's raw images are copied to a buffer of the slot's own, and the kernel
+    /// writes them, cropped, flipped and normalised, into the slot, laid out as
+    /// [`Augmenter::columns`] (the [`layout`](LentBatch::layout) of the batches lent).
+    /// The same bytes as the loader's workers write with
+    /// [`LoaderBuilder::augment`](crate::LoaderBuilder::augment).
+    ///
+    /// # Errors
+    /// As [`new`](DeviceSlots::new); [`Error::Cuda`] with NVRTC's log when the kernel
+    /// does not build; [`Error::Config`] for an augmenter bound to other columns.
+    pub fn augmented(
+        cuda: &Cuda,
+        raw: &BatchLayout,
+        slots: usize,
+        augmenter: &Augmenter,
+    ) -> Result<DeviceSlots> {
+        let out = BatchLayout::new(augmenter.columns(), raw.batch_size())?;
+        let mut s = DeviceSlots::new(&cuda.ctx, &out, slots)?;
+        let k = s.slots();
+        s.augment = Some(DeviceAugment::new(cuda, &s.copy, raw, augmenter, k)?);
+        Ok(s)
+    }
+
+    /// The augmentation run on the device, if any.
+    pub fn augmenter(&self) -> Option<&Augmenter> {
+        self.augment.as_ref().map(DeviceAugment::augmenter)
+    }
+
+    /// How the augmentation kernel was obtained (compiled or cached), if there is one.
+    pub fn augment_origin(&self) -> Option<&super::KernelOrigin> {
+        self.augment.as_ref().map(|a| &a.origin)
     }
 
     /// The slots.
@@ -205,7 +245,7 @@ impl DeviceSlots {
 
     /// Makes the copy stream wait for slot `k`'s release and enqueues the copy of
     /// `batch` into it, then the slot's `copied` event.
-    fn enqueue_copy(&self, k: usize, batch: &HostBatch) -> Result<()> {
+    fn enqueue_copy(&mut self, k: usize, batch: &HostBatch) -> Result<()> {
         let s = &*self.shared;
         s.ctx.bind_to_thread()?;
         {
@@ -216,6 +256,17 @@ impl DeviceSlots {
                 spare.push(e);
                 waited?;
             }
+        }
+        if let Some(augment) = &mut self.augment {
+            // The slot's staged draws are rewritten: its last copy must be done (it is,
+            // unless the slot's consumer released it before its own stream had waited).
+            s.copied[k].synchronize()?;
+            // SAFETY: slot k holds `layout.bytes()` bytes, the augmented layout; the copy
+            // stream waits for every release of the slot (above), and its earlier copies
+            // are done; the batch stays in `in_flight` until this work has completed.
+            unsafe { augment.enqueue(&self.copy, k, batch, s.ptrs[k], &self.layout) }?;
+            s.copied[k].record(&self.copy)?;
+            return Ok(());
         }
         let bytes = batch.as_bytes();
         debug_assert_eq!(bytes.len(), self.layout.bytes());

@@ -2,6 +2,7 @@
 //! opened at run time, and [`probe`] finds out whether they are there before anything
 //! touches them (cudarc panics when libcuda is missing).
 
+mod augment;
 mod cache;
 mod feeder;
 pub(crate) mod kernels;
@@ -13,6 +14,7 @@ mod trainer;
 
 use std::sync::Arc;
 
+pub use augment::{packed, AUGMENT};
 pub use cudarc::driver::CudaContext;
 pub use feeder::{DeviceBatch, FeedStats, Feeder};
 pub use kernels::{build_arch, KernelOrigin, Kernels};
@@ -108,17 +110,25 @@ pub fn probe_driver(ordinal: usize) -> Result<Driver, String> {
     })
 }
 
-/// Looks for libcuda, a device and NVRTC, in that order.
+/// Looks for libcuda, device 0 and NVRTC, in that order.
 ///
 /// # Errors
 /// A one-line reason: "no libcuda found", "no CUDA device: ...", "NVRTC not found:
 /// looked for ...".
 pub fn probe() -> Result<Cuda, String> {
+    probe_device(0)
+}
+
+/// [`probe`] for device `ordinal`.
+///
+/// # Errors
+/// As [`probe`].
+pub fn probe_device(ordinal: usize) -> Result<Cuda, String> {
     let Driver {
         ctx,
         version: driver,
         context_time,
-    } = probe_driver(0)?;
+    } = probe_driver(ordinal)?;
     let nvrtc = Nvrtc::load()?;
     let name = ctx.name().unwrap_or_else(|_| "unknown CUDA device".into());
     let arch = ctx

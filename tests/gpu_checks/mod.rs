@@ -567,3 +567,89 @@ pub fn lent_batches_wait_for_their_consumers(c: Cuda) {
     drop((c2, d));
     slots.drain().unwrap();
 }
+
+/// Augmenting on the device (`DeviceSlots::augmented`, `kernels/augment.cu`) writes the
+/// same bytes as the loader's workers do on the CPU: a normalised `float32` column
+/// (channels first) and a `uint8` one (channels last, from the same file), every column
+/// of every batch of two epochs.
+pub fn augmenting_on_the_device_matches_the_workers(c: Cuda) {
+    use cudarc::driver::result;
+    use stokehold::cuda::DeviceSlots;
+    use stokehold::gen::NpyWriter;
+    use stokehold::{Augment, DType};
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut x = NpyWriter::create(dir.path().join("x.npy"), DType::U8, &[150, 3, 20, 18]).unwrap();
+    for (i, b) in x.data_mut().iter_mut().enumerate() {
+        *b = ((i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56) as u8;
+    }
+    x.finish().unwrap();
+    let mut y = NpyWriter::create(dir.path().join("y.npy"), DType::I64, &[150]).unwrap();
+    for (i, out) in y.data_mut().chunks_exact_mut(8).enumerate() {
+        out.copy_from_slice(&(i as i64 * 5).to_le_bytes());
+    }
+    y.finish().unwrap();
+    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(dir.path()).unwrap());
+    let augments = [
+        Augment::new("x", 3)
+            .crop(4)
+            .flip(true)
+            .fill(7)
+            .normalize(&[0.49, 0.48, 0.45], &[0.25, 0.24, 0.26]),
+        Augment::new("x", 4).crop(2).flip(true).channels_last(true),
+    ];
+    for augment in augments {
+        let build = |b: stokehold::LoaderBuilder| {
+            b.batch_size(32)
+                .shuffle(Shuffle::Full { seed: 6 })
+                .build()
+                .unwrap()
+        };
+        let mut host = build(Loader::builder_shared(Arc::clone(&ds)).augment(augment.clone()));
+        let mut raw = build(pinned_loader(&c, &ds, 32));
+        let augmenter = augment.bind(ds.columns()).unwrap();
+        let mut slots = DeviceSlots::augmented(&c, raw.layout(), 3, &augmenter).unwrap();
+        println!("augment kernel: {:?}", slots.augment_origin());
+        assert_eq!(
+            slots.augmenter().unwrap().columns(),
+            host.layout().columns()
+        );
+        let consumer = c.ctx.new_stream().unwrap();
+        let offsets: Vec<usize> = (0..2).map(|k| host.layout().offset(k)).collect();
+        for epoch in 0..2 {
+            let mut want = host.epoch(epoch).unwrap();
+            let mut batches = 0;
+            for batch in raw.epoch(epoch).unwrap() {
+                let lent = slots.lend(batch.unwrap()).unwrap();
+                let expected = want.next().unwrap().unwrap();
+                assert_eq!(lent.indices(), expected.indices());
+                lent.wait_on(consumer.cu_stream() as usize).unwrap();
+                for (k, col) in lent.layout().columns().iter().enumerate() {
+                    let mut back = vec![0u8; lent.len() * col.row_bytes];
+                    // SAFETY: column k of the slot holds the batch's rows; `back` as many
+                    // bytes, pageable, so the copy is complete when the sync returns.
+                    unsafe {
+                        result::memcpy_dtoh_async(
+                            &mut back,
+                            lent.column_ptr(k),
+                            consumer.cu_stream(),
+                        )
+                    }
+                    .unwrap();
+                    consumer.synchronize().unwrap();
+                    let at = offsets[k];
+                    assert!(
+                        back == expected.as_bytes()[at..at + back.len()],
+                        "epoch {epoch} batch {batches} column {}: the device's augmentation \
+                         differs from the workers'",
+                        col.name
+                    );
+                }
+                batches += 1;
+            }
+            assert!(want.next().is_none());
+            assert_eq!(batches, raw.batches());
+        }
+        slots.drain().unwrap();
+    }
+}

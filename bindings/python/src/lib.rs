@@ -547,14 +547,23 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
         data,
         open_s,
     } = o;
-    let cuda = match device_ordinal(device.as_deref())? {
-        None => None,
-        Some(n) => Some(stokehold::cuda::probe_driver(n).map_err(|reason| {
-            Error::new_err(format!(
-                "device={:?}: {reason}",
-                device.as_deref().unwrap_or("")
-            ))
-        })?),
+    let named = |reason: String| {
+        Error::new_err(format!(
+            "device={:?}: {reason}",
+            device.as_deref().unwrap_or("")
+        ))
+    };
+    // Augmenting on the device compiles a kernel: NVRTC is needed too, not the driver only.
+    let (ctx, cuda) = match (device_ordinal(device.as_deref())?, &augment) {
+        (None, _) => (None, None),
+        (Some(n), None) => (
+            Some(stokehold::cuda::probe_driver(n).map_err(named)?.ctx),
+            None,
+        ),
+        (Some(n), Some(_)) => {
+            let c = stokehold::cuda::probe_device(n).map_err(named)?;
+            (Some(Arc::clone(&c.ctx)), Some(c))
+        }
     };
     let mut b = stokehold::Loader::builder_shared(Arc::clone(&dataset))
         .batch_size(batch_size)
@@ -574,35 +583,47 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
     if let Some(bytes) = page_cache_budget {
         b = b.page_cache_budget(bytes);
     }
-    if let Some(a) = augment {
-        b = b.augment(a);
-    }
-    if let Some(d) = &cuda {
-        // Batches are gathered straight into page-locked memory, for asynchronous copies.
-        let pinned = stokehold::cuda::PinnedAlloc::new(
-            Arc::clone(&d.ctx),
-            stokehold::cuda::PinnedKind::Plain,
-        );
-        b = b.allocator(Arc::new(pinned));
+    match (&augment, &ctx) {
+        // On the host, the workers augment; on a device, the device does, after the copy.
+        (Some(a), None) => b = b.augment(a.clone()),
+        (_, Some(ctx)) => {
+            // Batches are gathered straight into page-locked memory, for asynchronous
+            // copies.
+            let pinned = stokehold::cuda::PinnedAlloc::new(
+                Arc::clone(ctx),
+                stokehold::cuda::PinnedKind::Plain,
+            );
+            b = b.allocator(Arc::new(pinned));
+        }
+        (None, None) => {}
     }
     let loader = b.build().map_err(error)?;
-    let device = match &cuda {
-        Some(d) => {
+    let mut columns = loader.layout().columns().to_vec();
+    let device = match (&ctx, &cuda, &augment) {
+        (Some(ctx), _, _) => {
             // As many slots as batches the loop may hold, plus the one being copied and
             // the one being read.
             let slots = loader.held() + 2;
-            let s =
-                stokehold::cuda::DeviceSlots::new(&d.ctx, loader.layout(), slots).map_err(error)?;
+            let layout = loader.layout();
+            let s = match (&cuda, &augment) {
+                (Some(c), Some(a)) => {
+                    let augmenter = a.bind(layout.columns()).map_err(error)?;
+                    columns = augmenter.columns().to_vec();
+                    stokehold::cuda::DeviceSlots::augmented(c, layout, slots, &augmenter)
+                }
+                _ => stokehold::cuda::DeviceSlots::new(ctx, layout, slots),
+            }
+            .map_err(error)?;
             Some(Arc::new(Mutex::new(s)))
         }
-        None => None,
+        _ => None,
     };
     let mut report = TrainReport::new("python", data, &loader);
     report.setup = Setup::of_loader(&loader);
     report.setup.dataset_open_s = open_s;
     let shape = Shape {
         batches: loader.batches(),
-        columns: loader.layout().columns().to_vec(),
+        columns,
         bytes_per_sample: loader.layout().data_bytes(1) as u64,
         dataset,
         report,

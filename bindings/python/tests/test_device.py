@@ -42,6 +42,13 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
         check=True,
     )
     (out / "libcuda.so").symlink_to("libcuda.so.1")
+    # NVRTC too, for the kernels the device runs (augmentation).
+    subprocess.run(
+        [cxx, "-std=c++17", "-O2", "-fPIC", "-shared", "-Wall", "-Werror",
+         f'-DEMU_PRELUDE="{EMU / "prelude.h"}"',
+         "-o", str(out / "libnvrtc.so"), str(EMU / "nvrtc.cpp")],
+        check=True,
+    )
     return out
 
 
@@ -107,6 +114,8 @@ def run_child(emulator: Path, body: str, jitter_us: int = 200) -> subprocess.Com
     env["LD_LIBRARY_PATH"] = f"{emulator}:{env.get('LD_LIBRARY_PATH', '')}"
     env["STOKEHOLD_EMU_JITTER_US"] = str(jitter_us)
     env["TMPDIR"] = str(emulator)
+    env["STOKEHOLD_NVRTC"] = str(emulator / "libnvrtc.so")
+    env["STOKEHOLD_CACHE"] = str(emulator / "kernel-cache")
     script = CONSUMER + textwrap.dedent(body)
     out = subprocess.run(
         [sys.executable, "-c", script, str(DIGITS)],
@@ -193,6 +202,29 @@ def test_holding_every_slot_is_an_error_not_a_hang(emulator: Path) -> None:
     """)
 
 
+def test_the_device_augments_as_the_workers_do(emulator: Path) -> None:
+    run_child(emulator, """
+        aug = stokehold.Augment("x", crop=2, flip=True, mean=0.3, std=0.2, fill=3, seed=5)
+        on_gpu = stokehold.Loader(sys.argv[1], batch_size=100, seed=3, workers=2,
+                                  device="cuda", augment=aug)
+        on_cpu = stokehold.Loader(sys.argv[1], batch_size=100, seed=3, workers=2, augment=aug)
+        assert on_gpu.columns == on_cpu.columns
+        assert on_gpu.columns["x"] == (np.dtype(np.float32), (8, 8))
+        for epoch in range(2):
+            for batch, want in zip(on_gpu.epoch(epoch), on_cpu.epoch(epoch)):
+                assert np.array_equal(batch.indices, want.indices)
+                for name in ("x", "y"):
+                    capsule = batch[name].__dlpack__(stream=None)
+                    t = tensor(capsule).contents.dl_tensor
+                    expected = np.ascontiguousarray(want[name])
+                    back = (ctypes.c_uint8 * expected.nbytes)()
+                    ok(cuda.cuMemcpyDtoH_v2(back, t.data, expected.nbytes), "cuMemcpyDtoH")
+                    got = np.frombuffer(back, expected.dtype).reshape(expected.shape)
+                    assert np.array_equal(got, expected), f"epoch {epoch}: {name} differs"
+        print("child passed")
+    """)
+
+
 def test_device_cuda_without_a_driver_says_why() -> None:
     # This process has no emulator on its path: where no real driver is either, the
     # loader refuses with the reason (where one is, it builds).
@@ -224,3 +256,19 @@ def test_torch_reads_device_batches_on_a_gpu() -> None:
             expected = int(x_file[batch.indices].astype(np.int64).sum())
             del x, batch
             assert int(total) == expected
+
+
+def test_torch_reads_augmented_device_batches_on_a_gpu() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        if REQUIRE_GPU:
+            pytest.fail("STOKEHOLD_REQUIRE_GPU=1 but torch sees no GPU")
+        pytest.skip("no GPU")
+    aug = stokehold.Augment("x", crop=2, flip=True, mean=0.3, std=0.2, seed=1)
+    on_gpu = stokehold.Loader(DIGITS, batch_size=100, seed=1, device="cuda", augment=aug)
+    on_cpu = stokehold.Loader(DIGITS, batch_size=100, seed=1, augment=aug)
+    for batch, want in zip(on_gpu.epoch(0), on_cpu.epoch(0)):
+        x = torch.from_dlpack(batch["x"])
+        assert x.is_cuda and x.dtype == torch.float32 and x.shape == (len(batch), 8, 8)
+        assert torch.equal(x.cpu(), torch.from_numpy(want["x"].copy()))
+        del x, batch
