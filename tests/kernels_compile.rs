@@ -1,4 +1,4 @@
-//! `kernels/mlp.cu` through the real NVRTC, for the architectures stokehold supports. NVRTC
+//! `kernels/mlp.cu` and `kernels/augment.cu` through the real NVRTC, for the architectures stokehold supports. NVRTC
 //! needs no GPU, so this runs wherever the library is found (`.ci/run` fetches it from
 //! PyPI when it can); elsewhere it prints why it skips.
 
@@ -93,6 +93,31 @@ fn the_kernels_compile_to_ptx_with_every_entry() {
             "{name} missing from the PTX"
         );
     }
+}
+
+#[test]
+fn the_augmentation_kernel_compiles_for_every_supported_architecture() {
+    let Some(nv) = nvrtc() else { return };
+    let src = stokehold::cuda::AUGMENT.source;
+    for arch in nv.supported_archs().into_iter().filter(|a| *a >= (6, 0)) {
+        let cubin = nv
+            .compile_cubin(src, "augment.cu", &compile_options(arch, true))
+            .unwrap_or_else(|e| panic!("sm_{}{}: {e}", arch.0, arch.1));
+        assert!(
+            elf_complete(&cubin),
+            "sm_{}{}: not a whole ELF",
+            arch.0,
+            arch.1
+        );
+        assert!(cubin.windows(14).any(|w| w == b"augment_images"));
+    }
+    let ptx = nv
+        .compile(src, "augment.cu", &compile_options((9, 0), false))
+        .unwrap();
+    assert!(
+        ptx.contains(".entry augment_images("),
+        "augment_images missing from the PTX"
+    );
 }
 
 #[test]
