@@ -125,6 +125,10 @@ impl DeviceAugment {
     /// images and the draws to the slot's own buffers; then the kernel that augments
     /// the images into their place.
     ///
+    /// # Errors
+    /// [`Error::Config`] for a batch of another layout than the slots were made for;
+    /// [`Error::Cuda`] on a driver error.
+    ///
     /// # Safety
     /// `slot` is a device allocation of `out.bytes()` bytes that nothing else uses until
     /// `stream` has run this work; slot `k`'s earlier copies have completed (its staged
@@ -140,6 +144,15 @@ impl DeviceAugment {
         let rows = batch.len();
         let c = self.augmenter.column();
         let bytes = batch.as_bytes();
+        if bytes.len() != self.raw.bytes() || rows > self.raw.batch_size() {
+            return Err(Error::Config(format!(
+                "augment: a batch of {} bytes and {rows} rows, for slots of batches of {} \
+                 bytes and at most {} rows",
+                bytes.len(),
+                self.raw.bytes(),
+                self.raw.batch_size()
+            )));
+        }
         let cu = stream.cu_stream();
         for (j, col) in self.raw.columns().iter().enumerate() {
             let from = &bytes[self.raw.offset(j)..][..col.row_bytes * rows];

@@ -269,7 +269,13 @@ impl DeviceSlots {
             return Ok(());
         }
         let bytes = batch.as_bytes();
-        debug_assert_eq!(bytes.len(), self.layout.bytes());
+        if bytes.len() != self.layout.bytes() {
+            return Err(Error::Config(format!(
+                "a batch of {} bytes, for device slots of {}: another loader's layout",
+                bytes.len(),
+                self.layout.bytes()
+            )));
+        }
         // SAFETY: slot k holds `layout.bytes()` bytes, as does the batch's buffer; the
         // copy stream waits for every consumer's release of the slot (just above), and
         // the batch stays in `in_flight` until the copy has completed.
