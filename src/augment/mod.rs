@@ -185,6 +185,17 @@ impl Augment {
         if channels == 0 || height == 0 || width == 0 {
             return Err(refuse("its images are empty".into()));
         }
+        let pixels = channels
+            .checked_mul(height)
+            .and_then(|p| p.checked_mul(width));
+        if pixels != Some(col.row_bytes) {
+            return Err(refuse(format!(
+                "a sample of shape {} has {} bytes, not {}",
+                crate::dataset::shape_string(&col.shape),
+                col.row_bytes,
+                pixels.map_or("a number that fits".to_string(), |p| p.to_string())
+            )));
+        }
         if self.pad > MAX_PAD {
             return Err(refuse(format!(
                 "a crop pads by at most {MAX_PAD} pixels, not {}",
@@ -202,6 +213,7 @@ impl Augment {
         }
         Ok(Augmenter {
             augment: self.clone(),
+            inputs: columns.to_vec(),
             index,
             channels,
             height,
@@ -243,6 +255,7 @@ fn table(channels: usize, mean: &[f32], std: &[f32]) -> std::result::Result<Vec<
 #[derive(Debug, Clone)]
 pub struct Augmenter {
     augment: Augment,
+    inputs: Vec<Column>,
     index: usize,
     channels: usize,
     height: usize,
@@ -260,6 +273,11 @@ impl Augmenter {
     /// The index of the column it augments.
     pub fn column(&self) -> usize {
         self.index
+    }
+
+    /// The dataset's columns it was bound to.
+    pub fn inputs(&self) -> &[Column] {
+        &self.inputs
     }
 
     /// The columns of its batches: the dataset's, the augmented one `float32` when it

@@ -75,11 +75,9 @@ impl DeviceAugment {
         dir: &Path,
     ) -> Result<DeviceAugment> {
         let c = augmenter.column();
-        if raw.columns().len() != augmenter.columns().len()
-            || raw.columns()[c].name != augmenter.columns()[c].name
-        {
+        if raw.columns() != augmenter.inputs() {
             return Err(Error::Config(
-                "augment: the augmenter was not made for this batch layout".into(),
+                "augment: the augmenter was bound to other columns than these batches'".into(),
             ));
         }
         let (module, origin) = load_program(cuda, dir, &AUGMENT, |cuda, ptx, origin| {
@@ -144,7 +142,8 @@ impl DeviceAugment {
         let rows = batch.len();
         let c = self.augmenter.column();
         let bytes = batch.as_bytes();
-        if bytes.len() != self.raw.bytes() || rows > self.raw.batch_size() {
+        let same = batch.layout().columns() == self.raw.columns();
+        if !same || bytes.len() != self.raw.bytes() || rows > self.raw.batch_size() {
             return Err(Error::Config(format!(
                 "augment: a batch of {} bytes and {rows} rows, for slots of batches of {} \
                  bytes and at most {} rows",

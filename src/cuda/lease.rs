@@ -222,6 +222,9 @@ impl DeviceSlots {
         let k = self.take_slot()?;
         let copied = self.enqueue_copy(k, &batch);
         if copied.is_err() {
+            // Some of the copies may be enqueued (several with an augmentation): they
+            // must be done before the batch's buffer and the slot are used again.
+            let _ = self.copy.synchronize();
             // Nothing of this slot is lent: it goes back as it was.
             self.shared.release(k, &[]);
         }

@@ -273,7 +273,8 @@ impl LoaderBuilder {
     /// [`Augment`]): the batches then have the columns of
     /// [`Augmenter::columns`](crate::Augmenter::columns), and sample `i` of epoch `e`
     /// is cropped and flipped by `augment.draw(e, i)`, whatever the workers, shard or
-    /// resume. To augment on the GPU instead, after the copy of the raw bytes, leave
+    /// resume. Each worker keeps a staging buffer of one raw batch, beside the pool. To
+    /// augment on the GPU instead, after the copy of the raw bytes, leave
     /// the loader without it and give it to the device's copy (see
     /// [`cuda::DeviceSlots`](crate::cuda::DeviceSlots)).
     pub fn augment(mut self, augment: Augment) -> Self {

@@ -652,4 +652,15 @@ pub fn augmenting_on_the_device_matches_the_workers(c: Cuda) {
         }
         slots.drain().unwrap();
     }
+    // An augmenter bound to other columns (a label of two values) is refused: its
+    // sizes would not match the slots'.
+    let mut other = ds.columns().to_vec();
+    other[1].shape = vec![2];
+    other[1].row_bytes = 16;
+    let wrong = Augment::new("x", 0).bind(&other).unwrap();
+    let raw = pinned_loader(&c, &ds, 32).build().unwrap();
+    match DeviceSlots::augmented(&c, raw.layout(), 2, &wrong) {
+        Err(e) => assert!(e.to_string().contains("other columns"), "{e}"),
+        Ok(_) => panic!("slots for an augmenter of other columns"),
+    }
 }

@@ -621,10 +621,12 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
     let mut report = TrainReport::new("python", data, &loader);
     report.setup = Setup::of_loader(&loader);
     report.setup.dataset_open_s = open_s;
+    // The bytes of a sample as the loop gets it (augmented, where the device augments).
+    let bytes_per_sample = columns.iter().map(|c| c.row_bytes as u64).sum();
     let shape = Shape {
         batches: loader.batches(),
         columns,
-        bytes_per_sample: loader.layout().data_bytes(1) as u64,
+        bytes_per_sample,
         dataset,
         report,
         progress,
