@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 import stokehold
+from python_loaders import read_once  # this directory is on sys.path when run as a script
 
 MEAN = (0.4914, 0.4822, 0.4465)
 STD = (0.2470, 0.2435, 0.2616)
@@ -98,10 +99,7 @@ def main() -> None:
     p.add_argument("--json")
     args = p.parse_args()
     root = Path(args.data)
-    for f in ("x.npy", "y.npy"):
-        with open(root / f, "rb") as fh:
-            while fh.read(64 << 20):
-                pass
+    read_once(root / f for f in ("x.npy", "y.npy"))
     torch.set_num_threads(1)
     aug = stokehold.Augment("x", crop=PAD, flip=True, mean=MEAN, std=STD)
     common = dict(batch_size=args.batch, shuffle="full", seed=0, workers=args.workers)

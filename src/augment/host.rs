@@ -30,11 +30,8 @@ impl Augmenter {
         if input.len() != cols.len() || out.len() != cols.len() {
             return Err(short("batch"));
         }
-        for (c, col) in cols.iter().enumerate() {
-            let in_row = match c == self.index {
-                true => self.channels * self.height * self.width,
-                false => col.row_bytes,
-            };
+        for (c, (col, raw)) in cols.iter().zip(&self.inputs).enumerate() {
+            let in_row = raw.row_bytes;
             if input[c].len() < n * in_row {
                 return Err(short("input"));
             }

@@ -2,7 +2,6 @@
 //! device and cropped, flipped and normalised there, into the batch's slot, so the bus
 //! carries bytes, not the floats they become (4x fewer with a normalisation).
 
-use std::path::Path;
 use std::sync::Arc;
 
 use cudarc::driver::{result, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig};
@@ -63,24 +62,13 @@ impl DeviceAugment {
         augmenter: &Augmenter,
         slots: usize,
     ) -> Result<DeviceAugment> {
-        Self::new_cached(cuda, stream, raw, augmenter, slots, &cache_dir())
-    }
-
-    fn new_cached(
-        cuda: &Cuda,
-        stream: &Arc<CudaStream>,
-        raw: &BatchLayout,
-        augmenter: &Augmenter,
-        slots: usize,
-        dir: &Path,
-    ) -> Result<DeviceAugment> {
         let c = augmenter.column();
         if raw.columns() != augmenter.inputs() {
             return Err(Error::Config(
                 "augment: the augmenter was bound to other columns than these batches'".into(),
             ));
         }
-        let (module, origin) = load_program(cuda, dir, &AUGMENT, |cuda, ptx, origin| {
+        let (module, origin) = load_program(cuda, &cache_dir(), &AUGMENT, |cuda, ptx, origin| {
             Ok((cuda.ctx.load_module(ptx)?, origin))
         })?;
         let function = module.load_function("augment_images")?;
@@ -90,8 +78,9 @@ impl DeviceAugment {
         };
         let n = raw.batch_size();
         let image = raw.columns()[c].row_bytes * n;
-        let zeros = |len: usize| alloc::<u8>(stream, len);
-        let images = (0..slots).map(|_| zeros(image)).collect::<Result<_>>()?;
+        let images = (0..slots)
+            .map(|_| alloc::<u8>(stream, image))
+            .collect::<Result<_>>()?;
         let draws = (0..slots)
             .map(|_| alloc::<u32>(stream, n))
             .collect::<Result<_>>()?;
