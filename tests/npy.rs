@@ -941,6 +941,13 @@ fn bad_litdata_sets_are_errors_naming_the_file() {
     problem(err, "index.json", "optimized for the PyTreeLoader");
     let err = stokehold::LitData::open(litdata("missing")).unwrap_err();
     assert!(matches!(err, Error::Io { .. }), "{err:?}");
+    // An index.json that is a FIFO would block a plain read forever.
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("index.json");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    assert!(made.unwrap().success());
+    let err = stokehold::LitData::open(dir.path()).unwrap_err();
+    problem(err, "index.json", "is a FIFO, not a regular file");
     let set = stokehold::LitData::open(litdata("litdata_u16")).unwrap();
     let err = set.windows(40, Windows::Consecutive).unwrap_err();
     problem(

@@ -125,7 +125,8 @@ impl Augment {
         self.seed
     }
 
-    /// The draw for sample `sample` of epoch `epoch`.
+    /// The draw for sample `sample` of epoch `epoch`. A padding over [`MAX_PAD`], which
+    /// [`bind`](Self::bind) refuses, draws as [`MAX_PAD`].
     pub fn draw(&self, epoch: u64, sample: u64) -> Draw {
         let h = mix(
             mix(mix(self.seed ^ 0x6175_676d) ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15))

@@ -53,7 +53,7 @@ impl NpyDataset {
     /// `.npy` file, and anything [`open_columns`](NpyDataset::open_columns) returns.
     pub fn open_dir(dir: impl AsRef<Path>) -> Result<NpyDataset> {
         let dir = dir.as_ref();
-        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        let mut files: Vec<PathBuf> = crate::util::with_room(|| std::fs::read_dir(dir))
             .map_err(|e| Error::io(dir, e))?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.extension().is_some_and(|e| e == "npy"))

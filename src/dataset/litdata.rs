@@ -90,7 +90,10 @@ impl LitData {
             true => dir.join("index.json"),
             false => dir.to_path_buf(),
         };
-        let text = std::fs::read(&index).map_err(|e| Error::io(&index, e))?;
+        // Through `open_regular`: an `index.json` that is a FIFO would block a plain read.
+        let mut text = Vec::new();
+        std::io::Read::read_to_end(&mut super::open_regular(&index)?, &mut text)
+            .map_err(|e| Error::io(&index, e))?;
         let bad = |problem: String| Error::dataset(&index, problem);
         let parsed: Index = serde_json::from_slice(&text)
             .map_err(|e| bad(format!("not the index.json of a LitData dataset ({e})")))?;

@@ -1164,6 +1164,7 @@ fn _stokehold(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Row>()?;
     m.add_class::<Report>()?;
     m.add_function(wrap_pyfunction!(augment::_augment_draws, m)?)?;
+    m.add("_AUGMENT_MAX_PAD", stokehold::augment::MAX_PAD)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

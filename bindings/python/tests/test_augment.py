@@ -127,5 +127,11 @@ def test_bad_augmentations_raise(images):
         stokehold.Loader(images, augment=stokehold.Augment(mean=0.5, std=0))
     with pytest.raises(ValueError, match="mean and std go together"):
         stokehold.Augment(mean=(0.5,))
+    with pytest.raises(ValueError, match="crop pads by 0 to 4096 pixels, not 4097"):
+        stokehold.Augment(crop=4097)
+    with pytest.raises(ValueError, match="not -1"):
+        stokehold.Augment(crop=-1)
+    with pytest.raises(ValueError, match="fill is a uint8 pixel value, 0 to 255, not 256"):
+        stokehold.Augment(fill=256)
     with pytest.raises(TypeError, match="stokehold.Augment"):
         stokehold.Loader(images, augment={"column": "x"})

@@ -727,6 +727,38 @@ def test_a_mix_gives_each_source_its_share_and_resumes(tmp_path):
         loader.source(0, [1.5])
 
 
+@pytest.fixture
+def no_gc():
+    """No loader left by another test is collected (and its threads joined) meanwhile."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+def test_a_mix_frees_its_sources_buffers_and_threads(tmp_path, no_gc):
+    tasks = lambda: len(os.listdir("/proc/self/task"))
+    np.arange(20_000, dtype=np.uint16).tofile(tmp_path / "a.bin")
+    make = lambda: stokehold.TokenLoader(tmp_path / "a.bin", seq_len=64, workers=2)
+    before = tasks()
+    one = make()
+    per_loader = tasks() - before
+    assert per_loader >= 2
+    del one
+    assert tasks() == before
+    fresh, used = make(), make()
+    first = [b.indices.copy() for b in used.epoch(0)]
+    mix = stokehold.MixLoader([fresh, used], weights=[1, 1], workers=2)
+    # The fresh source gave its threads back; the one already iterated kept them.
+    assert tasks() == before + 2 * per_loader
+    assert [b.indices.copy() for b in mix.epoch(0)]
+    # Used on its own again, the fresh source starts afresh.
+    again = [b.indices.copy() for b in fresh.epoch(0)]
+    assert tasks() == before + 3 * per_loader
+    np.testing.assert_array_equal(np.concatenate(again), np.concatenate(first))
+    assert fresh.info()["buffers"] == used.info()["buffers"]
+
+
 def test_the_report(cols):
     loader = stokehold.Loader(cols, batch_size=100, workers=2)
     report = stokehold.TrainReport(loader)

@@ -209,6 +209,10 @@ class Augment:
     ):
         if (mean is None) != (std is None):
             raise ValueError("mean and std go together")
+        if not 0 <= int(crop) <= _stokehold._AUGMENT_MAX_PAD:
+            raise ValueError(f"crop pads by 0 to {_stokehold._AUGMENT_MAX_PAD} pixels, not {crop}")
+        if not 0 <= int(fill) <= 255:
+            raise ValueError(f"fill is a uint8 pixel value, 0 to 255, not {fill}")
         as_list = lambda v: None if v is None else [float(x) for x in np.atleast_1d(v)]
         self.column, self.crop, self.flip = str(column), int(crop), bool(flip)
         self.mean, self.std = as_list(mean), as_list(std)
@@ -294,15 +298,31 @@ class Loader:
     def _build(self, dataset: Any, *options: Any, direct_reads: bool = True,
                group: Optional[int] = None, augment: Optional[Augment] = None) -> None:
         self._dataset = dataset
-        self._raw = _stokehold._Loader(
-            dataset, *options, direct_reads=direct_reads, group=group,
-            augment=None if augment is None else augment._args())
+        args = None if augment is None else augment._args()
+        self._start = lambda: _stokehold._Loader(
+            dataset, *options, direct_reads=direct_reads, group=group, augment=args)
+        self._running: Any = self._start()
+        self._used = False
         device = options[-1]
         self._device = None if device in (None, "cpu") else device
         self._columns = {
             name: (np.dtype(descr), tuple(int(d) for d in shape))
             for name, descr, shape in self._raw.columns()
         }
+
+    @property
+    def _raw(self) -> Any:
+        """The Rust loader: its buffers and threads, started again if given back."""
+        if self._running is None:
+            self._running = self._start()
+        return self._running
+
+    def _give_back(self) -> None:
+        """Frees the buffers and threads of a loader never iterated nor resumed (a
+        ``MixLoader``'s source, whose dataset is all the mix uses); a later use starts
+        them again, as at construction."""
+        if not self._used:
+            self._running = None
 
     def __len__(self) -> int:
         """Batches per epoch for this rank."""
@@ -317,6 +337,7 @@ class Loader:
         """The batches of ``epoch``, in order: a pure function of the seed, the epoch
         and the shard. After ``load_state_dict``, the saved epoch yields only the batches
         after the saved one."""
+        self._used = True
         return Epoch(self._raw.epoch(epoch), self)
 
     def state_dict(self) -> Dict[str, int]:
@@ -339,6 +360,7 @@ class Loader:
         another dataset, shuffle or seed raises."""
         if not isinstance(state, dict):
             raise Error(f"a loader state is a dict, not {type(state).__name__}")
+        self._used = True
         self._raw.resume_json(json.dumps(state), elastic)
 
     def info(self) -> Dict[str, Any]:
@@ -566,7 +588,8 @@ class MixLoader(Loader):
     ``weights``, as Megatron-LM's blended datasets, MosaicML Streaming's stream
     proportions and LitData's ``CombinedStreamingDataset`` mix them. Only the sources'
     data and data options count (path, ``seq_len``, ``windows``...), not their batch
-    size, shuffle or workers.
+    size, shuffle or workers. A source never iterated gives its buffers and threads
+    back (they start again if it is used on its own later).
 
     Each epoch has ``samples`` samples (by default as many as the sources hold
     together), of which source ``k`` gives its share ``weights[k] / sum(weights)``
@@ -606,6 +629,8 @@ class MixLoader(Loader):
         dataset = _stokehold._Dataset.mix(
             [s._dataset for s in sources], [float(w) for w in weights], samples, seed,
         )
+        for s in sources:
+            s._give_back()
         self._build(
             dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
             rank, world_size, page_cache_budget, progress, device,
