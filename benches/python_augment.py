@@ -12,7 +12,6 @@ One command, one process; the figures are ratios.
 The files are read once first so every loader reads a warm page cache.
 """
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 import stokehold
-from python_loaders import read_once  # this directory is on sys.path when run as a script
+from python_loaders import options, read_once  # this directory is on sys.path when run as a script
 
 MEAN = (0.4914, 0.4822, 0.4465)
 STD = (0.2470, 0.2435, 0.2616)
@@ -91,13 +90,7 @@ def timed(batches, it):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default="data/cifar")
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--batches", type=int, default=300)
-    p.add_argument("--json")
-    args = p.parse_args()
+    args = options(__doc__, data="data/cifar", batch=256, workers=2, batches=300)
     root = Path(args.data)
     read_once(root / f for f in ("x.npy", "y.npy"))
     torch.set_num_threads(1)

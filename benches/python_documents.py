@@ -15,7 +15,6 @@ figures are ratios.
 The set is written once (long-tailed lengths, 16 to 4,000 ``uint16`` tokens).
 """
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import stokehold
+from python_loaders import options, read_once  # this directory is on sys.path when run as a script
 
 HEADER = b"MMIDIDX\x00\x00"
 
@@ -109,23 +109,12 @@ def padder(max_len: int, dtype=np.uint16, document=lambda d: d):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", default="data/documents")
-    p.add_argument("--docs", type=int, default=200_000)
-    p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--json")
-    args = p.parse_args()
+    args = options(__doc__, dir="data/documents", docs=200_000, max_len=1024, seq_len=1024,
+                   batch=32, workers=2, reps=3)
     prefix = Path(args.dir) / "set_text_document"
     if not prefix.with_suffix(".idx").exists():
         write(prefix, args.docs)
-    for ext in (".bin", ".idx"):
-        with open(prefix.with_suffix(ext), "rb") as f:
-            while f.read(1 << 24):
-                pass
+    read_once(prefix.with_suffix(ext) for ext in (".bin", ".idx"))
 
     ours = stokehold.DocumentLoader(prefix, max_len=args.max_len, batch_size=args.batch,
                                     shuffle="full", workers=args.workers)

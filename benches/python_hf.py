@@ -13,7 +13,6 @@ The table is written once with ``save_to_disk`` (long-tailed lengths, 16 to abou
 4,000 tokens, ``input_ids`` a list of int32 as a tokenizer's ``map`` leaves it).
 """
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -24,7 +23,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import stokehold
-from python_documents import race  # this directory is on sys.path when run as a script
+from python_loaders import options, read_once  # this directory is on sys.path when run as a script
+from python_documents import race
 
 
 def write(out: Path, docs: int) -> None:
@@ -68,24 +68,13 @@ class Rows(torch.utils.data.Dataset):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", default="data/hf")
-    p.add_argument("--docs", type=int, default=200_000)
-    p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--json")
-    args = p.parse_args()
+    args = options(__doc__, dir="data/hf", docs=200_000, max_len=1024, seq_len=1024, batch=32,
+                   workers=2, reps=3)
     out = Path(args.dir)
     if not (out / "state.json").exists():
         write(out, args.docs)
     table = datasets.load_from_disk(str(out))
-    for f in table.cache_files:
-        with open(f["filename"], "rb") as fh:
-            while fh.read(1 << 24):
-                pass
+    read_once(f["filename"] for f in table.cache_files)
     rows = {"documents": len(table), "shards": len(table.cache_files), "batch": args.batch,
             "workers": args.workers, "max_len": args.max_len, "seq_len": args.seq_len}
 

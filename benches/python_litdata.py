@@ -12,7 +12,6 @@ The dataset is written once with ``litdata.optimize`` (long-tailed document leng
 16 to about 4,000 ``uint16`` tokens, 8 MB chunks).
 """
 
-import argparse
 import json
 import shutil
 import time
@@ -23,6 +22,7 @@ import torch
 from litdata import StreamingDataLoader, StreamingDataset, TokensLoader, optimize
 
 import stokehold
+from python_loaders import options, read_once  # this directory is on sys.path when run as a script
 
 
 def document(k: int):
@@ -38,23 +38,15 @@ def timed(run, epoch: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", default="data/litdata")
-    p.add_argument("--docs", type=int, default=200_000)
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--json")
-    args = p.parse_args()
+    args = options(__doc__, dir="data/litdata", docs=200_000, seq_len=1024, batch=32, workers=2,
+                   reps=3)
     out = Path(args.dir)
     if not (out / "index.json").exists():
         shutil.rmtree(out, ignore_errors=True)
         optimize(fn=document, inputs=list(range(args.docs)), output_dir=str(out),
                  chunk_bytes="8MB", item_loader=TokensLoader(), num_workers=1)
     chunks = sorted(out.glob("chunk-*.bin"))
-    for f in chunks:
-        f.read_bytes()
+    read_once(chunks)
     ours = stokehold.TokenLoader(out, seq_len=args.seq_len, batch_size=args.batch,
                                  windows="consecutive", shuffle="full", workers=args.workers)
     stream = StreamingDataset(str(out), item_loader=TokensLoader(block_size=args.seq_len + 1),

@@ -43,6 +43,16 @@ def collate(items):
     return items[0]
 
 
+def options(doc, **defaults):
+    """The command line of a Python benchmark: an option for each of ``defaults``
+    (``max_len=1024`` is ``--max-len``, of its default's type), then ``--json FILE``."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for name, default in defaults.items():
+        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+    p.add_argument("--json")
+    return p.parse_args()
+
+
 def read_once(paths):
     """Reads each file through, so the loaders compared read a warm page cache."""
     for path in paths:
@@ -56,13 +66,7 @@ def best_of(reps, fn):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default="data/cifar")
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--json")
-    args = p.parse_args()
+    args = options(__doc__, data="data/cifar", batch=256, workers=2, reps=3)
     root = Path(args.data)
     read_once(root / f for f in ("x.npy", "y.npy"))
 

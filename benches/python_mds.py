@@ -11,7 +11,6 @@ The dataset is written once with ``streaming.MDSWriter`` (long-tailed lengths, 1
 about 4,000 tokens, ``tokens`` encoded ``ndarray:int32``, 16 MB shards).
 """
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -22,7 +21,8 @@ from streaming import MDSWriter, StreamingDataset
 from torch.utils.data import DataLoader
 
 import stokehold
-from python_documents import padder, race  # this directory is on sys.path when run as a script
+from python_loaders import options, read_once  # this directory is on sys.path when run as a script
+from python_documents import padder, race
 
 
 def write(out: Path, docs: int) -> None:
@@ -35,24 +35,14 @@ def write(out: Path, docs: int) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", default="data/mds")
-    p.add_argument("--docs", type=int, default=200_000)
-    p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--json")
-    args = p.parse_args()
+    args = options(__doc__, dir="data/mds", docs=200_000, max_len=1024, batch=32, workers=2,
+                   reps=3)
     out = Path(args.dir)
     if not (out / "index.json").exists():
         shutil.rmtree(out, ignore_errors=True)
         write(out, args.docs)
     shards = sorted(out.glob("shard.*.mds"))
-    for f in shards:
-        with open(f, "rb") as fh:
-            while fh.read(1 << 24):
-                pass
+    read_once(shards)
     ours = stokehold.DocumentLoader(out, max_len=args.max_len, batch_size=args.batch,
                                     shuffle="full", workers=args.workers)
     stream = StreamingDataset(local=str(out), shuffle=True, shuffle_seed=0,

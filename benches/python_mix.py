@@ -14,7 +14,6 @@ The corpora are written once with ``litdata.optimize`` (long-tailed document len
 mixed 0.5, 0.3 and 0.2 (the smallest upsampled).
 """
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -24,6 +23,7 @@ from litdata import (CombinedStreamingDataset, StreamingDataLoader, StreamingDat
                      TokensLoader, optimize)
 
 import stokehold
+from python_loaders import options, read_once  # this directory is on sys.path when run as a script
 from python_litdata import document, timed  # the same documents, the same timer
 
 CORPORA = {"web": 300_000, "code": 150_000, "math": 50_000}
@@ -31,14 +31,7 @@ WEIGHTS = [0.5, 0.3, 0.2]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", default="data/mix")
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--json")
-    args = p.parse_args()
+    args = options(__doc__, dir="data/mix", seq_len=1024, batch=32, workers=2, reps=3)
     dirs = []
     for k, (name, docs) in enumerate(CORPORA.items()):
         out = Path(args.dir) / name
@@ -47,8 +40,7 @@ def main() -> None:
             start = 10_000_000 * (k + 1)
             optimize(fn=document, inputs=list(range(start, start + docs)), output_dir=str(out),
                      chunk_bytes="8MB", item_loader=TokensLoader(), num_workers=1)
-        for f in out.glob("chunk-*.bin"):
-            f.read_bytes()
+        read_once(out.glob("chunk-*.bin"))
         dirs.append(out)
     sources = [stokehold.TokenLoader(d, seq_len=args.seq_len, windows="consecutive")
                for d in dirs]
