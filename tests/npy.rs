@@ -948,6 +948,14 @@ fn bad_litdata_sets_are_errors_naming_the_file() {
     assert!(made.unwrap().success());
     let err = stokehold::LitData::open(dir.path()).unwrap_err();
     problem(err, "index.json", "is a FIFO, not a regular file");
+    // Token counts that add up past 2^64.
+    let index = std::fs::read_to_string(litdata("litdata_u16/index.json")).unwrap();
+    let huge = index.replacen("\"dim\": 20", "\"dim\": 18446744073709551615", 1);
+    assert_ne!(huge, index);
+    std::fs::remove_file(&fifo).unwrap();
+    std::fs::write(&fifo, huge).unwrap();
+    let err = stokehold::LitData::open(dir.path()).unwrap_err();
+    problem(err, "index.json", "add up past 2^64");
     let set = stokehold::LitData::open(litdata("litdata_u16")).unwrap();
     let err = set.windows(40, Windows::Consecutive).unwrap_err();
     problem(

@@ -217,8 +217,13 @@ const MAX_DEPTH: usize = 64;
 /// Counts the nodes and buffers of `field` (and its children, below `depth` levels of
 /// nesting) into `place`, a view-typed field's as 2 (its variadic buffers are counted
 /// per record batch). `None` for a malformed field, an unknown type or deep nesting.
+///
+/// Each field of a schema is a table of its own, at least 4 bytes of the metadata, so
+/// more fields than a quarter of its bytes are malformed: tables listed as children
+/// more than once (a flatbuffer allows it) would otherwise make a walk of 2^64 fields
+/// of a 2 KB schema.
 fn skip(field: Table<'_>, place: &mut Place, depth: usize) -> Option<()> {
-    if depth > MAX_DEPTH {
+    if depth > MAX_DEPTH || place.node >= field.buf.len() / 4 {
         return None;
     }
     place.node += 1;
@@ -332,6 +337,10 @@ pub(super) fn list_column(file: &[u8], name: &str) -> Result<ListColumn, String>
                     return Err(bad(
                         "a big-endian table: stokehold reads little-endian ones",
                     ));
+                }
+                if wanted.is_some() {
+                    // The batches read so far were placed by the first one.
+                    return Err(bad("a second schema: a stream has one, first"));
                 }
                 let fields = schema.tables(1).ok_or_else(malformed)?;
                 wanted = Some(find(&fields, name, version == 3)?);
@@ -453,11 +462,15 @@ fn read_batch(
         if n < wanted.views_before {
             return Err(malformed());
         }
+        // No count passes the batch's buffers, so the sums below stay far from overflow.
+        let (buffers, _) = batch.vector(2).ok_or_else(malformed)?;
         for k in 0..wanted.views_before {
             let count = i64_at(batch.buf, first + 8 * k).ok_or_else(malformed)?;
             at.buffer = usize::try_from(count)
                 .ok()
+                .filter(|&c| c <= buffers)
                 .and_then(|c| at.buffer.checked_add(c))
+                .filter(|&b| b <= buffers)
                 .ok_or_else(malformed)?;
         }
     }
@@ -488,8 +501,9 @@ fn read_batch(
         }
     };
     let rows = u64::try_from(rows).map_err(|_| malformed())?;
-    let (offsets, offsets_len) = buffer(at.buffer + 1)?;
-    let (values, values_len) = buffer(at.buffer + 3)?;
+    let next = |k: usize| at.buffer.checked_add(k).ok_or_else(malformed);
+    let (offsets, offsets_len) = buffer(next(1)?)?;
+    let (values, values_len) = buffer(next(3)?)?;
     let width = if wanted.large { 8 } else { 4 };
     let needed = (rows as usize)
         .checked_add(1)
@@ -514,8 +528,9 @@ mod tests {
     use super::*;
 
     /// An Arrow stream whose schema has one field, a struct nested `depth` levels deep,
-    /// written as a flatbuffer by hand (pyarrow refuses to write one past 64 levels).
-    fn nested_stream(depth: usize) -> Vec<u8> {
+    /// each level listing the next `fanout` times as its children (one table), written
+    /// as a flatbuffer by hand (pyarrow refuses to write one past 64 levels).
+    fn nested_stream(depth: usize, fanout: u32) -> Vec<u8> {
         fn u16s(m: &mut Vec<u8>, v: &[u16]) {
             v.iter().for_each(|x| m.extend(x.to_le_bytes()));
         }
@@ -546,11 +561,14 @@ mod tests {
         let mut vector = m.len();
         patch(&mut m, fields, vector);
         for level in 0..depth {
-            m.extend(1u32.to_le_bytes());
-            let element = m.len();
-            m.extend([0u8; 4]);
+            let count = if level == 0 { 1 } else { fanout };
+            m.extend(count.to_le_bytes());
+            let elements = m.len();
+            m.extend(vec![0u8; 4 * count as usize]);
             let field = m.len();
-            patch(&mut m, element, field);
+            for k in 0..count as usize {
+                patch(&mut m, elements + 4 * k, field);
+            }
             m.extend(((field - vt_field) as i32).to_le_bytes());
             m.extend([ty::STRUCT, 0, 0, 0]);
             let children = m.len();
@@ -581,12 +599,40 @@ mod tests {
     #[test]
     fn nesting_is_read_to_its_bound_and_refused_past_it() {
         // Within the bound the field is walked past (and the column is then missing).
-        let err = list_column(&nested_stream(MAX_DEPTH), "input_ids").unwrap_err();
+        let err = list_column(&nested_stream(MAX_DEPTH, 1), "input_ids").unwrap_err();
         assert!(err.starts_with("no column \"input_ids\""), "{err}");
         // Far past it: an error, not a stack overflow.
         for depth in [MAX_DEPTH + 2, 200_000] {
-            let err = list_column(&nested_stream(depth), "input_ids").unwrap_err();
+            let err = list_column(&nested_stream(depth, 1), "input_ids").unwrap_err();
             assert!(err.contains("nested deeper than 64 levels"), "{err}");
         }
+    }
+
+    #[test]
+    fn a_second_schema_is_refused() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/arrow/hf_stream.arrow"
+        );
+        let file = std::fs::read(path).unwrap();
+        assert!(list_column(&file, "input_ids").is_ok());
+        // The stream's first message is its schema (no body): continuation, length, metadata.
+        assert_eq!(u32_at(&file, 0), Some(CONTINUATION));
+        let schema = 8 + u32_at(&file, 4).unwrap() as usize;
+        let twice = [&file[..schema], &file[..]].concat();
+        let err = list_column(&twice, "input_ids").unwrap_err();
+        assert!(err.contains("a second schema"), "{err}");
+    }
+
+    #[test]
+    fn children_listed_many_times_are_refused_not_walked() {
+        // Each level lists the next twice: 2^60 fields in a schema of under 2 KB.
+        let file = nested_stream(60, 2);
+        assert!(file.len() < 2048, "{}", file.len());
+        let err = list_column(&file, "input_ids").unwrap_err();
+        assert!(err.contains("or malformed"), "{err}");
+        // A few repeats, within the bytes of the schema, are walked.
+        let err = list_column(&nested_stream(3, 2), "input_ids").unwrap_err();
+        assert!(err.starts_with("no column"), "{err}");
     }
 }

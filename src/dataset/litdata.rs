@@ -153,6 +153,13 @@ impl LitData {
                 None => Err(bad(format!("chunk {} has no token count", c.filename))),
             })
             .collect::<Result<Vec<_>>>()?;
+        if chunks
+            .iter()
+            .try_fold(0u64, |sum, c| sum.checked_add(c.2))
+            .is_none()
+        {
+            return Err(bad("its chunks' token counts add up past 2^64".into()));
+        }
         Ok(LitData { dtype, chunks })
     }
 
