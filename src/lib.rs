@@ -72,8 +72,9 @@ pub use dataset::{
 };
 pub use error::{Error, NpyProblem, Result};
 pub use loader::{
-    BatchLayout, BatchTiming, Epoch, EpochStats, HostAlloc, HostBatch, HostMemory, Loader,
-    LoaderBuilder, LoaderState, PlainAlloc, Startup, Storage, DEFAULT_PREFETCH_BYTES, MAX_WORKERS,
+    BatchLayout, BatchTiming, Canceller, Epoch, EpochStats, HostAlloc, HostBatch, HostMemory,
+    Loader, LoaderBuilder, LoaderState, PlainAlloc, Startup, Storage, DEFAULT_PREFETCH_BYTES,
+    MAX_WORKERS,
 };
 pub use permutation::Permutation;
 pub use sampler::{EpochOrder, Order, Shard, ShardTail, Shuffle};

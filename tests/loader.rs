@@ -367,6 +367,43 @@ fn a_slow_consumer_fed_through_a_queue_is_not_a_deadlock() {
 }
 
 #[test]
+fn a_canceller_wakes_a_thread_waiting_for_a_buffer_held_elsewhere() {
+    // The loading thread waits for a buffer that the batches it sent keep (read here,
+    // so it waits without a deadline); this thread, holding them, ends the epoch.
+    let mut loader = two_buffers(100);
+    let (tx, rx) = crossbeam_channel::unbounded::<stokehold::HostBatch>();
+    let (give, canceller) = crossbeam_channel::bounded(1);
+    std::thread::scope(|s| {
+        let loading = s.spawn(|| {
+            let mut epoch = loader.epoch(0).unwrap();
+            give.send(epoch.canceller()).unwrap();
+            let mut sent = 0;
+            for batch in &mut epoch {
+                match batch {
+                    Ok(b) => tx.send(b).map(|()| sent += 1).unwrap(),
+                    Err(e) => return (sent, Some(e), epoch.state()),
+                }
+            }
+            (sent, None, epoch.state())
+        });
+        let cancel = canceller.recv().unwrap();
+        let held: Vec<_> = (0..2).map(|_| rx.recv().unwrap()).collect();
+        assert!(held.iter().all(|b| b.column::<u64>(0).is_ok()));
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        cancel.cancel();
+        let (sent, err, state) = loading.join().unwrap();
+        assert_eq!(sent, 2);
+        assert!(
+            matches!(err, Some(Error::WorkersStopped { batch: 2 })),
+            "{err:?}"
+        );
+        assert_eq!((state.epoch, state.batch), (0, 2));
+    });
+    // The loader goes on: the next epoch runs whole.
+    assert_eq!(epoch_indices(&mut loader, 1).len(), 10);
+}
+
+#[test]
 fn a_leaked_epoch_is_an_error_not_a_hang() {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {

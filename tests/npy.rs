@@ -512,6 +512,24 @@ fn mismatched_lengths_name_the_short_file() {
 }
 
 #[test]
+fn two_columns_of_one_name_are_refused_naming_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let other = dir.path().join("pair_x.npy");
+    std::fs::copy(fx("pair_x.npy"), &other).unwrap();
+    let err = NpyDataset::open_columns([fx("pair_x.npy"), other.clone()]).unwrap_err();
+    assert!(
+        matches!(&err, Error::Dataset { path, .. } if *path == other),
+        "{err:?}"
+    );
+    let text = err.to_string();
+    assert!(text.contains("names its column \"pair_x\", as "), "{text}");
+    assert!(
+        text.contains(&fx("pair_x.npy").display().to_string()),
+        "{text}"
+    );
+}
+
+#[test]
 fn broken_column_names_its_file() {
     let err = NpyDataset::open_columns([fx("pair_x.npy"), fx("bad_trailing.npy")]).unwrap_err();
     assert!(err.to_string().contains("bad_trailing.npy"), "{err}");
@@ -847,6 +865,14 @@ fn llmc_token_files_skip_their_header() {
         .flat_map(|v| v.to_le_bytes())
         .collect();
     assert_eq!(out[0], expected);
+    // Each header names its token type; a headerless stream or a bad version names none.
+    let named = |name: &str| TokenDataset::header_dtype(fx(name)).unwrap();
+    assert_eq!(named("llmc_gpt2.bin"), Some(DType::U16));
+    assert_eq!(named("llmc_llama3.bin"), Some(DType::U32));
+    assert_eq!(named("llmc_bad_version.bin"), None);
+    assert_eq!(named("tokens_u16.bin"), None);
+    let err = TokenDataset::header_dtype(fx("missing.bin")).unwrap_err();
+    assert!(matches!(err, Error::Io { .. }), "{err:?}");
 }
 
 #[test]

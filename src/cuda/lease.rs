@@ -128,6 +128,8 @@ pub struct DeviceSlots {
     in_flight: VecDeque<(HostBatch, usize)>,
     /// The augmentation run on the device after each copy, if any.
     augment: Option<DeviceAugment>,
+    /// A free slot kept for the next lend ([`reserve`](DeviceSlots::reserve)).
+    reserved: Option<usize>,
 }
 
 impl DeviceSlots {
@@ -165,6 +167,7 @@ impl DeviceSlots {
             layout: Arc::new(layout.clone()),
             in_flight: VecDeque::with_capacity(IN_FLIGHT + 1),
             augment: None,
+            reserved: None,
         })
     }
 
@@ -212,14 +215,18 @@ impl DeviceSlots {
         &self.copy
     }
 
-    /// Copies `batch` into a free slot and lends it. Waits for a slot while every one is
-    /// lent; the host never waits for the consumers' work, only the copy stream does.
+    /// Copies `batch` into a free slot (the one [`reserve`](DeviceSlots::reserve)d, if
+    /// any) and lends it. Waits for a slot while every one is lent; the host never waits
+    /// for the consumers' work, only the copy stream does.
     ///
     /// # Errors
     /// [`Error::SlotsExhausted`] when every slot stays lent to batches used only on the
     /// calling thread (waiting would never end); [`Error::Cuda`] on a driver error.
     pub fn lend(&mut self, batch: HostBatch) -> Result<LentBatch> {
-        let k = self.take_slot()?;
+        let k = match self.reserved.take() {
+            Some(k) => k,
+            None => self.take_slot()?,
+        };
         let copied = self.enqueue_copy(k, &batch);
         if copied.is_err() {
             // Some of the copies may be enqueued (several with an augmentation): they
@@ -297,6 +304,20 @@ impl DeviceSlots {
             }
             event.synchronize()?;
             self.in_flight.pop_front();
+        }
+        Ok(())
+    }
+
+    /// Waits for a free slot and keeps it for the next [`lend`](DeviceSlots::lend): a
+    /// loop that takes batches from an epoch learns that every slot stays lent before it
+    /// takes one (a batch taken and then refused a slot would be lost to it, though the
+    /// epoch's state counts it). Does nothing if a slot is already kept.
+    ///
+    /// # Errors
+    /// [`Error::SlotsExhausted`], as [`lend`](DeviceSlots::lend).
+    pub fn reserve(&mut self) -> Result<()> {
+        if self.reserved.is_none() {
+            self.reserved = Some(self.take_slot()?);
         }
         Ok(())
     }

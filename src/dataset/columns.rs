@@ -75,7 +75,8 @@ impl NpyDataset {
     /// # Errors
     /// [`Error::Io`] or [`Error::Npy`] for a file that cannot be read;
     /// [`Error::Dataset`] if the files disagree on their first dimension, if there are
-    /// none, or if they hold zero samples.
+    /// none, if they hold zero samples, or if two have the same stem (the same column
+    /// name).
     pub fn open_columns<P: AsRef<Path>>(paths: impl IntoIterator<Item = P>) -> Result<NpyDataset> {
         let arrays = paths
             .into_iter()
@@ -121,7 +122,20 @@ impl NpyDataset {
                 shape: a.shape()[1..].to_vec(),
                 row_bytes: a.row_bytes(),
             })
-            .collect();
+            .collect::<Vec<Column>>();
+        for (k, c) in columns.iter().enumerate() {
+            if let Some(j) = columns[..k].iter().position(|o| o.name == c.name) {
+                return Err(Error::dataset(
+                    arrays[k].path(),
+                    format!(
+                        "names its column {:?}, as {} does: columns are named by their \
+                         file stems, so one of them needs another name",
+                        c.name,
+                        arrays[j].path().display()
+                    ),
+                ));
+            }
+        }
         Ok(NpyDataset {
             arrays,
             columns,

@@ -199,6 +199,39 @@ impl TokenDataset {
         })
     }
 
+    /// The token type the llm.c header at the start of `path` names (`U16` for version
+    /// 1, `U32` for version 7); `None` for a file that does not start with a known
+    /// header (a headerless stream, whose type the file cannot tell). Pass it to
+    /// [`open_bin`](TokenDataset::open_bin) to read either kind without being told.
+    ///
+    /// # Errors
+    /// [`Error::Io`] if the file cannot be read; [`Error::Dataset`] if it is not a
+    /// regular file.
+    pub fn header_dtype(path: impl AsRef<Path>) -> Result<Option<DType>> {
+        let path = path.as_ref();
+        let mut head = [0u8; 8];
+        let mut file = super::open_regular(path)?;
+        let mut got = 0;
+        while got < head.len() {
+            match std::io::Read::read(&mut file, &mut head[got..]) {
+                Ok(0) => break,
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(Error::io(path, e)),
+            }
+        }
+        let word =
+            |i: usize| i32::from_le_bytes(head[4 * i..4 * i + 4].try_into().expect("4 bytes"));
+        Ok((got == head.len())
+            .then(|| {
+                LLMC_FORMATS
+                    .iter()
+                    .find(|f| f.0 == word(0) && f.1 == word(1))
+            })
+            .flatten()
+            .map(|f| f.2))
+    }
+
     /// Opens the token file at `path`, whose tokens of `dtype` follow the bytes that
     /// `header` reads and checks (it returns how many there are).
     ///

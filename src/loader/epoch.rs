@@ -116,6 +116,13 @@ impl<'a> Epoch<'a> {
         self.first
     }
 
+    /// A handle that stops this epoch from another thread: for a thread that owns the
+    /// epoch and may be waiting in [`next`](Iterator::next) (for a buffer that batches
+    /// held elsewhere keep, say) while another must end it.
+    pub fn canceller(&self) -> Canceller {
+        Canceller(Arc::clone(&self.job))
+    }
+
     /// Where a loader resumed from this point would start: this epoch, after the batches
     /// delivered so far.
     pub fn state(&self) -> LoaderState {
@@ -275,6 +282,28 @@ impl Iterator for Epoch<'_> {
 impl ExactSizeIterator for Epoch<'_> {}
 
 impl std::iter::FusedIterator for Epoch<'_> {}
+
+/// Stops an [`Epoch`]'s workers from any thread ([`Epoch::canceller`]).
+#[derive(Clone)]
+pub struct Canceller(Arc<Job>);
+
+impl Canceller {
+    /// Stops the epoch's workers: each finishes at most the batch in hand, and those
+    /// waiting for a buffer leave at once. A `next` waiting on the epoch then yields
+    /// the batch if it was assembled, or else [`Error::WorkersStopped`] within 50 ms,
+    /// and the epoch ends; its state stays where the delivered batches left it.
+    pub fn cancel(&self) {
+        self.0.cancel();
+    }
+}
+
+impl std::fmt::Debug for Canceller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Canceller")
+            .field("epoch", &self.0.order.epoch())
+            .finish_non_exhaustive()
+    }
+}
 
 impl Drop for Epoch<'_> {
     fn drop(&mut self) {

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Sender;
 
 pub use batch::{BatchLayout, BatchTiming, HostBatch, COLUMN_ALIGN, MAX_COLUMNS};
-pub use epoch::{Epoch, EpochStats};
+pub use epoch::{Canceller, Epoch, EpochStats};
 pub use plan::Storage;
 pub use pool::{HostAlloc, HostMemory, PlainAlloc, BUFFER_ALIGN};
 

@@ -116,6 +116,15 @@ fn dl_dtype(d: DType) -> DLDataType {
 pub(crate) type Slots = Arc<Mutex<DeviceSlots>>;
 
 /// Copies `batch` into a device slot of `slots` (without the GIL: it may wait for one).
+/// Waits for a free device slot and keeps it for the next `lend`, with the GIL
+/// released: called before a batch is taken from the epoch, so that a loop holding
+/// every slot gets its error with the batch still in the epoch.
+pub(crate) fn reserve(py: Python<'_>, slots: &Slots) -> PyResult<()> {
+    let slots = Arc::clone(slots);
+    py.detach(move || slots.lock().unwrap_or_else(|e| e.into_inner()).reserve())
+        .map_err(error)
+}
+
 pub(crate) fn lend(
     py: Python<'_>,
     slots: &Slots,

@@ -47,6 +47,51 @@ struct Running {
 
 type Slot = Arc<Mutex<Running>>;
 
+/// What the running epoch last showed, kept beside the slot: a thread waiting in
+/// `__next__` holds the slot's lock for as long as its batch takes (for ever, while
+/// every buffer is held by batches another thread keeps), and the loader's state and
+/// the way to stop the epoch must be had meanwhile. Locked after the slot, never
+/// before it.
+struct Glance {
+    /// The loader's state as the last call left it.
+    state: LoaderState,
+    /// The running epoch's generation and what stops its workers (waking a thread
+    /// waiting for a buffer).
+    stop: Option<(u64, stokehold::Canceller)>,
+    /// The generation of an epoch being ended: a `__next__` its cancel woke says so.
+    ended: Option<u64>,
+}
+
+type Seen = Arc<Mutex<Glance>>;
+
+/// Ends the running epoch (only if its generation is `only`, where given) and returns
+/// the slot, locked: stops the epoch's workers first, so that a thread waiting in its
+/// `__next__` lets go of the slot. To be called without the GIL.
+fn end_epoch<'a>(slot: &'a Slot, seen: &Seen, only: Option<u64>) -> MutexGuard<'a, Running> {
+    let wanted = |g: u64| !matches!(only, Some(o) if o != g);
+    let stop = {
+        let mut glance = lock(seen);
+        match glance.stop.take() {
+            Some((g, stop)) if wanted(g) => {
+                glance.ended = Some(g);
+                Some(stop)
+            }
+            other => {
+                glance.stop = other;
+                None
+            }
+        }
+    };
+    if let Some(stop) = stop {
+        stop.cancel();
+    }
+    let mut running = lock(slot);
+    if wanted(running.generation) {
+        running.epoch = None;
+    }
+    running
+}
+
 /// The loader's pointer, sent to a thread without the GIL for one call.
 struct SendPtr(*mut stokehold::Loader);
 
@@ -60,8 +105,10 @@ impl SendPtr {
     }
 }
 
-fn lock(slot: &Slot) -> MutexGuard<'_, Running> {
-    slot.lock().unwrap_or_else(|e| e.into_inner())
+/// Locks a mutex of this module (the slot, the glance), whether or not a thread
+/// panicked holding it (nothing they hold is left half-changed by a panic).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// What a loader's batches look like, kept apart from the loader so that it can be read
@@ -144,9 +191,10 @@ impl OpenDataset {
     }
 
     /// A token file (llm.c `.bin`, a raw stream of `dtype`, or a 1-d `.npy`), or a
-    /// LitData dataset of token chunks (its directory or `index.json`: the token type is
-    /// its own, and `dtype`, if given, must agree), cut into windows of `seq_len + 1`
-    /// tokens.
+    /// LitData dataset of token chunks (its directory or `index.json`), cut into windows
+    /// of `seq_len + 1` tokens. The token type of an llm.c file, a `.npy` or a LitData
+    /// set is its own (`dtype`, if given, must agree); a raw stream's is `dtype`,
+    /// `uint16` if not given.
     #[staticmethod]
     #[pyo3(signature = (path, seq_len, windows, seed, dtype))]
     fn tokens(
@@ -185,9 +233,22 @@ impl OpenDataset {
                     }
                     Arc::new(set.windows(seq_len, windows)?)
                 }
-                true => Arc::new(TokenDataset::open_npy(&path, seq_len, windows)?),
+                true => {
+                    let ds = TokenDataset::open_npy(&path, seq_len, windows)?;
+                    let held = ds.columns()[0].dtype;
+                    if let Some(d) = named.filter(|&d| d != held) {
+                        return Err(stokehold::Error::Config(format!(
+                            "dtype {d} was asked for, and {} holds {held} tokens",
+                            path.display()
+                        )));
+                    }
+                    Arc::new(ds)
+                }
                 false => {
-                    let dtype = named.unwrap_or(DType::U16);
+                    let dtype = match named {
+                        Some(d) => d,
+                        None => TokenDataset::header_dtype(&path)?.unwrap_or(DType::U16),
+                    };
                     Arc::new(TokenDataset::open_bin(&path, dtype, seq_len, windows)?)
                 }
             };
@@ -377,6 +438,7 @@ impl OpenDataset {
 #[pyclass(module = "stokehold._stokehold", name = "_Loader")]
 struct Loader {
     slot: Slot,
+    seen: Seen,
     loader: NonNull<stokehold::Loader>,
     shape: Shape,
 }
@@ -385,7 +447,7 @@ struct Loader {
 // and reached only under the rules above, which pyo3's borrow flag on `&mut self`
 // enforces for the loader and the slot's mutex for the epoch.
 unsafe impl Send for Loader {}
-// SAFETY: as for `Send`: shared access reads only `shape` and locks `slot`.
+// SAFETY: as for `Send`: shared access reads only `shape` and locks `slot` or `seen`.
 unsafe impl Sync for Loader {}
 
 impl Drop for Loader {
@@ -637,6 +699,11 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
             generation: 0,
             epoch: None,
         })),
+        seen: Arc::new(Mutex::new(Glance {
+            state: loader.state(),
+            stop: None,
+            ended: None,
+        })),
         loader: NonNull::from(Box::leak(Box::new(loader))),
         shape,
     })
@@ -644,17 +711,20 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
 
 impl Loader {
     /// Ends the running epoch, if any, and returns the loader. The slot is locked with
-    /// the GIL released: a thread waiting for a batch holds the lock without the GIL.
+    /// the GIL released: a thread waiting for a batch holds the lock without the GIL
+    /// (and is woken first, by stopping the epoch's workers).
     fn idle(&mut self, py: Python<'_>) -> &mut stokehold::Loader {
-        let slot = Arc::clone(&self.slot);
-        py.detach(move || {
-            let mut running = lock(&slot);
-            running.epoch = None;
-            running.generation += 1;
-        });
+        let (slot, seen) = (Arc::clone(&self.slot), Arc::clone(&self.seen));
+        py.detach(move || end_epoch(&slot, &seen, None).generation += 1);
         // SAFETY: the slot is empty, so nothing else borrows the loader, and `&mut self`
         // keeps it so for the returned borrow's life.
         unsafe { self.loader.as_mut() }
+    }
+
+    /// Notes the loader's state (after a resume or a drained epoch) for `state_json`.
+    fn note_state(&mut self, py: Python<'_>) {
+        let state = self.idle(py).state();
+        lock(&self.seen).state = state;
     }
 }
 
@@ -666,6 +736,7 @@ impl Loader {
     #[pyo3(signature = (dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held, rank, world_size, page_cache_budget, progress, device=None, direct_reads=true, group=None, augment=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
+        py: Python<'_>,
         dataset: PyRef<'_, OpenDataset>,
         batch_size: usize,
         shuffle: &str,
@@ -706,7 +777,11 @@ impl Loader {
             data: dataset.data.clone(),
             open_s: dataset.open_s,
         };
-        build(Arc::clone(&dataset.dataset), options)
+        let dataset = Arc::clone(&dataset.dataset);
+        // Without the GIL: allocating and touching the pool, starting the threads and,
+        // for a device, creating its context and compiling kernels take up to seconds,
+        // in which the interpreter's other threads (a heartbeat, a watchdog) run on.
+        py.detach(move || build(dataset, options))
     }
 
     /// Batches per epoch for this rank.
@@ -744,14 +819,22 @@ impl Loader {
             let taken = started.first_batch().saturating_mul(order.batch_size());
             order.items() - taken.min(order.items())
         };
+        let seen = Arc::clone(&slf.seen);
         let generation = {
-            let slot = Arc::clone(&slot);
+            let (slot, seen) = (Arc::clone(&slot), Arc::clone(&seen));
             // Nobody else can hold the lock now (this thread holds the only `&mut`), but
             // it is taken without the GIL all the same, as everywhere.
             py.detach(move || {
                 let mut running = lock(&slot);
+                let (state, stop) = (started.state(), started.canceller());
                 running.epoch = Some(started);
-                running.generation
+                let generation = running.generation;
+                *lock(&seen) = Glance {
+                    state,
+                    stop: Some((generation, stop)),
+                    ended: None,
+                };
+                generation
             })
         };
         let columns = slf.shape.columns.clone();
@@ -774,6 +857,7 @@ impl Loader {
             device,
             _loader: slf.into(),
             slot,
+            seen,
             generation,
             number: epoch,
             len,
@@ -783,13 +867,10 @@ impl Loader {
     }
 
     /// Where the loader is: a JSON string of `{epoch, batch, order}`; mid-epoch, the
-    /// batches delivered so far.
+    /// batches delivered so far. It does not wait for a thread waiting for a batch.
     fn state_json(&self, py: Python<'_>) -> PyResult<String> {
-        let slot = Arc::clone(&self.slot);
-        let running = py.detach(move || lock(&slot).epoch.as_ref().map(|e| e.state()));
-        // SAFETY: no epoch borrows the loader (the slot was empty), and none can start
-        // while `&self` is held (starting one takes `&mut self`); `state` only reads.
-        let state = running.unwrap_or_else(|| unsafe { self.loader.as_ref() }.state());
+        let seen = Arc::clone(&self.seen);
+        let state = py.detach(move || lock(&seen).state);
         serde_json::to_string(&state).map_err(|e| PyValueError::new_err(e.to_string()))
     }
 
@@ -801,11 +882,12 @@ impl Loader {
         let state: LoaderState = serde_json::from_str(json)
             .map_err(|e| Error::new_err(format!("a loader state: {e}")))?;
         let loader = self.idle(py);
-        match elastic {
+        let resumed = match elastic {
             true => loader.resume_elastic(state),
             false => loader.resume(state),
-        }
-        .map_err(error)
+        };
+        self.note_state(py);
+        resumed.map_err(error)
     }
 
     /// Runs epoch `epoch` in Rust, taking every batch and dropping it, with the GIL
@@ -813,7 +895,7 @@ impl Loader {
     /// benchmarks. Ends the running epoch.
     fn drain(&mut self, py: Python<'_>, epoch: u64) -> PyResult<(u64, f64)> {
         let loader = SendPtr(self.idle(py));
-        py.detach(move || {
+        let drained = py.detach(move || {
             let start = std::time::Instant::now();
             // SAFETY: `idle` emptied the slot and `&mut self` is held for this call:
             // this is the only borrow of the loader.
@@ -823,8 +905,9 @@ impl Loader {
                 samples += batch?.len() as u64;
             }
             Ok((samples, start.elapsed().as_secs_f64()))
-        })
-        .map_err(error)
+        });
+        self.note_state(py);
+        drained.map_err(error)
     }
 
     /// The page-cache residency of the dataset's files: `(resident pages, pages)`.
@@ -865,6 +948,7 @@ struct Epoch {
     /// The device slots batches are copied into, with `device="cuda"`.
     device: Option<device::Slots>,
     slot: Slot,
+    seen: Seen,
     generation: u64,
     number: u64,
     len: usize,
@@ -907,14 +991,28 @@ impl Epoch {
 
     /// The next batch (a `_Batch`, or a `_DeviceBatch` on a device); `None` at the end.
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
-        let slot = Arc::clone(&self.slot);
+        if let Some(slots) = &self.device {
+            // A slot first: a loop holding every slot gets its error with the batch
+            // still in the epoch (taken, it would be lost, and the state would count it).
+            device::reserve(py, slots).inspect_err(|_| self.end_progress())?;
+        }
+        let (slot, seen) = (Arc::clone(&self.slot), Arc::clone(&self.seen));
         let generation = self.generation;
         let next = py.detach(move || {
             let mut running = lock(&slot);
             if running.generation != generation {
                 return Err(());
             }
-            Ok(running.epoch.as_mut().and_then(|e| e.next()))
+            let next = running.epoch.as_mut().and_then(|e| e.next());
+            let mut glance = lock(&seen);
+            if glance.ended == Some(generation) {
+                // Ended while this thread waited (its batch, if any, goes back).
+                return Err(());
+            }
+            if let Some(e) = &running.epoch {
+                glance.state = e.state();
+            }
+            Ok(next)
         });
         match next {
             Err(()) => Err(Error::new_err(
@@ -996,14 +1094,9 @@ impl Epoch {
         };
         self.end_progress();
         {
-            let slot = Arc::clone(&self.slot);
+            let (slot, seen) = (Arc::clone(&self.slot), Arc::clone(&self.seen));
             let generation = self.generation;
-            py.detach(move || {
-                let mut running = lock(&slot);
-                if running.generation == generation {
-                    running.epoch = None;
-                }
-            });
+            py.detach(move || drop(end_epoch(&slot, &seen, Some(generation))));
         }
         let secs = |s: f64| std::time::Duration::from_secs_f64(s.max(0.0));
         let times = LoopTimes {
@@ -1122,15 +1215,21 @@ impl Batch {
         Ok(array)
     }
 
-    /// The samples of the batch (global indices), a `uint64` array viewing the batch.
+    /// The samples of the batch (global indices), a read-only `uint64` array viewing the
+    /// batch (the loader's own record of them: a write would change what `source`
+    /// says of the rows).
     #[getter]
-    fn indices<'py>(slf: Bound<'py, Self>) -> Bound<'py, PyArray1<u64>> {
+    fn indices<'py>(slf: Bound<'py, Self>) -> PyResult<Bound<'py, PyArray1<u64>>> {
         let this = slf.borrow();
         let view = ArrayView1::from(this.batch.indices());
-        // SAFETY: as in `raw`: the indices live in the batch, the array's base.
+        // SAFETY: as in `raw`: the indices live in the batch, the array's base; the
+        // array is made read-only below, before Python sees it.
         let array = unsafe { PyArray1::borrow_from_array(&view, slf.clone().into_any()) };
         drop(this);
-        array
+        let kwargs = pyo3::types::PyDict::new(slf.py());
+        kwargs.set_item("write", false)?;
+        array.call_method("setflags", (), Some(&kwargs))?;
+        Ok(array)
     }
 
     /// Samples in the batch.

@@ -133,5 +133,7 @@ def test_bad_augmentations_raise(images):
         stokehold.Augment(crop=-1)
     with pytest.raises(ValueError, match="fill is a uint8 pixel value, 0 to 255, not 256"):
         stokehold.Augment(fill=256)
+    with pytest.raises(ValueError, match="seed is an unsigned 64-bit integer, not -1"):
+        stokehold.Augment(seed=-1)
     with pytest.raises(TypeError, match="stokehold.Augment"):
         stokehold.Loader(images, augment={"column": "x"})

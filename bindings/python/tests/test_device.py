@@ -183,8 +183,14 @@ def test_holding_every_slot_is_an_error_not_a_hang(emulator: Path) -> None:
             assert "device slots" in str(e), e
         else:
             raise AssertionError("a fourth batch with three slots held")
+        # The batch refused a slot is still the epoch's: one slot freed, it comes next.
+        assert loader.state_dict()["batch"] == 3, "a batch was taken, then refused a slot"
+        del held[0]
+        fourth = next(epoch)
+        want = [b.indices.copy() for b in stokehold.Loader(sys.argv[1], batch_size=100).epoch(0)]
+        assert np.array_equal(fourth.indices, want[3])
         # Dropping them frees the slots: the next epoch runs whole.
-        del held, epoch
+        del held, epoch, fourth
         assert sum(len(b) for b in loader.epoch(1)) == 1797
         # Token streams go to the device too, and the interface for CuPy/Numba answers.
         tokens = np.arange(5000, dtype=np.uint16)

@@ -7,6 +7,7 @@ import json
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -205,6 +206,9 @@ def test_views_keep_their_buffer_and_the_pool_refills(cols):
     it = loader.epoch(0)
     batch = next(it)
     x, idx = batch["x"], batch.indices.copy()
+    assert x.flags.writeable and not batch.indices.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        batch.indices[0] = 7
     del batch
     # The view alone holds the buffer: other batches do not overwrite it.
     others = [next(it) for _ in range(2)]
@@ -244,6 +248,49 @@ def test_batches_consumed_on_another_thread(cols):
     q.put(None)
     t.join()
     assert len(got) == 20
+
+
+def test_a_thread_waiting_for_a_buffer_blocks_neither_state_dict_nor_a_new_epoch(cols):
+    # A loading thread puts batches in a queue this thread reads, and waits for a buffer
+    # that the queued batches keep: a checkpoint here must not wait for it.
+    loader = stokehold.Loader(cols, batch_size=50, workers=2, prefetch=2, held=2)
+    q, ended = queue.Queue(), []
+
+    def load():
+        try:
+            for b in loader.epoch(0):
+                q.put(b)
+        except stokehold.Error as e:
+            ended.append(str(e))
+
+    loading = threading.Thread(target=load, daemon=True)
+    loading.start()
+    first = q.get(timeout=10)
+    assert first["x"].shape[0] == 50  # read here: held away from the loading thread
+    deadline = time.monotonic() + 10
+    while q.qsize() < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert q.qsize() == 3  # every buffer is held (4), and the loading thread waits
+
+    def within(seconds, call):
+        out = []
+        t = threading.Thread(target=lambda: out.append(call()), daemon=True)
+        t.start()
+        t.join(seconds)
+        assert out, f"{call} did not return within {seconds} s"
+        return out[0]
+
+    state = within(5, loader.state_dict)
+    assert (state["epoch"], state["batch"]) == (0, 4)
+    # A new epoch ends the old one, waking the loading thread with an error.
+    epoch = within(5, lambda: loader.epoch(1))
+    loading.join(5)
+    assert not loading.is_alive()
+    assert len(ended) == 1 and "this epoch was ended" in ended[0]
+    del first
+    while not q.empty():
+        q.get()
+    assert sum(len(b) for b in epoch) == N
 
 
 def test_the_gil_is_released_while_waiting(cols):
@@ -348,6 +395,19 @@ def test_token_loader(tmp_path):
         stokehold.TokenLoader(raw, seq_len=100_000)
     with pytest.raises(ValueError, match="dtype 'int64'|dtype \"int64\""):
         stokehold.TokenLoader(raw, seq_len=8, dtype="int64")
+    with pytest.raises(stokehold.Error, match="dtype uint16 was asked for, and .*tokens.npy holds uint32"):
+        stokehold.TokenLoader(npy, seq_len=8, dtype="uint16")
+    # An llm.c file gives its own token type: uint32 (LLaMA-3, version 7) here.
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = (20240801, 7, len(tokens))
+    llmc = tmp_path / "llama.bin"
+    llmc.write_bytes(header.tobytes() + tokens.astype(np.uint32).tobytes())
+    l3 = stokehold.TokenLoader(llmc, seq_len=64, batch_size=8, windows="consecutive", shuffle="none")
+    first = next(l3.epoch(0))["tokens"]
+    assert first.dtype == np.uint32
+    np.testing.assert_array_equal(first[0], tokens[:65])
+    with pytest.raises(stokehold.Error, match="llm.c header says uint32 tokens, uint16 were asked"):
+        stokehold.TokenLoader(llmc, seq_len=64, dtype="uint16")
 
 
 def test_token_loader_reads_litdata_chunks():

@@ -104,8 +104,8 @@ class _Columns:
 class Batch(_Columns):
     """One batch: ``batch[name]`` is column ``name`` (a file stem, ``"x"`` for ``x.npy``)
     as a NumPy array of shape ``(len(batch), *sample_shape)``, viewing the loader's
-    buffer. ``batch.indices`` are the samples (``uint64``). The arrays are writeable (as
-    DLPack consumers need); the buffer is the batch's own until it returns to the pool,
+    buffer. ``batch.indices`` are the samples (``uint64``, read-only). The columns'
+    arrays are writeable (as DLPack consumers need); the buffer is the batch's own until it returns to the pool,
     and writing it changes no file."""
 
     __slots__ = ()
@@ -213,6 +213,8 @@ class Augment:
             raise ValueError(f"crop pads by 0 to {_stokehold._AUGMENT_MAX_PAD} pixels, not {crop}")
         if not 0 <= int(fill) <= 255:
             raise ValueError(f"fill is a uint8 pixel value, 0 to 255, not {fill}")
+        if not 0 <= int(seed) < 2**64:
+            raise ValueError(f"seed is an unsigned 64-bit integer, not {seed}")
         as_list = lambda v: None if v is None else [float(x) for x in np.atleast_1d(v)]
         self.column, self.crop, self.flip = str(column), int(crop), bool(flip)
         self.mean, self.std = as_list(mean), as_list(std)
@@ -258,7 +260,8 @@ class Loader:
     whose columns export DLPack (``torch.from_dlpack``) without a copy. The device holds
     ``held + 2`` batch slots; a loop keeping more device batches alive than ``held``
     gets ``stokehold.Error`` (after a second) instead of waiting forever, unless a batch
-    it keeps is in use on another thread, which is waited for. Without a usable CUDA
+    it keeps is in use on another thread, which is waited for. The batch it asked for
+    stays in the epoch: once it lets one go, the epoch goes on from there. Without a usable CUDA
     driver and device, ``device="cuda"`` raises ``stokehold.Error`` saying why.
 
     ``augment`` (an ``Augment``) crops, flips and normalises an image column.
@@ -374,12 +377,13 @@ class TokenLoader(Loader):
     ``uint16`` or ``uint32`` tokens), a raw stream of ``dtype`` tokens (``"uint16"`` by
     default), or a 1-d ``.npy``; or over a LitData dataset optimized with its
     ``TokensLoader``, as litgpt prepares pretraining data (``path`` its directory or
-    its ``index.json``; the token type is the set's own, and ``dtype``, if given, must
-    agree), each chunk cut on its own (no window crosses two chunks, as none of
-    LitData's blocks does; consecutive windows share a token, LitData's blocks do not).
-    Each sample is a window of ``seq_len + 1`` tokens (inputs and shifted targets), the
-    column ``"tokens"``. ``windows="random"`` starts each window at a random offset per
-    epoch (from ``seed``); ``"consecutive"`` cuts the stream in order."""
+    its ``index.json``), each chunk cut on its own (no window crosses two chunks, as
+    none of LitData's blocks does; consecutive windows share a token, LitData's blocks
+    do not). Each sample is a window of ``seq_len + 1`` tokens (inputs and shifted
+    targets), the column ``"tokens"``. ``windows="random"`` starts each window at a
+    random offset per epoch (from ``seed``); ``"consecutive"`` cuts the stream in order.
+    The token type of an llm.c file, a ``.npy`` or a LitData set is the file's own
+    (``dtype``, if given, must agree)."""
 
     def __init__(
         self,
