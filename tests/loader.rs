@@ -624,6 +624,24 @@ fn an_epoch_served_elsewhere_moves_the_state_past_it() {
 }
 
 #[test]
+fn many_workers_over_files_run_an_epoch() {
+    // Over 32 workers the planner's read-ahead (two batches a worker at the least) passes
+    // its usual cap of 64 batches: it once made `build` panic on a set with files.
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
+    let mut loader = Loader::builder(NpyDataset::open(dir).unwrap())
+        .batch_size(10)
+        .workers(48)
+        .build()
+        .unwrap();
+    assert_eq!(loader.workers(), 48);
+    let mut seen: Vec<u64> = (loader.epoch(0).unwrap())
+        .flat_map(|b| b.unwrap().indices().to_vec())
+        .collect();
+    seen.sort_unstable();
+    assert_eq!(seen, (0..1797).collect::<Vec<_>>());
+}
+
+#[test]
 fn digits_end_to_end() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
     let x = NpyArray::open(format!("{dir}/x.npy")).unwrap();

@@ -401,7 +401,10 @@ impl LoaderBuilder {
         let threads_start = Instant::now();
         let planner = match self.plan && !self.dataset.files().is_empty() {
             true => {
-                let ahead = ((64 << 20) / layout.bytes()).clamp(workers.max(4) * 2, 64) as u64;
+                // About 64 MiB of batches, at most 64, and two a worker at the least
+                // (which wins over 32 workers).
+                let least = workers.max(4) * 2;
+                let ahead = ((64 << 20) / layout.bytes()).clamp(least, least.max(64)) as u64;
                 let (tx, rx) = crossbeam_channel::unbounded();
                 let handle =
                     plan::spawn(ahead, rx).map_err(|e| Error::io("<planner thread>", e))?;

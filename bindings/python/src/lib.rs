@@ -428,26 +428,63 @@ impl OpenDataset {
     }
 }
 
+/// Takes turns at the calls that use the loader itself (starting an epoch, resuming,
+/// draining, reading its figures): one at a time, a second thread's call waiting
+/// without the GIL (with `&mut self`, pyo3's borrow flag would fail it instead, with
+/// "Already borrowed", while the first waits for the old epoch's workers).
+#[derive(Default)]
+struct Control {
+    busy: Mutex<bool>,
+    free: std::sync::Condvar,
+}
+
+/// The turn at the loader, until dropped.
+struct Turn<'a>(&'a Control);
+
+impl Control {
+    /// Waits for the turn, without the GIL.
+    fn take(&self, py: Python<'_>) -> Turn<'_> {
+        py.detach(|| {
+            let mut busy = lock(&self.busy);
+            while *busy {
+                busy = self.free.wait(busy).unwrap_or_else(|e| e.into_inner());
+            }
+            *busy = true;
+        });
+        Turn(self)
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        *lock(&self.0.busy) = false;
+        self.0.free.notify_one();
+    }
+}
+
 /// A loader over `.npy` columns, a token file or documents.
 ///
 /// The Rust loader lives on the heap behind `loader` and is reached only through this
 /// pointer: an epoch (`stokehold::Epoch<'static>` in `slot`) borrows it mutably, so the
-/// loader itself is touched only while no epoch is held (each method that needs it ends
-/// the running epoch first), and it is freed only after the slot is emptied (`Drop`).
-/// Every epoch object holds a reference to this object, which therefore outlives them.
+/// loader itself is touched only while no epoch is held, by the holder of the
+/// control's turn (each method that needs it takes the turn and ends the running epoch
+/// first), and it is freed only after the slot is emptied (`Drop`). Every epoch object
+/// holds a reference to this object, which therefore outlives them.
 #[pyclass(module = "stokehold._stokehold", name = "_Loader")]
 struct Loader {
     slot: Slot,
     seen: Seen,
+    control: Control,
     loader: NonNull<stokehold::Loader>,
     shape: Shape,
 }
 
 // SAFETY: `stokehold::Loader` is `Send` and `Sync`; the pointer is owned (a leaked Box)
-// and reached only under the rules above, which pyo3's borrow flag on `&mut self`
-// enforces for the loader and the slot's mutex for the epoch.
+// and reached only under the rules above: the control's turn for the loader, the
+// slot's mutex for the epoch.
 unsafe impl Send for Loader {}
-// SAFETY: as for `Send`: shared access reads only `shape` and locks `slot` or `seen`.
+// SAFETY: as for `Send`: shared access reads `shape`, locks `slot` or `seen`, and
+// reaches the loader only holding the control's turn.
 unsafe impl Sync for Loader {}
 
 impl Drop for Loader {
@@ -704,6 +741,7 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
             stop: None,
             ended: None,
         })),
+        control: Control::default(),
         loader: NonNull::from(Box::leak(Box::new(loader))),
         shape,
     })
@@ -713,17 +751,17 @@ impl Loader {
     /// Ends the running epoch, if any, and returns the loader. The slot is locked with
     /// the GIL released: a thread waiting for a batch holds the lock without the GIL
     /// (and is woken first, by stopping the epoch's workers).
-    fn idle(&mut self, py: Python<'_>) -> &mut stokehold::Loader {
+    fn idle<'t>(&self, py: Python<'_>, _turn: &'t mut Turn<'_>) -> &'t mut stokehold::Loader {
         let (slot, seen) = (Arc::clone(&self.slot), Arc::clone(&self.seen));
         py.detach(move || end_epoch(&slot, &seen, None).generation += 1);
-        // SAFETY: the slot is empty, so nothing else borrows the loader, and `&mut self`
-        // keeps it so for the returned borrow's life.
-        unsafe { self.loader.as_mut() }
+        // SAFETY: the slot is empty, so no epoch borrows the loader, and every other
+        // use of it takes the turn, held (and borrowed) for the returned borrow's life.
+        unsafe { &mut *self.loader.as_ptr() }
     }
 
     /// Notes the loader's state (after a resume or a drained epoch) for `state_json`.
-    fn note_state(&mut self, py: Python<'_>) {
-        let state = self.idle(py).state();
+    fn note_state(&self, py: Python<'_>, turn: &mut Turn<'_>) {
+        let state = self.idle(py, turn).state();
         lock(&self.seen).state = state;
     }
 }
@@ -801,14 +839,15 @@ impl Loader {
     }
 
     /// Starts epoch `epoch` (ending the one running, if any) and returns its batches.
-    fn epoch(mut slf: PyRefMut<'_, Self>, py: Python<'_>, epoch: u64) -> PyResult<Epoch> {
+    fn epoch(slf: PyRef<'_, Self>, py: Python<'_>, epoch: u64) -> PyResult<Epoch> {
         let slot = Arc::clone(&slf.slot);
-        let loader: *mut stokehold::Loader = slf.idle(py);
+        let mut turn = slf.control.take(py);
+        let loader: *mut stokehold::Loader = slf.idle(py, &mut turn);
         let loader = SendPtr(loader);
-        // SAFETY: `idle` emptied the slot, so this is the only borrow of the loader; it
-        // is stored in the slot, which `Drop` empties before freeing the loader, and
-        // the epoch object holds a reference to this object, so the loader outlives
-        // every use of the borrow.
+        // SAFETY: `idle` emptied the slot, and the turn is held until the epoch is in
+        // it: this is the only borrow of the loader; it is stored in the slot, which
+        // `Drop` empties before freeing the loader, and the epoch object holds a
+        // reference to this object, so the loader outlives every use of the borrow.
         let started = py.detach(move || unsafe { (*loader.get()).epoch(epoch) });
         let started: stokehold::Epoch<'static> = started.map_err(error)?;
         let len = started.len();
@@ -822,8 +861,8 @@ impl Loader {
         let seen = Arc::clone(&slf.seen);
         let generation = {
             let (slot, seen) = (Arc::clone(&slot), Arc::clone(&seen));
-            // Nobody else can hold the lock now (this thread holds the only `&mut`), but
-            // it is taken without the GIL all the same, as everywhere.
+            // Nobody else can hold the lock now (this thread holds the turn, and the
+            // slot is empty), but it is taken without the GIL all the same.
             py.detach(move || {
                 let mut running = lock(&slot);
                 let (state, stop) = (started.state(), started.canceller());
@@ -837,6 +876,7 @@ impl Loader {
                 generation
             })
         };
+        drop(turn);
         let columns = slf.shape.columns.clone();
         let quiet = match slf.shape.progress {
             Some(on) => !on,
@@ -878,27 +918,29 @@ impl Loader {
     /// `epoch(e)` for the saved epoch yields exactly the rest of it, or, `elastic`, this
     /// rank's share of what the saving loader's ranks had not taken.
     #[pyo3(signature = (json, elastic=false))]
-    fn resume_json(&mut self, py: Python<'_>, json: &str, elastic: bool) -> PyResult<()> {
+    fn resume_json(&self, py: Python<'_>, json: &str, elastic: bool) -> PyResult<()> {
         let state: LoaderState = serde_json::from_str(json)
             .map_err(|e| Error::new_err(format!("a loader state: {e}")))?;
-        let loader = self.idle(py);
+        let mut turn = self.control.take(py);
+        let loader = self.idle(py, &mut turn);
         let resumed = match elastic {
             true => loader.resume_elastic(state),
             false => loader.resume(state),
         };
-        self.note_state(py);
+        self.note_state(py, &mut turn);
         resumed.map_err(error)
     }
 
     /// Runs epoch `epoch` in Rust, taking every batch and dropping it, with the GIL
     /// released: `(samples, seconds)`, the loader's own speed without Python, for
     /// benchmarks. Ends the running epoch.
-    fn drain(&mut self, py: Python<'_>, epoch: u64) -> PyResult<(u64, f64)> {
-        let loader = SendPtr(self.idle(py));
+    fn drain(&self, py: Python<'_>, epoch: u64) -> PyResult<(u64, f64)> {
+        let mut turn = self.control.take(py);
+        let loader = SendPtr(self.idle(py, &mut turn));
         let drained = py.detach(move || {
             let start = std::time::Instant::now();
-            // SAFETY: `idle` emptied the slot and `&mut self` is held for this call:
-            // this is the only borrow of the loader.
+            // SAFETY: `idle` emptied the slot and the turn is held for this call: this
+            // is the only borrow of the loader.
             let loader = unsafe { &mut *loader.get() };
             let mut samples = 0u64;
             for batch in loader.epoch(epoch)? {
@@ -906,7 +948,7 @@ impl Loader {
             }
             Ok((samples, start.elapsed().as_secs_f64()))
         });
-        self.note_state(py);
+        self.note_state(py, &mut turn);
         drained.map_err(error)
     }
 
@@ -927,9 +969,10 @@ impl Loader {
     }
 
     /// The epoch report's figures of the loader (workers, prefetch, buffers, pool).
-    fn info<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        let loader = self.idle(py);
+        let mut turn = self.control.take(py);
+        let loader = self.idle(py, &mut turn);
         d.set_item("workers", loader.workers())?;
         d.set_item("prefetch", loader.prefetch())?;
         d.set_item("buffers", loader.buffers())?;

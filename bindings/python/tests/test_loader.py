@@ -293,6 +293,32 @@ def test_a_thread_waiting_for_a_buffer_blocks_neither_state_dict_nor_a_new_epoch
     assert sum(len(b) for b in epoch) == N
 
 
+def test_calls_from_other_threads_wait_their_turn(cols):
+    # A checkpointing thread asks for the state and the length while epochs start: it
+    # waits for each start instead of failing with pyo3's "Already borrowed".
+    loader = stokehold.Loader(cols, batch_size=100, workers=2)
+    errors, stop = [], threading.Event()
+
+    def checkpoint():
+        while not stop.is_set():
+            try:
+                loader.state_dict()
+                len(loader)
+            except Exception as e:  # noqa: BLE001: any failure is the finding
+                errors.append(repr(e))
+                return
+
+    t = threading.Thread(target=checkpoint)
+    t.start()
+    try:
+        for e in range(30):
+            assert sum(len(b) for b in loader.epoch(e)) == N
+    finally:
+        stop.set()
+        t.join()
+    assert not errors, errors[0]
+
+
 def test_the_gil_is_released_while_waiting(cols):
     # A Python thread counts while the loader's epochs run: it must get the GIL.
     stop = threading.Event()
