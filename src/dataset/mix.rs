@@ -316,24 +316,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!((m.len(), m.takes()), (50, &[30, 20][..]));
-        let (mut drawn0, mut rest1) = (Vec::new(), Vec::new());
-        for epoch in 0..10 {
-            let v = values(&m, epoch);
-            assert!(v[..30].iter().all(|&x| (1000..1100).contains(&x)), "{v:?}");
-            assert!(v[30..].iter().all(|&x| (5000..5007).contains(&x)), "{v:?}");
-            drawn0.extend_from_slice(&v[..30]);
-            // 20 draws of 7 samples: two whole passes, then 6 of the rest.
-            for pass in [&v[30..37], &v[37..44]] {
-                let mut sorted = pass.to_vec();
-                sorted.sort_unstable();
-                assert_eq!(sorted, (5000..5007).collect::<Vec<u16>>());
-            }
-            rest1.extend_from_slice(&v[44..]);
-            for (i, &x) in v.iter().enumerate() {
-                let (p, s) = m.source(epoch, i as u64).unwrap();
-                assert_eq!(x, [1000, 5000][p] + s as u16);
-            }
-        }
+        // Each run of `n` draws in `drawn` holds samples `first..first + n` once.
         let passes = |drawn: &[u16], n: usize, first: u16| {
             for pass in drawn.chunks_exact(n) {
                 let mut sorted = pass.to_vec();
@@ -341,6 +324,20 @@ mod tests {
                 assert_eq!(sorted, (first..first + n as u16).collect::<Vec<u16>>());
             }
         };
+        let (mut drawn0, mut rest1) = (Vec::new(), Vec::new());
+        for epoch in 0..10 {
+            let v = values(&m, epoch);
+            assert!(v[..30].iter().all(|&x| (1000..1100).contains(&x)), "{v:?}");
+            assert!(v[30..].iter().all(|&x| (5000..5007).contains(&x)), "{v:?}");
+            drawn0.extend_from_slice(&v[..30]);
+            // 20 draws of 7 samples: two whole passes, then 6 of the rest.
+            passes(&v[30..44], 7, 5000);
+            rest1.extend_from_slice(&v[44..]);
+            for (i, &x) in v.iter().enumerate() {
+                let (p, s) = m.source(epoch, i as u64).unwrap();
+                assert_eq!(x, [1000, 5000][p] + s as u16);
+            }
+        }
         passes(&drawn0, 100, 1000);
         // The rests of 10 epochs: 60 draws, 8 passes of the 7 samples and 4 draws.
         passes(&rest1, 7, 5000);

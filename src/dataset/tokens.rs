@@ -210,25 +210,17 @@ impl TokenDataset {
     pub fn header_dtype(path: impl AsRef<Path>) -> Result<Option<DType>> {
         let path = path.as_ref();
         let mut head = [0u8; 8];
-        let mut file = super::open_regular(path)?;
-        let mut got = 0;
-        while got < head.len() {
-            match std::io::Read::read(&mut file, &mut head[got..]) {
-                Ok(0) => break,
-                Ok(n) => got += n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(Error::io(path, e)),
-            }
+        match std::io::Read::read_exact(&mut super::open_regular(path)?, &mut head) {
+            Ok(()) => {}
+            // Shorter than a magic and a version: no header.
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+            Err(e) => return Err(Error::io(path, e)),
         }
         let word =
             |i: usize| i32::from_le_bytes(head[4 * i..4 * i + 4].try_into().expect("4 bytes"));
-        Ok((got == head.len())
-            .then(|| {
-                LLMC_FORMATS
-                    .iter()
-                    .find(|f| f.0 == word(0) && f.1 == word(1))
-            })
-            .flatten()
+        Ok(LLMC_FORMATS
+            .iter()
+            .find(|f| f.0 == word(0) && f.1 == word(1))
             .map(|f| f.2))
     }
 

@@ -115,7 +115,6 @@ fn dl_dtype(d: DType) -> DLDataType {
 /// The device side of a loader: its slots, lent one batch at a time.
 pub(crate) type Slots = Arc<Mutex<DeviceSlots>>;
 
-/// Copies `batch` into a device slot of `slots` (without the GIL: it may wait for one).
 /// Waits for a free device slot and keeps it for the next `lend`, with the GIL
 /// released: called before a batch is taken from the epoch, so that a loop holding
 /// every slot gets its error with the batch still in the epoch.
@@ -125,6 +124,7 @@ pub(crate) fn reserve(py: Python<'_>, slots: &Slots) -> PyResult<()> {
         .map_err(error)
 }
 
+/// Copies `batch` into a device slot of `slots` (without the GIL: it may wait for one).
 pub(crate) fn lend(
     py: Python<'_>,
     slots: &Slots,

@@ -221,29 +221,8 @@ impl OpenDataset {
         let data = path.display().to_string();
         Self::opened(py, data, move || {
             let ds: Arc<dyn Dataset> = match path.extension().is_some_and(|e| e == "npy") {
-                _ if litdata => {
-                    let set = LitData::open(&path)?;
-                    if let Some(d) = named.filter(|&d| d != set.dtype()) {
-                        return Err(stokehold::Error::Config(format!(
-                            "dtype {d} was asked for, and the LitData set at {} holds {} \
-                             tokens",
-                            path.display(),
-                            set.dtype()
-                        )));
-                    }
-                    Arc::new(set.windows(seq_len, windows)?)
-                }
-                true => {
-                    let ds = TokenDataset::open_npy(&path, seq_len, windows)?;
-                    let held = ds.columns()[0].dtype;
-                    if let Some(d) = named.filter(|&d| d != held) {
-                        return Err(stokehold::Error::Config(format!(
-                            "dtype {d} was asked for, and {} holds {held} tokens",
-                            path.display()
-                        )));
-                    }
-                    Arc::new(ds)
-                }
+                _ if litdata => Arc::new(LitData::open(&path)?.windows(seq_len, windows)?),
+                true => Arc::new(TokenDataset::open_npy(&path, seq_len, windows)?),
                 false => {
                     let dtype = match named {
                         Some(d) => d,
@@ -252,6 +231,14 @@ impl OpenDataset {
                     Arc::new(TokenDataset::open_bin(&path, dtype, seq_len, windows)?)
                 }
             };
+            // A LitData set and a `.npy` hold their own type (a `.bin` checked it).
+            let held = ds.columns()[0].dtype;
+            if let Some(d) = named.filter(|&d| d != held) {
+                return Err(stokehold::Error::Config(format!(
+                    "dtype {d} was asked for, and {} holds {held} tokens",
+                    path.display()
+                )));
+            }
             Ok(ds)
         })
     }
@@ -760,8 +747,7 @@ impl Loader {
     }
 
     /// Notes the loader's state (after a resume or a drained epoch) for `state_json`.
-    fn note_state(&self, py: Python<'_>, turn: &mut Turn<'_>) {
-        let state = self.idle(py, turn).state();
+    fn note_state(&self, state: LoaderState) {
         lock(&self.seen).state = state;
     }
 }
@@ -927,7 +913,7 @@ impl Loader {
             true => loader.resume_elastic(state),
             false => loader.resume(state),
         };
-        self.note_state(py, &mut turn);
+        self.note_state(loader.state());
         resumed.map_err(error)
     }
 
@@ -937,18 +923,21 @@ impl Loader {
     fn drain(&self, py: Python<'_>, epoch: u64) -> PyResult<(u64, f64)> {
         let mut turn = self.control.take(py);
         let loader = SendPtr(self.idle(py, &mut turn));
-        let drained = py.detach(move || {
+        let (drained, state) = py.detach(move || {
             let start = std::time::Instant::now();
             // SAFETY: `idle` emptied the slot and the turn is held for this call: this
             // is the only borrow of the loader.
             let loader = unsafe { &mut *loader.get() };
-            let mut samples = 0u64;
-            for batch in loader.epoch(epoch)? {
-                samples += batch?.len() as u64;
-            }
-            Ok((samples, start.elapsed().as_secs_f64()))
+            let drained = (|| {
+                let mut samples = 0u64;
+                for batch in loader.epoch(epoch)? {
+                    samples += batch?.len() as u64;
+                }
+                Ok((samples, start.elapsed().as_secs_f64()))
+            })();
+            (drained, loader.state())
         });
-        self.note_state(py, &mut turn);
+        self.note_state(state);
         drained.map_err(error)
     }
 

@@ -105,8 +105,8 @@ class Batch(_Columns):
     """One batch: ``batch[name]`` is column ``name`` (a file stem, ``"x"`` for ``x.npy``)
     as a NumPy array of shape ``(len(batch), *sample_shape)``, viewing the loader's
     buffer. ``batch.indices`` are the samples (``uint64``, read-only). The columns'
-    arrays are writeable (as DLPack consumers need); the buffer is the batch's own until it returns to the pool,
-    and writing it changes no file."""
+    arrays are writeable (as DLPack consumers need); the buffer is the batch's own
+    until it returns to the pool, and writing it changes no file."""
 
     __slots__ = ()
 
@@ -261,8 +261,9 @@ class Loader:
     ``held + 2`` batch slots; a loop keeping more device batches alive than ``held``
     gets ``stokehold.Error`` (after a second) instead of waiting forever, unless a batch
     it keeps is in use on another thread, which is waited for. The batch it asked for
-    stays in the epoch: once it lets one go, the epoch goes on from there. Without a usable CUDA
-    driver and device, ``device="cuda"`` raises ``stokehold.Error`` saying why.
+    stays in the epoch: once it lets one go, the epoch goes on from there. Without a
+    usable CUDA driver and device, ``device="cuda"`` raises ``stokehold.Error`` saying
+    why.
 
     ``augment`` (an ``Augment``) crops, flips and normalises an image column.
 
