@@ -217,12 +217,14 @@ struct Read {
 /// of the ring, a panic that unwinds through the worker), the reads still in flight are
 /// waited for before the buffer is touched again ([`Reader::settle`], and `Drop`); if
 /// they cannot be, the buffer is leaked and the reader is `broken`: the worker gathers
-/// through the mapping from then on.
+/// through the mapping from then on. It does too once the file system has `refused` a
+/// direct read that it let the file be opened for.
 pub(crate) struct Reader {
     ring: IoUring,
     buf: Option<Box<dyn HostMemory>>,
     in_flight: u32,
     broken: bool,
+    refused: bool,
     rows: Vec<Row>,
     reads: Vec<Read>,
     order: Vec<u32>,
@@ -248,6 +250,7 @@ impl Reader {
             buf: None,
             in_flight: 0,
             broken: false,
+            refused: false,
             rows: Vec::new(),
             reads: Vec::new(),
             order: Vec::new(),
@@ -294,7 +297,10 @@ impl Reader {
     /// by reading the byte ranges `locate` gives from `sources` (one per file of
     /// `dataset`). Returns `Ok(false)`, having read nothing, where `locate` does not
     /// describe the gather (not one range per column of its row's length, in column
-    /// order): the caller then gathers through the dataset.
+    /// order), or where the file system refuses direct reads of a file it let be opened
+    /// with `O_DIRECT` (`EINVAL` or `EOPNOTSUPP` when read: some network and FUSE file
+    /// systems): the caller then gathers through the dataset, as this reader's later
+    /// calls leave it to.
     ///
     /// # Errors
     /// [`Error::Io`] naming the file for a failed read; [`Error::Dataset`] naming it for
@@ -310,7 +316,10 @@ impl Reader {
         let columns = dataset.columns();
         check_out(columns, indices.len(), out)?;
         self.settle();
-        if self.broken || !locate(dataset, sources.len(), epoch, indices, &mut self.rows) {
+        if self.broken
+            || self.refused
+            || !locate(dataset, sources.len(), epoch, indices, &mut self.rows)
+        {
             return Ok(false);
         }
         let files = dataset.files();
@@ -318,7 +327,10 @@ impl Reader {
             return Ok(false);
         }
         self.merge(sources, &files)?;
-        self.read_all(sources, &files)?;
+        if !self.read_all(sources, &files)? {
+            self.refused = true;
+            return Ok(false);
+        }
         let buf = self.buf.as_ref().map_or(&[][..], |b| {
             // SAFETY: `HostMemory` guarantees `len` initialised bytes at `as_ptr`, owned
             // by `b`; no read is in flight (`read_all` drained the ring).
@@ -410,16 +422,20 @@ impl Reader {
     /// returns, error or not, unless the ring itself fails: the buffer is then leaked
     /// (the kernel may still write it) and the reader is broken. A panic out of here
     /// leaves `in_flight` counted, for [`settle`](Reader::settle) or `Drop`.
-    fn read_all(&mut self, sources: &[Source], files: &[MappedFile<'_>]) -> Result<()> {
+    ///
+    /// Returns `Ok(false)` where the file system refused a direct read as such
+    /// ([`refusal`]), after the reads in flight have completed.
+    fn read_all(&mut self, sources: &[Source], files: &[MappedFile<'_>]) -> Result<bool> {
         let base = match &self.buf {
             Some(b) => b.as_ptr(),
-            None => return Ok(()),
+            None => return Ok(true),
         };
         self.queue.clear();
         self.queue.extend((0..self.reads.len() as u32).rev());
         let mut failed = None::<Error>;
+        let mut refused = false;
         loop {
-            if failed.is_none() {
+            if failed.is_none() && !refused {
                 let mut sq = self.ring.submission();
                 while self.in_flight < DEPTH {
                     let Some(&r) = self.queue.last() else { break };
@@ -466,6 +482,8 @@ impl Reader {
                 let file = files[read.file as usize];
                 if res == -libc::EINTR || res == -libc::EAGAIN {
                     self.queue.push(r);
+                } else if res < 0 && sources[read.file as usize].is_direct() && refusal(-res) {
+                    refused = true;
                 } else if res < 0 {
                     let e = std::io::Error::from_raw_os_error(-res);
                     failed.get_or_insert(Error::io(file.path(), e));
@@ -491,9 +509,16 @@ impl Reader {
         }
         match failed {
             Some(e) => Err(e),
-            None => Ok(()),
+            None => Ok(!refused),
         }
     }
+}
+
+/// Whether a direct read's error says the file system will not read this file (or these
+/// offsets) directly, rather than that the read failed: the same bytes can still be read
+/// through the mapping.
+fn refusal(errno: i32) -> bool {
+    errno == libc::EINVAL || errno == libc::EOPNOTSUPP
 }
 
 /// An error of `io_uring_enter` after which the ring is still sound: a signal, or no
@@ -510,5 +535,47 @@ impl Drop for Reader {
         // The ring's teardown does not wait for reads in flight; the buffer must
         // outlive them.
         self.settle();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataset::{DType, NpyDataset};
+    use crate::gen::NpyWriter;
+
+    /// Rows of 100 bytes: no row but the first starts on a sector.
+    const WIDTH: usize = 100;
+
+    #[test]
+    fn a_direct_read_refused_when_made_falls_back_to_the_mapping() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.npy");
+        let mut w = NpyWriter::create(&path, DType::U8, &[64, WIDTH as u64]).unwrap();
+        for (k, b) in w.data_mut().iter_mut().enumerate() {
+            *b = (k / WIDTH) as u8 ^ (k % WIDTH) as u8;
+        }
+        w.finish().unwrap();
+        let ds = NpyDataset::open(&path).unwrap();
+        let (Ok(file), Ok(mut reader)) = (open_direct(&path), Reader::new()) else {
+            eprintln!("skipped: no O_DIRECT or no io_uring here");
+            return;
+        };
+        // A file opened with O_DIRECT whose reads are refused: the alignment the reader
+        // is told (2 bytes) is one that ext4, xfs or btrfs will not read directly, which
+        // stands for a file system that refuses every direct read at read time.
+        let sources = [Source { file, align: 2 }];
+        let indices = [3u64, 17, 40];
+        let mut want = vec![0u8; indices.len() * WIDTH];
+        ds.gather(0, &indices, &mut [&mut want[..]]).unwrap();
+        for _ in 0..2 {
+            let mut got = vec![0u8; indices.len() * WIDTH];
+            match reader.gather(&ds, &sources, 0, &indices, &mut [&mut got[..]]) {
+                Ok(true) => assert!(got == want, "read directly, the rows differ"),
+                Ok(false) => assert!(reader.refused),
+                Err(e) => panic!("a refused direct read failed the batch: {e}"),
+            }
+        }
+        assert_eq!(reader.in_flight, 0);
     }
 }

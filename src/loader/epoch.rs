@@ -131,14 +131,29 @@ impl<'a> Epoch<'a> {
 
     /// What the consumer side measured so far.
     pub fn stats(&self) -> EpochStats {
-        let read = crate::pagecache::storage_read_bytes();
+        EpochStats {
+            bytes_read: crate::pagecache::storage_read_since(self.read_at_start),
+            ..self.counts()
+        }
+    }
+
+    /// [`stats`](Epoch::stats) bar `bytes_read` (left 0), without the system call that
+    /// reads the storage counter: cheap enough to take after every batch, for a view of
+    /// the epoch that another thread reads (with [`read_at_start`](Epoch::read_at_start)
+    /// for the bytes read).
+    pub fn counts(&self) -> EpochStats {
         EpochStats {
             storage: self.job.storage,
-            bytes_read: read
-                .zip(self.read_at_start)
-                .map_or(0, |(n, s)| n.saturating_sub(s)),
+            bytes_read: 0,
             ..self.stats
         }
+    }
+
+    /// The process's storage read counter (`read_bytes` of `/proc/self/io`) when the
+    /// epoch started, which `stats().bytes_read` counts from; `None` where the kernel
+    /// does not say.
+    pub fn read_at_start(&self) -> Option<u64> {
+        self.read_at_start
     }
 
     fn deliver(&mut self, done: Done, asked: Instant, waited: Duration) -> Result<HostBatch> {

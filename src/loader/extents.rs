@@ -651,6 +651,16 @@ impl Drop for Closing<'_> {
     }
 }
 
+/// Releases every extent of `store` when dropped (the planner done with the epoch, or
+/// unwinding from a panic in a dataset's code), once no reader is left to fill one.
+pub(crate) struct Clearing<'a>(pub(crate) &'a Extents);
+
+impl Drop for Clearing<'_> {
+    fn drop(&mut self) {
+        self.0.clear();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -35,7 +35,7 @@ use std::time::Duration;
 
 use crossbeam_channel::Receiver;
 
-use super::extents::{Closing, Extents, Window, READERS};
+use super::extents::{Clearing, Closing, Extents, Window, READERS};
 use super::worker::{Assignment, Job};
 use crate::dataset::{Dataset, MappedFile};
 use crate::pagecache::{
@@ -311,6 +311,9 @@ fn plan_epoch(job: &Job, ahead: u64) {
         return plan_files(job, ahead, None);
     };
     let alive = &std::sync::atomic::AtomicUsize::new(READERS);
+    // Dropped after the scope has waited for the readers, even when a dataset's
+    // `locate` panics in `plan_files`: the extents' buffers go then, not with the epoch.
+    let _clearing = Clearing(extents);
     std::thread::scope(|s| {
         // Closed before the scope waits for the readers, even when unwinding.
         let _closing = Closing(extents);
@@ -339,7 +342,6 @@ fn plan_epoch(job: &Job, ahead: u64) {
         }
         plan_files(job, ahead, Some(extents));
     });
-    extents.clear();
 }
 
 fn plan_files(job: &Job, ahead: u64, extents: Option<&Arc<Extents>>) {

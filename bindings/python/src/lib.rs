@@ -60,6 +60,37 @@ struct Glance {
     stop: Option<(u64, stokehold::Canceller)>,
     /// The generation of an epoch being ended: a `__next__` its cancel woke says so.
     ended: Option<u64>,
+    /// The running epoch's figures as its last `__next__` left them, for `stats()`
+    /// and `row()` from any thread.
+    shown: Option<Shown>,
+}
+
+/// An epoch's figures, seen from beside the slot.
+#[derive(Clone, Copy)]
+struct Shown {
+    generation: u64,
+    /// `Epoch::counts`: its stats bar the bytes read.
+    counts: stokehold::EpochStats,
+    /// The storage read counter when it started (`Epoch::read_at_start`).
+    read_at_start: Option<u64>,
+}
+
+impl Shown {
+    fn of(generation: u64, epoch: &stokehold::Epoch<'_>) -> Shown {
+        Shown {
+            generation,
+            counts: epoch.counts(),
+            read_at_start: epoch.read_at_start(),
+        }
+    }
+
+    /// The epoch's stats now, as `Epoch::stats` gives them.
+    fn stats(&self) -> stokehold::EpochStats {
+        stokehold::EpochStats {
+            bytes_read: pagecache::storage_read_since(self.read_at_start),
+            ..self.counts
+        }
+    }
 }
 
 type Seen = Arc<Mutex<Glance>>;
@@ -727,6 +758,7 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
             state: loader.state(),
             stop: None,
             ended: None,
+            shown: None,
         })),
         control: Control::default(),
         loader: NonNull::from(Box::leak(Box::new(loader))),
@@ -851,14 +883,14 @@ impl Loader {
             // slot is empty), but it is taken without the GIL all the same.
             py.detach(move || {
                 let mut running = lock(&slot);
-                let (state, stop) = (started.state(), started.canceller());
-                running.epoch = Some(started);
                 let generation = running.generation;
                 *lock(&seen) = Glance {
-                    state,
-                    stop: Some((generation, stop)),
+                    state: started.state(),
+                    stop: Some((generation, started.canceller())),
                     ended: None,
+                    shown: Some(Shown::of(generation, &started)),
                 };
+                running.epoch = Some(started);
                 generation
             })
         };
@@ -991,15 +1023,20 @@ struct Epoch {
 impl Epoch {
     /// The loader's figures of this epoch so far; `None` once it was ended.
     fn loader_stats(&self, py: Python<'_>) -> Option<stokehold::EpochStats> {
-        let slot = Arc::clone(&self.slot);
+        let seen = Arc::clone(&self.seen);
         let generation = self.generation;
-        py.detach(move || {
-            let running = lock(&slot);
-            match running.generation == generation {
-                true => running.epoch.as_ref().map(|e| e.stats()),
-                false => None,
+        // From the glance, not the slot: a thread waiting in `__next__` for a buffer
+        // that this thread's batches hold keeps the slot locked.
+        let shown = py.detach(move || {
+            let glance = lock(&seen);
+            match glance.shown {
+                Some(s) if s.generation == generation && glance.ended != Some(generation) => {
+                    Some(s)
+                }
+                _ => None,
             }
-        })
+        });
+        shown.map(|s| s.stats())
     }
 
     /// Ends the progress bar, if any.
@@ -1043,6 +1080,7 @@ impl Epoch {
             }
             if let Some(e) = &running.epoch {
                 glance.state = e.state();
+                glance.shown = Some(Shown::of(generation, e));
             }
             Ok(next)
         });

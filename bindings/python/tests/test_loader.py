@@ -252,13 +252,15 @@ def test_batches_consumed_on_another_thread(cols):
 
 def test_a_thread_waiting_for_a_buffer_blocks_neither_state_dict_nor_a_new_epoch(cols):
     # A loading thread puts batches in a queue this thread reads, and waits for a buffer
-    # that the queued batches keep: a checkpoint here must not wait for it.
+    # that the queued batches keep: a checkpoint or the epoch's figures taken here must
+    # not wait for it.
     loader = stokehold.Loader(cols, batch_size=50, workers=2, prefetch=2, held=2)
     q, ended = queue.Queue(), []
+    running = loader.epoch(0)
 
     def load():
         try:
-            for b in loader.epoch(0):
+            for b in running:
                 q.put(b)
         except stokehold.Error as e:
             ended.append(str(e))
@@ -282,11 +284,15 @@ def test_a_thread_waiting_for_a_buffer_blocks_neither_state_dict_nor_a_new_epoch
 
     state = within(5, loader.state_dict)
     assert (state["epoch"], state["batch"]) == (0, 4)
+    stats = within(5, running.stats)
+    assert (stats["batches"], stats["samples"]) == (4, 200)
     # A new epoch ends the old one, waking the loading thread with an error.
     epoch = within(5, lambda: loader.epoch(1))
     loading.join(5)
     assert not loading.is_alive()
     assert len(ended) == 1 and "this epoch was ended" in ended[0]
+    with pytest.raises(stokehold.Error, match="this epoch was ended"):
+        running.stats()
     del first
     while not q.empty():
         q.get()
