@@ -32,6 +32,13 @@ step() {
   tail -n "${TAIL:-20}" "$out/step.tmp"; rm -f "$out/step.tmp"
   if [ "$rc" != 0 ]; then failed=$((failed + 1)); fi
 }
+# python_env: the wheel from the bundle, with pytest, in a virtual environment over the
+# machine's own NumPy and PyTorch, at $venv.
+venv=/tmp/stokehold-py
+python_env() {
+  step python-install 120 bash -c "rm -rf $venv && python3 -m venv --system-site-packages $venv && \
+    $venv/bin/pip install -q --no-index --find-links .gpu/wheels stokehold pytest"
+}
 finish() {
   echo "== phase $phase: $failed step(s) failed" | tee -a "$log"
   [ "$failed" = 0 ]

@@ -11,9 +11,7 @@ rm -rf "$STOKEHOLD_CACHE"
 step nvrtc 120 .gpu/test-kernels_compile --nocapture
 step example-05 60 .gpu/example-05
 step gpu-tests 300 .gpu/test-gpu --nocapture --test-threads=1
-venv=/tmp/stokehold-py
-step python-install 120 bash -c "rm -rf $venv && python3 -m venv --system-site-packages $venv && \
-  $venv/bin/pip install -q --no-index --find-links .gpu/wheels stokehold pytest"
+python_env
 step python-device 180 $venv/bin/python -m pytest -q -p no:cacheprovider \
   bindings/python/tests/test_device.py -k torch
 # The toolkit's libraries, which the candle-cuda binaries link (cuBLAS, cuRAND, runtime).

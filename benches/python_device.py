@@ -1,0 +1,170 @@
+"""Batches on a CUDA device from Python, on the same files, cores and batch size, each
+read by a PyTorch step on the GPU (one reduction kernel per batch, so that the batch's
+bytes are used on the device and nothing else limits the rate):
+
+- ``stokehold_device``: ``Loader(device="cuda")``, the batch gathered into pinned memory
+  by the workers, copied on stokehold's own stream, and handed to torch through DLPack;
+- ``stokehold_host``: the host loader, each batch then copied by torch
+  (``torch.from_dlpack(b["x"]).to("cuda", non_blocking=True)``);
+- ``torch_pinned``: PyTorch's DataLoader (2 worker processes, ``pin_memory=True``), then
+  ``.to("cuda", non_blocking=True)``: what a PyTorch training loop does;
+
+and, with a random crop (padding 4), a flip and a normalisation to ``float32``:
+
+- ``stokehold_device_augment``: ``device="cuda", augment=``: the raw bytes copied, the
+  GPU augments them;
+- ``stokehold_host_augment``: ``augment=`` on the host loader (the workers augment),
+  then four times the bytes copied by torch;
+- ``torch_gpu_augment``: PyTorch's DataLoader with pinned memory, the ``uint8`` batch
+  copied, then augmented by torch operations on the GPU.
+
+One command, one process; the figures are ratios. On a machine without a GPU it says so
+and measures nothing (and fails where ``STOKEHOLD_REQUIRE_GPU=1``); ``--torch-device cpu``
+runs the same loops with host batches and torch on the CPU, to check the script.
+
+    pip install ./bindings/python torch
+    python benches/python_device.py [--data data/cifar] [--batches 300] [--json FILE]
+
+The files are read once first so every loader reads a warm page cache.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+import stokehold
+from python_loaders import options, read_once  # this directory is on sys.path when run as a script
+
+MEAN = (0.4914, 0.4822, 0.4465)
+STD = (0.2470, 0.2435, 0.2616)
+PAD = 4
+
+
+class Npy(Dataset):
+    """x.npy and y.npy, memory-mapped, batched through ``__getitems__``."""
+
+    def __init__(self, root: Path):
+        self.x = np.load(root / "x.npy", mmap_mode="r")
+        self.y = np.load(root / "y.npy", mmap_mode="r")
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitems__(self, indices):
+        idx = np.sort(np.asarray(indices))
+        return [(torch.from_numpy(self.x[idx]), torch.from_numpy(self.y[idx]))]
+
+
+def first(items):
+    return items[0]
+
+
+def augment_on(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """A batch of ``uint8`` images (n, c, h, w) padded, cropped, flipped and normalised
+    by torch operations on the tensor's device."""
+    n, c, h, w = x.shape
+    dev = x.device
+    x = F.pad(x, (PAD, PAD, PAD, PAD))
+    dy = torch.randint(0, 2 * PAD + 1, (n, 1, 1), device=dev)
+    dx = torch.randint(0, 2 * PAD + 1, (n, 1, 1), device=dev)
+    flip = torch.rand(n, 1, 1, device=dev) < 0.5
+    rows = dy + torch.arange(h, device=dev).view(1, h, 1)
+    cols = torch.arange(w, device=dev).view(1, 1, w)
+    cols = dx + torch.where(flip, w - 1 - cols, cols)
+    x = x[torch.arange(n, device=dev).view(n, 1, 1, 1), torch.arange(c, device=dev).view(1, c, 1, 1),
+          rows.unsqueeze(1), cols.unsqueeze(1)]
+    return (x.float() / 255 - mean) / std
+
+
+def main() -> None:
+    args = options(__doc__, data="data/cifar", batch=256, workers=2, batches=300, torch_device="cuda")
+    dev = torch.device(args.torch_device)
+    on_gpu = dev.type == "cuda"
+    if on_gpu and not torch.cuda.is_available():
+        print("python_device: torch sees no GPU: nothing measured")
+        sys.exit(1 if os.environ.get("STOKEHOLD_REQUIRE_GPU") == "1" else 0)
+    root = Path(args.data)
+    read_once(root / f for f in ("x.npy", "y.npy"))
+    torch.set_num_threads(1)
+    device = str(dev) if on_gpu else None
+    mean = torch.tensor(MEAN, device=dev).view(1, 3, 1, 1)
+    std = torch.tensor(STD, device=dev).view(1, 3, 1, 1)
+    aug = stokehold.Augment("x", crop=PAD, flip=True, mean=MEAN, std=STD)
+    common = dict(batch_size=args.batch, shuffle="full", seed=0, workers=args.workers)
+
+    def sync():
+        if on_gpu:
+            torch.cuda.synchronize(dev)
+
+    def timed(batches, xs):
+        """Seconds for the first `batches` tensors of `xs` to be reduced on `dev`, and
+        their samples; the last reduction is waited for."""
+        sync()
+        t = time.perf_counter()
+        samples, acc = 0, torch.zeros((), device=dev)
+        for k, x in enumerate(xs):
+            assert x.device.type == dev.type, x.device
+            acc += x.float().mean()
+            samples += len(x)
+            del x
+            if k + 1 == batches:
+                break
+        sync()
+        assert torch.isfinite(acc)
+        return time.perf_counter() - t, samples
+
+    def stoke(loader, to, epoch=1):
+        """Two passes over `batches` batches of `loader` (threads, pool, slots warm),
+        each batch's "x" through `to`; the second timed."""
+        def run():
+            return timed(args.batches, (to(torch.from_dlpack(b["x"])) for b in loader.epoch(epoch)))
+        run()
+        return run()
+
+    def copy(x):
+        return x.to(dev, non_blocking=True)
+
+    results = {}
+    results["stokehold_device"] = stoke(stokehold.Loader(root, device=device, **common), lambda x: x)
+    results["stokehold_host"] = stoke(stokehold.Loader(root, **common), copy)
+    results["stokehold_device_augment"] = stoke(
+        stokehold.Loader(root, device=device, augment=aug, **common), lambda x: x)
+    results["stokehold_host_augment"] = stoke(stokehold.Loader(root, augment=aug, **common), copy)
+    dl = DataLoader(Npy(root), batch_size=args.batch, shuffle=True, num_workers=args.workers,
+                    collate_fn=first, pin_memory=on_gpu, persistent_workers=True, prefetch_factor=4)
+    timed(4, (copy(x) for x, _ in dl))  # workers started
+    results["torch_pinned"] = timed(args.batches, (copy(x) for x, _ in dl))
+    results["torch_gpu_augment"] = timed(
+        args.batches, (augment_on(copy(x), mean, std) for x, _ in dl))
+
+    rate = {k: s / t for k, (t, s) in results.items()}
+    for k, r in rate.items():
+        print(f"{k:26s} {r:12,.0f} samples/s")
+    out = {
+        "device": torch.cuda.get_device_name(dev) if on_gpu else "cpu",
+        "samples_per_s": rate,
+        "device_vs_host": rate["stokehold_device"] / rate["stokehold_host"],
+        "device_vs_torch_pinned": rate["stokehold_device"] / rate["torch_pinned"],
+        "device_augment_vs_host_augment":
+            rate["stokehold_device_augment"] / rate["stokehold_host_augment"],
+        "device_augment_vs_torch_gpu_augment":
+            rate["stokehold_device_augment"] / rate["torch_gpu_augment"],
+        "device_augment_vs_device": rate["stokehold_device_augment"] / rate["stokehold_device"],
+        "batch": args.batch,
+        "workers": args.workers,
+        "batches": args.batches,
+    }
+    print(json.dumps({k: v for k, v in out.items() if k != "samples_per_s"}))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
