@@ -13,6 +13,13 @@ pub(crate) const fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// A non-zero hash of `parts`, for fingerprints of orders and datasets.
+pub(crate) fn fold(parts: impl IntoIterator<Item = u64>) -> u64 {
+    parts.into_iter().fold(0x006f_7264_6572u64, |h, v| {
+        mix(h ^ mix(v.wrapping_add(0x9e37_79b9_7f4a_7c15)))
+    }) | 1
+}
+
 /// Bytes as megabytes, with a decimal where the figure is small (`0.13 MB`, `616 MB`).
 pub fn megabytes(bytes: u64) -> String {
     let mb = bytes as f64 / 1e6;

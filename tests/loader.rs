@@ -577,12 +577,27 @@ fn a_resume_is_neither_lost_nor_misapplied() {
     // Asking for an earlier epoch first would silently drop the resume: refused.
     let mut resumed = mk(1).resume(state).build().unwrap();
     assert!(matches!(resumed.epoch(0), Err(Error::Config(_))));
+    // An epoch dropped before its first batch leaves the resume standing, as the
+    // state still says.
     assert_eq!(resumed.epoch(3).unwrap().len(), 9);
-    // Once used, the resume is spent: the same epoch again is whole.
+    assert_eq!(resumed.state(), state);
+    let mut rest = resumed.epoch(3).unwrap();
+    assert_eq!(rest.len(), 9);
+    assert_eq!(rest.next().unwrap().unwrap().number(), 1);
+    drop(rest);
+    // Once an epoch of it has delivered a batch, the resume is spent: the same epoch
+    // again is whole.
     assert_eq!(resumed.epoch(3).unwrap().len(), 10);
     // A hand-made state (no fingerprint) is accepted.
     let mut manual = mk(2).resume(LoaderState::new(1, 4)).build().unwrap();
     assert_eq!(manual.epoch(1).unwrap().len(), 6);
+    // In JSON, a misspelt key is an error: read as a missing `order`, it would turn
+    // the check off.
+    let json = serde_json::to_string(&state).unwrap();
+    assert_eq!(serde_json::from_str::<LoaderState>(&json).unwrap(), state);
+    let misspelt = json.replace("\"order\"", "\"ordr\"");
+    let err = serde_json::from_str::<LoaderState>(&misspelt).unwrap_err();
+    assert!(err.to_string().contains("ordr"), "{err}");
 }
 
 #[test]

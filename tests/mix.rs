@@ -170,3 +170,81 @@ fn a_downsampled_part_serves_all_its_windows_before_any_again() {
     let next: HashSet<u64> = next.iter().map(|(_, (_, s))| *s).collect();
     assert_eq!(next.len(), 3500 - 3124);
 }
+
+#[test]
+fn a_state_over_the_same_files_opened_otherwise_is_refused() {
+    // Each set below has the same length and the same files as the first, and serves
+    // other samples at the same positions: a state saved over one must not resume the
+    // rest of its epoch over another.
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path());
+    let web = dir.path().join("web.bin");
+    let tokens = |w: Windows, seq: usize| -> Arc<dyn Dataset> {
+        Arc::new(TokenDataset::open_bin(&web, DType::U16, seq, w).unwrap())
+    };
+    let random = |seed| Windows::Random { seed };
+    let mixed = |weights: &[f64], seed| -> Arc<dyn Dataset> {
+        Arc::new(Mix::new(parts(dir.path()), weights, Some(1000), seed).unwrap())
+    };
+    let joined = |order: [usize; 2]| -> Arc<dyn Dataset> {
+        let p = parts(dir.path());
+        Arc::new(stokehold::Concat::new(vec![p[order[0]].clone(), p[order[1]].clone()]).unwrap())
+    };
+    let cut = |start: u64| -> Arc<dyn Dataset> {
+        Arc::new(stokehold::Subset::new(tokens(random(1), SEQ), start..start + 1000).unwrap())
+    };
+    type Set = Arc<dyn Dataset>;
+    let pairs: Vec<(&str, Set, Set)> = vec![
+        (
+            "window seed",
+            tokens(random(1), SEQ),
+            tokens(random(2), SEQ),
+        ),
+        (
+            "window kind",
+            tokens(random(1), SEQ),
+            tokens(Windows::Consecutive, SEQ),
+        ),
+        (
+            "mix weights",
+            mixed(&[0.5, 0.25, 0.15, 0.1], 17),
+            mixed(&[0.4, 0.35, 0.15, 0.1], 17),
+        ),
+        (
+            "mix seed",
+            mixed(&[0.5, 0.25, 0.15, 0.1], 17),
+            mixed(&[0.5, 0.25, 0.15, 0.1], 18),
+        ),
+        ("concat order", joined([2, 3]), joined([3, 2])),
+        ("subset start", cut(0), cut(1000)),
+    ];
+    for (what, saved, other) in pairs {
+        assert_eq!(saved.len(), other.len(), "{what}: the lengths must agree");
+        let build = |ds: Arc<dyn Dataset>, resume: Option<LoaderState>| {
+            let b = Loader::builder(ds).batch_size(10).shuffle(Shuffle::None);
+            match resume {
+                Some(s) => b.resume(s).build(),
+                None => b.build(),
+            }
+        };
+        let state = {
+            let mut loader = build(saved.clone(), None).unwrap();
+            let mut epoch = loader.epoch(0).unwrap();
+            epoch.next().unwrap().unwrap();
+            epoch.state()
+        };
+        assert!(
+            build(saved, Some(state)).is_ok(),
+            "{what}: the same set resumes"
+        );
+        let err = build(other.clone(), Some(state)).unwrap_err();
+        assert!(err.to_string().contains("another order"), "{what}: {err}");
+        let mut elastic = Loader::builder(other).batch_size(10).shuffle(Shuffle::None);
+        elastic = elastic.resume_elastic(state);
+        let err = elastic.build().unwrap_err();
+        assert!(
+            err.to_string().contains("another global order"),
+            "{what}: {err}"
+        );
+    }
+}

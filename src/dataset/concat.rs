@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use super::{check_out, Column, Dataset, MappedFile};
 use crate::error::{Error, Result};
+use crate::util::fold;
 
 /// The samples of `parts`, in order, renumbered from 0: sample `i` of the second part
 /// is sample `parts[0].len() + i` of the whole.
@@ -100,6 +101,11 @@ impl Concat {
 }
 
 impl Dataset for Concat {
+    /// Covers the parts in order: each one's length and fingerprint.
+    fn fingerprint(&self) -> u64 {
+        fold(self.parts.iter().flat_map(|p| [p.len(), p.fingerprint()]))
+    }
+
     fn len(&self) -> u64 {
         self.ends.last().copied().unwrap_or(0)
     }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use super::{Column, Concat, Dataset, MappedFile};
 use crate::error::{Error, Result};
 use crate::permutation::Permutation;
-use crate::util::mix;
+use crate::util::{fold, mix};
 
 /// `parts` mixed by `weights`: an epoch of `samples` samples, of which part `p` gives
 /// its share `weights[p] / sum(weights)` (rounded, the shares summing to `samples`;
@@ -221,6 +221,16 @@ fn apportion(weights: &[f64], total: u64) -> Vec<u64> {
 }
 
 impl Dataset for Mix {
+    /// Covers the parts (as a [`Concat`] of them does), each part's share of an epoch
+    /// and the seed of their orders.
+    fn fingerprint(&self) -> u64 {
+        fold(
+            [self.parts.fingerprint(), self.seed]
+                .into_iter()
+                .chain(self.takes.iter().copied()),
+        )
+    }
+
     fn len(&self) -> u64 {
         self.ends.last().copied().unwrap_or(0)
     }

@@ -177,6 +177,17 @@ pub trait Dataset: Send + Sync + 'static {
     fn locate(&self, epoch: u64, index: u64, each: &mut dyn FnMut(usize, usize, usize)) {
         let _ = (epoch, index, each);
     }
+
+    /// A fingerprint of what decides which sample each index is, beyond the files and
+    /// the length: the parameters a dataset was opened with (a window seed, a mixture's
+    /// weights, the parts of a concatenation and their order). A loader's resume states
+    /// carry it ([`LoaderState`](crate::LoaderState)'s `order` and `global`), so a state
+    /// saved over the same files opened otherwise is refused instead of resuming into
+    /// other samples. 0, the default, for a dataset whose samples follow from its
+    /// files alone (whose contents it does not cover).
+    fn fingerprint(&self) -> u64 {
+        0
+    }
 }
 
 /// Opens `path` for reading if it is a regular file (or a link to one). A FIFO would
@@ -321,5 +332,8 @@ impl<D: Dataset + ?Sized> Dataset for std::sync::Arc<D> {
     }
     fn locate(&self, epoch: u64, index: u64, each: &mut dyn FnMut(usize, usize, usize)) {
         (**self).locate(epoch, index, each)
+    }
+    fn fingerprint(&self) -> u64 {
+        (**self).fingerprint()
     }
 }

@@ -9,7 +9,7 @@ use super::indexed::{Scan, Stored};
 use super::{check_out, Column, DType, Dataset, MappedFile, Windows};
 use crate::error::{Error, Result};
 use crate::permutation::Permutation;
-use crate::util::mix;
+use crate::util::{fold, mix};
 
 /// A reader of document places and lengths (see `Stored::with_extents`).
 type Extent<'a> = &'a dyn Fn(u64) -> Option<(u64, u64)>;
@@ -396,6 +396,14 @@ impl Packed {
 }
 
 impl Dataset for Packed {
+    /// Covers the windows, their length and the documents' order (stored, or shuffled
+    /// and its seed).
+    fn fingerprint(&self) -> u64 {
+        let [kind, seed] = self.windows.fingerprint_parts();
+        let shuffled = self.shuffled.as_ref().map_or([0, 0], |s| [1, s.seed]);
+        fold([kind, seed, self.seq_len as u64, shuffled[0], shuffled[1]])
+    }
+
     fn len(&self) -> u64 {
         Windows::count(self.seq_len, self.scan.tokens)
     }

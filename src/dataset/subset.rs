@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use super::{Column, Dataset, MappedFile};
 use crate::error::{Error, Result};
+use crate::util::fold;
 
 /// Samples `range` of another dataset, renumbered from 0.
 ///
@@ -60,6 +61,11 @@ impl Subset {
 }
 
 impl Dataset for Subset {
+    /// Covers where the range starts in the dataset it was cut from, and that dataset.
+    fn fingerprint(&self) -> u64 {
+        fold([self.start, self.inner.len(), self.inner.fingerprint()])
+    }
+
     fn len(&self) -> u64 {
         self.len
     }

@@ -8,7 +8,7 @@ use super::guard::Watched;
 
 use super::{check_out, Column, DType, Dataset, MappedFile};
 use crate::error::{Error, Result};
-use crate::util::mix;
+use crate::util::{fold, mix};
 
 /// How a token stream is cut into samples.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -60,6 +60,15 @@ impl Windows {
         match seq_len == 0 || seq_len >= (isize::MAX as usize) / 8 {
             true => Err(Error::Config(format!("seq_len {seq_len} is out of range"))),
             false => Ok(()),
+        }
+    }
+
+    /// What tells these windows apart from others over the same stream, for a
+    /// [`Dataset::fingerprint`].
+    pub(super) fn fingerprint_parts(self) -> [u64; 2] {
+        match self {
+            Windows::Consecutive => [1, 0],
+            Windows::Random { seed } => [2, seed],
         }
     }
 
@@ -344,6 +353,12 @@ impl TokenDataset {
 }
 
 impl Dataset for TokenDataset {
+    /// Covers the windows (consecutive, or random and their seed) and their length.
+    fn fingerprint(&self) -> u64 {
+        let [kind, seed] = self.windows.fingerprint_parts();
+        fold([kind, seed, self.seq_len as u64])
+    }
+
     fn len(&self) -> u64 {
         Windows::count(self.seq_len, self.tokens)
     }

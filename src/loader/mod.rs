@@ -46,13 +46,17 @@ pub const MAX_WORKERS: usize = 1024;
 ///
 /// `order` fingerprints what the order depends on (dataset length, shuffle and seed,
 /// shard, batch size, `drop_last`): resuming a loader configured differently is an
-/// error rather than a silently different epoch. `0` skips that check.
+/// error rather than a silently different epoch. `0` skips that check. Both
+/// fingerprints cover the dataset's own ([`Dataset::fingerprint`]: a window seed, a
+/// mixture's weights). In JSON, a key this struct does not have is an error (a
+/// misspelt `order` would otherwise read as 0, unchecked).
 ///
 /// An elastic resume ([`LoaderBuilder::resume_elastic`]) goes on with another world
 /// size, batch size or tail: `global` fingerprints what every rank shares (dataset
 /// length, shuffle and seed; for a grouped shuffle its group and the samples'
 /// lengths), and `taken` is where the epoch's global order stands.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct LoaderState {
     /// The epoch.
     pub epoch: u64,
@@ -363,7 +367,8 @@ impl LoaderBuilder {
             }
             Some(l) => Order::with_lengths(l.into(), shuffle, self.shard, bs, drop_last)?,
             None => Order::new(len, shuffle, self.shard, bs, drop_last)?,
-        };
+        }
+        .for_dataset(self.dataset.fingerprint());
         let resume = match self.resume {
             Some((r, how)) => Some(check_resume(&order, r, how)?),
             None => None,
@@ -439,6 +444,7 @@ impl LoaderBuilder {
             prefetch,
             state,
             resume,
+            resumed: None,
             startup,
             last: None,
             planner,
@@ -661,6 +667,9 @@ pub struct Loader {
     prefetch: usize,
     state: LoaderState,
     resume: Option<LoaderState>,
+    /// The resume the last epoch started from: until that epoch delivers a batch, the
+    /// resume stands (the loader's state still says so).
+    resumed: Option<LoaderState>,
     startup: Startup,
     /// The job of the last epoch started, to tell a dropped `Epoch` from a leaked one.
     last: Option<Arc<Job>>,
@@ -708,8 +717,10 @@ impl Loader {
     /// Starts epoch `epoch` and returns its batches.
     ///
     /// The order is a pure function of the seed, `epoch` and the shard. If the loader was
-    /// built with [`LoaderBuilder::resume`] and this is the resumed epoch (first call
-    /// only), the iterator starts after the batches already consumed.
+    /// built with [`LoaderBuilder::resume`] (or [`resume`](Loader::resume)d) and this is
+    /// the resumed epoch, the iterator starts after the batches already consumed: on the
+    /// first call, and on later ones for as long as no epoch started so has delivered a
+    /// batch (one dropped at once leaves the resume standing, as its state says).
     ///
     /// # Errors
     /// [`Error::Config`] if the loader was built to resume a later epoch than `epoch`;
@@ -717,6 +728,12 @@ impl Loader {
     /// instead of dropped (its buffers are lost; the loader's drop still returns).
     pub fn epoch(&mut self, epoch: u64) -> Result<Epoch<'_>> {
         self.check_last()?;
+        // A resumed epoch dropped before its first batch leaves the resume standing.
+        if let (None, Some(r), Some(last)) = (self.resume, self.resumed.take(), &self.last) {
+            if last.delivered.load(Ordering::Acquire) == r.batch {
+                self.resume = Some(r);
+            }
+        }
         let (start, from) = match self.resume {
             Some(r) if epoch < r.epoch => {
                 return Err(Error::Config(format!(
@@ -727,7 +744,7 @@ impl Loader {
             Some(r) if epoch == r.epoch => (r.batch, r.start),
             _ => (0, 0),
         };
-        self.resume = None;
+        self.resumed = self.resume.take().filter(|r| r.epoch == epoch);
         // Storage's count before any worker or the planner has the job: counted after,
         // the reads they issued at once went missing from the epoch's figure.
         let read_at_start = crate::pagecache::storage_read_bytes();
@@ -951,7 +968,7 @@ impl Loader {
     pub fn served(&mut self, epoch: u64) -> Result<()> {
         self.check_last()?;
         self.can_serve(epoch)?;
-        self.resume = None;
+        (self.resume, self.resumed) = (None, None);
         self.state = LoaderState::at(&self.order, epoch.saturating_add(1), 0, 0);
         Ok(())
     }
@@ -986,7 +1003,7 @@ impl Loader {
 
     fn resume_as(&mut self, state: LoaderState, how: Resume) -> Result<()> {
         let state = check_resume(&self.order, state, how)?;
-        self.resume = Some(state);
+        (self.resume, self.resumed) = (Some(state), None);
         self.state = state;
         Ok(())
     }

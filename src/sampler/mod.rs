@@ -20,7 +20,7 @@ pub use crate::permutation::Permutation;
 pub use shard::{Shard, ShardTail};
 
 use crate::error::{Error, Result};
-use crate::util::mix;
+use crate::util::{fold, mix};
 
 /// The key of `epoch`'s permutation under `seed`.
 const fn epoch_key(seed: u64, epoch: u64) -> u64 {
@@ -97,13 +97,6 @@ impl Shuffle {
     }
 }
 
-/// A non-zero hash of `parts`.
-fn fold(parts: impl IntoIterator<Item = u64>) -> u64 {
-    parts.into_iter().fold(0x006f_7264_6572u64, |h, v| {
-        mix(h ^ mix(v.wrapping_add(0x9e37_79b9_7f4a_7c15)))
-    }) | 1
-}
-
 /// The samples' lengths a [`Shuffle::Grouped`] order sorts by, with their fingerprint.
 #[derive(Clone)]
 struct Lengths {
@@ -140,6 +133,8 @@ pub struct Order {
     drop_last: bool,
     /// The samples' lengths, for a grouped shuffle.
     lengths: Option<Lengths>,
+    /// The dataset's [`fingerprint`](crate::Dataset::fingerprint) (0: none).
+    dataset: u64,
 }
 
 impl Order {
@@ -186,6 +181,7 @@ impl Order {
             batch_size,
             drop_last,
             lengths: None,
+            dataset: 0,
         };
         if order.batches() == 0 {
             return Err(Error::Config(format!(
@@ -244,7 +240,7 @@ impl Order {
             self.batch_size,
             u64::from(self.drop_last),
         ];
-        fold(self.global_parts().into_iter().chain(shard))
+        fold(self.global_parts().chain(shard))
     }
 
     /// A non-zero fingerprint of the epochs' global order alone (dataset length, shuffle
@@ -257,7 +253,15 @@ impl Order {
         fold(self.global_parts())
     }
 
-    fn global_parts(&self) -> [u64; 5] {
+    /// This order over a dataset whose [`fingerprint`](crate::Dataset::fingerprint) is
+    /// `fingerprint`: both of the order's fingerprints cover it (0 leaves them as
+    /// without).
+    pub fn for_dataset(mut self, fingerprint: u64) -> Order {
+        self.dataset = fingerprint;
+        self
+    }
+
+    fn global_parts(&self) -> impl Iterator<Item = u64> {
         let (kind, seed, rows, window) = match self.shuffle {
             Shuffle::None => (1, 0, 0, 0),
             Shuffle::Full { seed } => (2, seed, 0, 0),
@@ -271,7 +275,10 @@ impl Order {
                 (4, seed, group, lengths)
             }
         };
+        let dataset = (self.dataset != 0).then_some(self.dataset);
         [self.len, kind, seed, rows, window]
+            .into_iter()
+            .chain(dataset)
     }
 
     /// Samples per epoch in the whole dataset.

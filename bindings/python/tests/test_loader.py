@@ -143,6 +143,44 @@ def test_a_state_from_another_configuration_raises(cols):
         other.load_state_dict({"epoch": "zero"})
     with pytest.raises(stokehold.Error):
         other.load_state_dict([1, 2])
+    # A misspelt or missing key would turn the check off: refused.
+    ordr = {("ordr" if k == "order" else k): v for k, v in state.items()}
+    with pytest.raises(stokehold.Error, match="'order'"):
+        other.load_state_dict(ordr)
+    with pytest.raises(stokehold.Error, match="ordr"):
+        other.load_state_dict(dict(ordr, order=state["order"]))
+    other.load_state_dict(dict(state, order=0))  # the explicit way to skip the check
+
+
+def test_a_state_over_the_same_file_read_otherwise_raises(tmp_path):
+    # The same file, the same length and shuffle: other random windows.
+    raw = tmp_path / "t.bin"
+    np.arange(20_000, dtype=np.uint16).tofile(raw)
+    tl = lambda seed: stokehold.TokenLoader(raw, seq_len=64, batch_size=8, shuffle="none",
+                                            windows="random", seed=seed)
+    saved = tl(1)
+    it = saved.epoch(0)
+    next(it)
+    state = saved.state_dict()
+    del it
+    tl(1).load_state_dict(state)
+    with pytest.raises(stokehold.Error, match="another order"):
+        tl(2).load_state_dict(state)
+
+
+def test_a_resumed_epoch_ended_before_its_first_batch_leaves_the_resume(cols):
+    whole = all_indices(stokehold.Loader(cols, batch_size=40, seed=9), 1)
+    loader = stokehold.Loader(cols, batch_size=40, seed=9)
+    it = loader.epoch(1)
+    head = [next(it).indices.copy() for _ in range(3)]
+    state = loader.state_dict()
+    del it
+    loader.load_state_dict(state)
+    loader.epoch(1)
+    loader.info()  # ends that epoch before it gave a batch
+    assert loader.state_dict() == state
+    rest = all_indices(loader, 1)
+    np.testing.assert_array_equal(np.concatenate(head + [rest]), whole)
 
 
 def test_an_elastic_resume_goes_on_with_another_world_size(cols):

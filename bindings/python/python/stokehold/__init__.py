@@ -364,6 +364,11 @@ class Loader:
         another dataset, shuffle or seed raises."""
         if not isinstance(state, dict):
             raise Error(f"a loader state is a dict, not {type(state).__name__}")
+        if "order" not in state:
+            # Left out (or misspelt), it would read as 0: resumed without the check.
+            raise Error(
+                "a loader state needs its 'order' key, the fingerprint of the loader that "
+                "saved it (state_dict() has it; 'order': 0 resumes without the check)")
         self._used = True
         self._raw.resume_json(json.dumps(state), elastic)
 
