@@ -18,7 +18,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{result, sys, CudaEvent, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 
 use super::Cuda;
 use crate::error::{Error, Result};
@@ -28,6 +28,31 @@ use crate::telemetry::{stalled, Stage, Trace, Track};
 /// The device address of a slice's first element.
 pub(crate) fn addr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     s.device_ptr(stream).0
+}
+
+/// Refuses a batch not laid out as the device slots it is for (a loader with another
+/// batch size or other columns: an evaluation loader with a larger batch, say). Copied,
+/// it would run past its slot, and its columns would be read at other offsets.
+///
+/// # Errors
+/// [`Error::Config`] naming both layouts' batch sizes and bytes.
+pub(crate) fn check_fits(batch: &HostBatch, slots: &BatchLayout) -> Result<()> {
+    let layout = batch.layout();
+    if layout == slots {
+        return Ok(());
+    }
+    Err(Error::Config(format!(
+        "a batch laid out for {} samples ({} bytes), for device slots laid out for {} \
+         ({} bytes{}): another loader's layout; give each loader its own feeder or slots",
+        layout.batch_size(),
+        layout.bytes(),
+        slots.batch_size(),
+        slots.bytes(),
+        match layout.columns() == slots.columns() {
+            true => "",
+            false => ", and other columns",
+        }
+    )))
 }
 
 /// A batch in device memory, ready on [`stream`](DeviceBatch::stream): enqueue work
@@ -153,17 +178,29 @@ impl Feeder {
     /// A feeder with `slots` device slots (at least 2) for batches of `layout`, on its
     /// own copy and compute streams.
     ///
-    /// Event tracking of the context is turned off: the feeder orders everything it
-    /// touches with its own events, and work enqueued on [`DeviceBatch::stream`] is
-    /// ordered by that stream.
+    /// The feeder works through a context object of its own over the same device
+    /// context (cudarc's `CudaContext` for the device's primary context, which `cuda.ctx`
+    /// is), with cudarc's event tracking off: it orders everything it touches with its
+    /// own events, and work enqueued on [`DeviceBatch::stream`] is ordered by that
+    /// stream. Slices made through `cuda.ctx` keep their tracking. (A `cuda.ctx` that is
+    /// not a primary context is used as it is, its tracking turned off.)
     ///
     /// # Errors
     /// [`Error::Cuda`] when a stream, event or slot cannot be created.
     pub fn new(cuda: &Cuda, layout: &BatchLayout, slots: usize) -> Result<Feeder> {
-        let ctx = &cuda.ctx;
-        // SAFETY: every buffer the feeder and the trainer use is ordered by the events
-        // and streams described in the module docs, so cudarc's per-slice tracking is
-        // not needed.
+        let own = CudaContext::new(cuda.ctx.ordinal())?;
+        let cuda = match *own == *cuda.ctx {
+            true => Cuda {
+                ctx: own,
+                ..cuda.clone()
+            },
+            false => cuda.clone(),
+        };
+        let ctx = &Arc::clone(&cuda.ctx);
+        // SAFETY: every buffer the feeder and the trainer make through this context
+        // object is ordered by the events and streams described in the module docs, so
+        // cudarc's per-slice tracking is not needed; the user's slices are made through
+        // another object (unless they gave a context that is not the primary one).
         unsafe { ctx.disable_event_tracking() };
         let copy = ctx.new_stream()?;
         let compute = ctx.new_stream()?;
@@ -187,7 +224,7 @@ impl Feeder {
             epoch_start: ctx.new_event(timing)?,
             slot_batch: vec![0; k],
             trace: None,
-            cuda: cuda.clone(),
+            cuda,
             copy_start: events(k)?,
             copied: events(k)?,
             work_start: events(k)?,
@@ -304,16 +341,19 @@ impl Feeder {
         batch: &HostBatch,
         work: impl FnOnce(&DeviceBatch) -> Result<R>,
     ) -> Result<R> {
+        check_fits(batch, &self.layout)?;
         self.cuda.ctx.bind_to_thread()?;
         let dst = addr(&self.slots[0], &self.copy);
-        // SAFETY: slot 0 holds `layout.bytes()` bytes, the batch buffer as many; the copy
-        // is waited for before this returns, so the batch outlives it.
+        // SAFETY: slot 0 holds `layout.bytes()` bytes, the batch buffer as many (its
+        // layout is the slots', checked above); the copy is waited for before this
+        // returns, so the batch outlives it.
         unsafe { result::memcpy_htod_async(dst, batch.as_bytes(), self.copy.cu_stream()) }?;
         self.copy.synchronize()?;
         let db = self.in_slot(0, batch);
-        let r = work(&db)?;
+        let worked = work(&db);
+        // What `work` enqueued reads slot 0, error or not: done before the next copy.
         self.compute.synchronize()?;
-        Ok(r)
+        worked
     }
 
     /// Feeds every batch of `epoch`, calling `work` on each once it is on the device.
@@ -357,6 +397,7 @@ impl Feeder {
                 stats.wait_data += t.elapsed();
                 self.host_span(Stage::WaitData, t, epoch_no, i as u64);
                 let batch = batch?;
+                check_fits(&batch, &self.layout)?;
                 let k = i % k_slots;
                 if i >= k_slots {
                     let t = Instant::now();
@@ -372,7 +413,8 @@ impl Feeder {
                 self.copy_start[k].record(&self.copy)?;
                 let dst = addr(&self.slots[k], &self.copy);
                 let bytes = batch.as_bytes().len() as u64;
-                // SAFETY: slot k holds `layout.bytes()` bytes, as does the pinned batch;
+                // SAFETY: slot k holds `layout.bytes()` bytes, as does the pinned batch
+                // (its layout is the slots', checked above);
                 // the batch goes into `inflight` right away and stays there until
                 // `copied[k]` has completed (or, on any error, until the copy stream is
                 // synchronised in the clean-up below).

@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaSlice, CudaStream};
 
 use super::augment::DeviceAugment;
-use super::feeder::addr;
-use super::Cuda;
+use super::feeder::{addr, check_fits};
+use super::{Cuda, KeepCurrent};
 use crate::augment::Augmenter;
 use crate::error::{Error, Result};
 use crate::loader::{BatchLayout, HostBatch};
@@ -78,17 +78,28 @@ impl Shared {
     /// Records slot `k`'s release on `streams` and returns the slot. On a driver error
     /// the context is synchronised instead (everything enqueued so far has then run).
     fn release(&self, k: usize, streams: &[StreamHandle]) {
+        let _current = KeepCurrent::new();
         let recorded = (|| -> Result<()> {
             self.ctx.bind_to_thread()?;
             let mut r = lock(&self.release[k]);
             for &s in streams {
+                // The per-thread default stream of the thread dropping the batch may not
+                // be the one its consumer named (a deleter run by another thread): the
+                // legacy stream comes after every thread's, which are blocking streams.
+                let s = match s {
+                    PER_THREAD_STREAM => LEGACY_STREAM,
+                    other => other,
+                };
                 let event = match r.spare.pop() {
                     Some(e) => e,
                     None => self.ctx.new_event(None)?,
                 };
                 // SAFETY: the event is live (owned here); the stream handle is the
-                // consumer's, named to `wait_on`, which holds it valid until its work
-                // on the batch is enqueued, as DLPack's protocol requires.
+                // consumer's, named to `wait_on`, and a consumer keeps the stream it
+                // names alive for as long as its arrays of the batch live (see
+                // `LentBatch::wait_on`: PyTorch's streams live as long as the process).
+                // A handle destroyed regardless is refused by the driver, which the
+                // context's synchronisation below stands in for.
                 let status = unsafe { result::event::record(event.cu_event(), s as sys::CUstream) };
                 match status {
                     Ok(()) => r.events.push(event),
@@ -139,6 +150,7 @@ impl DeviceSlots {
     /// # Errors
     /// [`Error::Cuda`] when the stream, an event or a slot cannot be made.
     pub fn new(ctx: &Arc<CudaContext>, layout: &BatchLayout, slots: usize) -> Result<DeviceSlots> {
+        let _current = KeepCurrent::new();
         let k = slots.max(1);
         let copy = ctx.new_stream()?;
         let memory = (0..k)
@@ -223,6 +235,7 @@ impl DeviceSlots {
     /// [`Error::SlotsExhausted`] when every slot stays lent to batches used only on the
     /// calling thread (waiting would never end); [`Error::Cuda`] on a driver error.
     pub fn lend(&mut self, batch: HostBatch) -> Result<LentBatch> {
+        let _current = KeepCurrent::new();
         let k = match self.reserved.take() {
             Some(k) => k,
             None => self.take_slot()?,
@@ -230,8 +243,9 @@ impl DeviceSlots {
         let copied = self.enqueue_copy(k, &batch);
         if copied.is_err() {
             // Some of the copies may be enqueued (several with an augmentation): they
-            // must be done before the batch's buffer and the slot are used again.
-            let _ = self.copy.synchronize();
+            // must be done before the batch's buffer and the slot are used again, and
+            // so must the consumers' work whose release events a failed wait dropped.
+            let _ = self.shared.ctx.synchronize();
             // Nothing of this slot is lent: it goes back as it was.
             self.shared.release(k, &[]);
         }
@@ -278,15 +292,10 @@ impl DeviceSlots {
             s.copied[k].record(&self.copy)?;
             return Ok(());
         }
+        check_fits(batch, &self.layout)?;
         let bytes = batch.as_bytes();
-        if bytes.len() != self.layout.bytes() {
-            return Err(Error::Config(format!(
-                "a batch of {} bytes, for device slots of {}: another loader's layout",
-                bytes.len(),
-                self.layout.bytes()
-            )));
-        }
-        // SAFETY: slot k holds `layout.bytes()` bytes, as does the batch's buffer; the
+        // SAFETY: slot k holds `layout.bytes()` bytes, as does the batch's buffer (its
+        // layout is the slots', checked above); the
         // copy stream waits for every consumer's release of the slot (just above), and
         // the batch stays in `in_flight` until the copy has completed.
         unsafe { result::memcpy_htod_async(s.ptrs[k], bytes, self.copy.cu_stream()) }?;
@@ -354,6 +363,7 @@ impl DeviceSlots {
     /// # Errors
     /// [`Error::Cuda`] on a driver error.
     pub fn drain(&mut self) -> Result<()> {
+        let _current = KeepCurrent::new();
         self.copy.synchronize()?;
         self.in_flight.clear();
         Ok(())
@@ -362,6 +372,7 @@ impl DeviceSlots {
 
 impl Drop for DeviceSlots {
     fn drop(&mut self) {
+        let _current = KeepCurrent::new();
         // No pinned buffer goes back to the loader while a copy may still read it.
         if self.copy.synchronize().is_err() {
             let _ = self.shared.ctx.synchronize();
@@ -449,12 +460,16 @@ impl LentBatch {
 
     /// Makes `stream` wait on the device for the batch's copy (the host does not wait),
     /// and remembers it: the slot is reused only after `stream` has run what was
-    /// enqueued on it before the batch is dropped.
+    /// enqueued on it before the batch is dropped. The stream must live until then: the
+    /// release is recorded on it when the batch is dropped (a stream destroyed earlier
+    /// costs a synchronisation of the context if the driver refuses its handle, and is
+    /// undefined if the handle was reused by then).
     ///
     /// # Errors
     /// [`Error::Cuda`] when the driver refuses the stream (a handle of another context,
     /// or not a stream).
     pub fn wait_on(&self, stream: StreamHandle) -> Result<()> {
+        let _current = KeepCurrent::new();
         self.touch();
         let s = &*self.shared;
         s.ctx.bind_to_thread()?;
@@ -490,6 +505,7 @@ impl LentBatch {
     /// # Errors
     /// [`Error::Cuda`] on a driver error.
     pub fn synchronize(&self) -> Result<()> {
+        let _current = KeepCurrent::new();
         self.touch();
         Ok(self.shared.copied[self.slot].synchronize()?)
     }

@@ -56,6 +56,10 @@ fn libcuda_present() -> bool {
 /// panics when a libcuda it finds is broken (a symbol missing, say), and the probe's
 /// answer is then one line of reason, not a backtrace.
 fn quietly<R>(f: impl FnOnce() -> R + std::panic::UnwindSafe) -> Result<R, String> {
+    // One swap of the process's hook at a time: two probes at once would otherwise put
+    // back each other's silent hook, and the first hook would be lost.
+    static SWAP: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = SWAP.lock().unwrap_or_else(|e| e.into_inner());
     let hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
     let r = std::panic::catch_unwind(f);
@@ -66,6 +70,41 @@ fn quietly<R>(f: impl FnOnce() -> R + std::panic::UnwindSafe) -> Result<R, Strin
             .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
             .unwrap_or_else(|| "a panic without a message".into())
     })
+}
+
+/// Puts the calling thread's current CUDA context back when dropped. stokehold's calls
+/// make their own context current (cudarc binds it before each call), and a thread that
+/// works with another device must find its own again: the CUDA runtime takes its
+/// current device from the current context (PyTorch's `torch.cuda.current_device()`,
+/// and where a bare `device="cuda"` allocates). Made at the start of each call that
+/// code of another library's thread may make: lending, releasing and waiting on device
+/// batches, and pinned allocations.
+pub(crate) struct KeepCurrent(Option<cudarc::driver::sys::CUcontext>);
+
+impl KeepCurrent {
+    /// Notes the thread's current context (`None` where the driver will not say).
+    pub(crate) fn new() -> KeepCurrent {
+        match cudarc::driver::result::ctx::get_current() {
+            Ok(current) => KeepCurrent(Some(current.unwrap_or(std::ptr::null_mut()))),
+            Err(_) => KeepCurrent(None),
+        }
+    }
+}
+
+impl Drop for KeepCurrent {
+    fn drop(&mut self) {
+        let Some(was) = self.0 else { return };
+        let now = cudarc::driver::result::ctx::get_current()
+            .ok()
+            .flatten()
+            .unwrap_or(std::ptr::null_mut());
+        if now != was {
+            // SAFETY: `was` was this thread's current context (or none, null) when the
+            // call began; a context current on a thread is not destroyed under it by
+            // the libraries that made it so (PyTorch keeps its primary contexts).
+            let _ = unsafe { cudarc::driver::result::ctx::set_current(was) };
+        }
+    }
 }
 
 /// The driver's side of a device: its context, the CUDA version the driver supports,

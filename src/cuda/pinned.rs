@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext};
 
+use super::KeepCurrent;
 use crate::error::{Error, Result};
 use crate::loader::{HostAlloc, HostMemory};
 
@@ -97,6 +98,7 @@ impl Drop for Pinned {
     fn drop(&mut self) {
         // `bind_to_thread` would also report (and clear) an error some other drop left in
         // the context, and this buffer would leak; make the context current directly.
+        let _current = KeepCurrent::new();
         // SAFETY: the context outlives this buffer (we hold an Arc to it).
         if unsafe { result::ctx::set_current(self.ctx.cu_ctx()) }.is_ok() {
             // SAFETY: allocated by `malloc_host` in this context and freed once.
@@ -119,6 +121,7 @@ impl HostAlloc for PinnedAlloc {
             allocator: self.name(),
             message,
         };
+        let _current = KeepCurrent::new();
         // SAFETY: the context is alive (we hold an Arc to it); see `Drop` for why not
         // `bind_to_thread`.
         unsafe { result::ctx::set_current(self.ctx.cu_ctx()) }.map_err(|e| err(e.to_string()))?;

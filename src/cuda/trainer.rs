@@ -325,6 +325,9 @@ impl Trainer for CudaTrainer {
     /// The cache is filled by the next whole epoch from the loader, or by
     /// [`fill_device_cache`](Trainer::fill_device_cache).
     fn enable_device_cache(&mut self, order: &Order, share: f64) -> Result<Option<u64>> {
+        // The graph reads the cache's buffers, which go with it: captured again for the
+        // new one.
+        self.graph = None;
         // One epoch must scatter every row, or later epochs would gather rows never
         // written: one shard, and no sample dropped by the tail rule or drop_last.
         let rows = order.len();

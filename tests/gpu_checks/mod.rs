@@ -176,20 +176,38 @@ pub fn the_device_cache_gives_the_same_epochs(c: Cuda) {
             .train_epoch_with(loader.epoch(0).unwrap(), &mut |_, _| {})
             .unwrap();
         assert_eq!(t.cache_filled(), cached);
-        let second = if cached {
-            t.train_epoch_cached(&loader.order().epoch(1), &mut |_, _| {})
-                .unwrap()
-        } else {
-            t.train_epoch_with(loader.epoch(1).unwrap(), &mut |_, _| {})
-                .unwrap()
+        let cached_epoch = |t: &mut CudaTrainer, loader: &mut Loader, e: u64| match cached {
+            true => t
+                .train_epoch_cached(&loader.order().epoch(e), &mut |_, _| {})
+                .unwrap(),
+            false => t
+                .train_epoch_with(loader.epoch(e).unwrap(), &mut |_, _| {})
+                .unwrap(),
         };
-        (first.metrics, second.metrics, t.weights().unwrap())
+        let second = cached_epoch(&mut t, &mut loader, 1);
+        // A cache enabled again replaces the first, with the graph captured for it
+        // (the first's graph read buffers freed with it).
+        if cached {
+            t.enable_device_cache(loader.order(), 0.5).unwrap();
+        }
+        t.train_epoch_with(loader.epoch(2).unwrap(), &mut |_, _| {})
+            .unwrap();
+        assert_eq!(t.cache_filled(), cached);
+        let fourth = cached_epoch(&mut t, &mut loader, 3);
+        let metrics = [first.metrics, second.metrics, fourth.metrics];
+        (metrics, t.weights().unwrap())
     };
-    let (a0, a1, aw) = run(false);
-    let (b0, b1, bw) = run(true);
+    let ([a0, a1, a3], aw) = run(false);
+    let ([b0, b1, b3], bw) = run(true);
     println!("uncached {a1:?}\ncached   {b1:?}");
     assert_eq!((a0.correct, a1.correct), (b0.correct, b1.correct));
-    assert!((a1.loss_sum - b1.loss_sum).abs() <= 1e-6 * a1.loss_sum.abs().max(1.0));
+    assert_eq!(
+        a3.correct, b3.correct,
+        "the epoch after the cache was replaced"
+    );
+    for (a, b) in [(a1, b1), (a3, b3)] {
+        assert!((a.loss_sum - b.loss_sum).abs() <= 1e-6 * a.loss_sum.abs().max(1.0));
+    }
     let worst = aw
         .w1
         .iter()
@@ -436,6 +454,9 @@ pub fn partial_and_failing_epochs(c: Cuda) {
     assert_eq!(cached.metrics.samples, 1797);
 
     let mut feeder = Feeder::new(&c, &layout, 3).unwrap();
+    // The trainer and the feeder turn cudarc's event tracking off on context objects of
+    // their own: slices a user makes through `c.ctx` keep it.
+    assert!(c.ctx.is_event_tracking());
     let mut seen = 0;
     let err = feeder
         .run_epoch(
@@ -462,6 +483,21 @@ pub fn partial_and_failing_epochs(c: Cuda) {
         .unwrap();
     assert_eq!(next.samples, 1797);
     assert_eq!(loader.free_buffers(), loader.buffers());
+    // Another loader's batches (an evaluation loader with twice the batch) would run
+    // past the feeder's slots: refused, through either way in.
+    let mut wide = pinned_loader(&c, &ds, 128).build().unwrap();
+    let err = feeder
+        .run_epoch(wide.epoch(0).unwrap(), &mut |_| Ok(()), &mut |_, _| {})
+        .unwrap_err();
+    assert!(err.to_string().contains("another loader's layout"), "{err}");
+    let batch = wide.epoch(0).unwrap().next().unwrap().unwrap();
+    let err = feeder.feed_one(&batch, |_| Ok(())).unwrap_err();
+    assert!(err.to_string().contains("another loader's layout"), "{err}");
+    let err = t
+        .train_epoch_with(wide.epoch(1).unwrap(), &mut |_, _| {})
+        .unwrap_err();
+    assert!(err.to_string().contains("another loader's layout"), "{err}");
+    drop(batch);
 
     let sharded = Loader::builder_shared(ds)
         .batch_size(64)
@@ -565,7 +601,21 @@ pub fn lent_batches_wait_for_their_consumers(c: Cuda) {
     let d = slots.lend(epoch.next().unwrap().unwrap()).unwrap();
     elsewhere.join().unwrap();
     drop((c2, d));
+    // A thread whose current context is another one (none here; PyTorch's device)
+    // finds it again after each call: the CUDA runtime takes its device from it.
+    let none = || result::ctx::get_current().unwrap().is_none();
+    // SAFETY: unbinds this thread's context; each call below binds its own.
+    unsafe { result::ctx::set_current(std::ptr::null_mut()) }.unwrap();
+    let e = slots.lend(epoch.next().unwrap().unwrap()).unwrap();
+    assert!(none(), "lend left its context current");
+    e.wait_on(stokehold::cuda::LEGACY_STREAM).unwrap();
+    assert!(none(), "wait_on left its context current");
+    e.synchronize().unwrap();
+    assert!(none(), "synchronize left its context current");
+    drop(e);
+    assert!(none(), "a release left its context current");
     slots.drain().unwrap();
+    assert!(none(), "drain left its context current");
 }
 
 /// Augmenting on the device (`DeviceSlots::augmented`, `kernels/augment.cu`) writes the
