@@ -40,6 +40,10 @@ pub fn npy_header(dtype: DType, shape: &[u64]) -> Vec<u8> {
     out
 }
 
+/// The most axes an array written here may have: NumPy's own limit (`NPY_MAXDIMS`),
+/// whose longest header fits format 1.0's 65,535 bytes many times over.
+pub const MAX_AXES: usize = 64;
+
 /// A file being written through a mutable memory map, under a temporary name of its own
 /// beside its destination (so that two writers of one path never share it), with its
 /// space reserved up front: a full disk is an error here, never a `SIGBUS` while the
@@ -139,9 +143,16 @@ impl NpyWriter {
     ///
     /// # Errors
     /// [`Error::Io`] naming the file (no space left on the device, say);
-    /// [`Error::Config`] if the size overflows.
+    /// [`Error::Config`] if the size overflows, or for more than [`MAX_AXES`] axes.
     pub fn create(path: impl AsRef<Path>, dtype: DType, shape: &[u64]) -> Result<NpyWriter> {
         let path = path.as_ref();
+        if shape.len() > MAX_AXES {
+            return Err(Error::Config(format!(
+                "{}: a shape of {} axes; NumPy reads at most {MAX_AXES}",
+                path.display(),
+                shape.len()
+            )));
+        }
         let header = npy_header(dtype, shape);
         let len = shape
             .iter()
@@ -262,7 +273,13 @@ pub fn classification(
     let mut y = NpyWriter::create(dir.join("y.npy"), DType::I64, &[spec.samples])?;
     let row = row as usize;
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(spec.seed);
-    let mut prototypes = vec![0u8; row * spec.classes as usize];
+    let prototype_bytes = row.checked_mul(spec.classes as usize).ok_or_else(|| {
+        Error::Config(format!(
+            "{} classes of samples of {row} bytes overflow memory",
+            spec.classes
+        ))
+    })?;
+    let mut prototypes: Vec<u8> = crate::util::zeroed(prototype_bytes, "class prototypes")?;
     rng.fill_bytes(&mut prototypes);
     let label = |i: u64| (mix(spec.seed ^ mix(i + 1)) % spec.classes as u64) as i64;
 

@@ -1,6 +1,6 @@
 //! The main job: train the MLP on a dataset for some epochs, timing everything.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -15,10 +15,28 @@ use crate::report::{EpochProgress, EpochRow, Setup, TrainReport};
 use crate::sampler::Shuffle;
 use crate::telemetry::Trace;
 
+/// A path in the report's JSON as text, whatever bytes it holds (a name that is not
+/// UTF-8 gets replacement characters; serde's own `PathBuf` refuses it).
+fn lossy<S: serde::Serializer>(path: &Path, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_str(&path.to_string_lossy())
+}
+
+/// [`lossy`] for a path that may be absent.
+fn lossy_some<S: serde::Serializer>(
+    path: &Option<PathBuf>,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    match path {
+        Some(p) => s.serialize_some(&*p.to_string_lossy()),
+        None => s.serialize_none(),
+    }
+}
+
 /// What `stokehold train` runs.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct TrainConfig {
     /// Directory with `x.npy` (u8 inputs) and `y.npy` (i64 labels).
+    #[serde(serialize_with = "lossy")]
     pub data: PathBuf,
     /// Epochs.
     pub epochs: u64,
@@ -50,6 +68,7 @@ pub struct TrainConfig {
     /// Draw no progress bars.
     pub quiet: bool,
     /// Write a Chrome trace (a span per batch per stage per thread) here.
+    #[serde(serialize_with = "lossy_some")]
     pub trace: Option<PathBuf>,
     /// On CUDA, keep the dataset on the device after epoch 0 when it fits under half of
     /// the free device memory.
@@ -149,7 +168,8 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
     );
     report.fallback_reason = backend.device().fallback_reason().map(str::to_string);
     report.device_cache_bytes = device_cache;
-    report.config = serde_json::to_value(config).expect("the config serialises");
+    report.config = serde_json::to_value(config)
+        .unwrap_or_else(|e| serde_json::json!({ "error": e.to_string() }));
     report.setup = setup;
     for epoch in 0..config.epochs {
         let before = pagecache::residency(ds.as_ref())?;

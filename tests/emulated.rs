@@ -565,7 +565,17 @@ fn bench_measures_its_gpu_figures_on_the_cuda_backend() {
     let d = data.to_str().unwrap();
     stokehold(
         dir,
-        &["gen", "--out", d, "--samples", "2000", "--shape", "1x16x16"],
+        &[
+            "gen",
+            "--out",
+            d,
+            "--samples",
+            "2000",
+            "--shape",
+            "1x16x16",
+            "--classes",
+            "16",
+        ],
     );
     stokehold(
         dir,

@@ -94,6 +94,10 @@ fn sizes_that_overflow_are_errors() {
     let out = gen(&t, &["--tokens", "9223372036854775808"]);
     fails_with(&out, "overflow");
     assert!(!t.exists());
+    // A shape of more axes than NumPy reads (its header would pass format 1.0's size).
+    let axes = vec!["1"; 22_000].join("x");
+    let out = gen(&d, &["--samples", "1", "--shape", &axes]);
+    fails_with(&out, "NumPy reads at most 64");
 }
 
 #[test]
@@ -141,6 +145,17 @@ fn an_unwritable_json_path_is_refused_before_training() {
         &["--epochs", "1", "--trace", trace.to_str().unwrap()],
     );
     fails_with(&out, "no/trace.json");
+    // Before the default set is made, too (616 MB written for nothing).
+    let out = Command::new(env!("CARGO_BIN_EXE_stokehold"))
+        .current_dir(dir.path())
+        .args(["train", "--device", "cpu", "--json", "no/such/r.json"])
+        .output()
+        .unwrap();
+    fails_with(&out, "no/such/r.json");
+    assert!(
+        !dir.path().join("data").exists(),
+        "the default set was made"
+    );
 }
 
 #[test]
@@ -475,4 +490,32 @@ fn a_broken_libcuda_falls_back_in_one_line_without_a_backtrace() {
     );
     let reason = stdout.lines().find(|l| l.contains("CPU backend:")).unwrap();
     assert!(reason.contains("no CUDA device"), "{stdout}");
+}
+
+#[test]
+fn output_and_data_paths_that_are_not_utf8_work() {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = tempfile::tempdir().unwrap();
+    let odd = |name: &[u8]| dir.path().join(std::ffi::OsStr::from_bytes(name));
+    let data = odd(b"digits\xff");
+    std::fs::create_dir(&data).unwrap();
+    digits_in(&data);
+    let (json, trace) = (odd(b"r\xfe.json"), odd(b"t\xff.json"));
+    let out = Command::new(env!("CARGO_BIN_EXE_stokehold"))
+        .args(["train", "--device", "cpu", "--epochs", "1"])
+        .arg("--data")
+        .arg(&data)
+        .arg("--json")
+        .arg(&json)
+        .arg("--trace")
+        .arg(&trace)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let named = report["config"]["data"].as_str().unwrap();
+    assert!(named.ends_with("digits\u{fffd}"), "{named}");
+    assert!(trace.exists());
 }

@@ -215,3 +215,30 @@ fn the_main_job_reports_every_epoch_and_the_warmup_split() {
         .count();
     assert!((1..=2).contains(&workers), "{workers} worker threads named");
 }
+
+#[test]
+fn another_loaders_batches_are_refused_not_a_panic() {
+    // An evaluation loader with twice the batch, or a smaller one, fed to a trainer
+    // made for another loader: its batches do not fit the trainer's slots.
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
+    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(dir).unwrap());
+    let loader = |batch| {
+        Loader::builder_shared(ds.clone())
+            .batch_size(batch)
+            .build()
+            .unwrap()
+    };
+    let train = loader(64);
+    let mut trainer = trainer_for(&ds, &train, 16, 0.1);
+    for batch in [128, 32] {
+        let mut other = loader(batch);
+        for serial in [false, true] {
+            stokehold::Trainer::set_serial(&mut trainer, serial).unwrap();
+            let err = trainer.train_epoch(other.epoch(0).unwrap()).unwrap_err();
+            assert!(
+                err.to_string().contains("another loader's layout"),
+                "batch {batch}, serial {serial}: {err}"
+            );
+        }
+    }
+}

@@ -172,15 +172,17 @@ fn pinned_bytes(cuda: &Cuda, kind: PinnedKind, n: usize) -> Result<PinnedHostSli
     Ok(m)
 }
 
-/// Runs the GPU figures on `dataset` with batches of `batch` and `workers` workers.
+/// Runs the GPU figures on `dataset` with batches of `batch` and `workers` workers; the
+/// steps classify into `classes`, normalising inputs with `norm` (see
+/// [`fit_classifier`](crate::model::fit_classifier)).
 ///
 /// # Errors
 /// Any driver, NVRTC, loader or dataset error.
 pub fn run(
     cuda: &Cuda,
     dataset: Arc<dyn Dataset>,
-    batch: usize,
-    workers: usize,
+    (batch, workers): (usize, usize),
+    (norm, classes): (Normalize, usize),
 ) -> Result<GpuBench> {
     let mut out = GpuBench {
         device: cuda.name.clone(),
@@ -232,14 +234,10 @@ pub fn run(
         let mlp = Mlp::new(MlpConfig {
             inputs,
             hidden,
-            classes: 10,
+            classes,
             lr: 0.01,
             seed: 0,
         })?;
-        let norm = Normalize {
-            mean: 0.0,
-            inv_std: 1.0 / 255.0,
-        };
         let mut t = CudaTrainer::new(
             cuda.clone(),
             kernels.clone(),
@@ -283,7 +281,7 @@ pub fn run(
     let over = t.train_epoch_with(lo.epoch(3)?, &mut |_, _| {})?;
     t.set_serial(true)?;
     let ser = t.train_epoch_with(lo.epoch(3)?, &mut |_, _| {})?;
-    let gather = over.stages.gather.as_secs_f64() / ov_workers as f64;
+    let gather = over.stages.gather.as_secs_f64() / lo.workers().max(1) as f64;
     let slowest = over
         .stages
         .copy
@@ -291,7 +289,7 @@ pub fn run(
         .as_secs_f64()
         .max(gather);
     out.overlap = Overlap {
-        workers: ov_workers,
+        workers: lo.workers(),
         hidden,
         overlapped_s: over.wall.as_secs_f64(),
         serialised_s: ser.wall.as_secs_f64(),

@@ -130,9 +130,16 @@ impl Probe {
     /// each), for 1.5 s: reads per second.
     ///
     /// # Errors
-    /// [`Error::Io`] naming the file if a read fails.
+    /// [`Error::Io`] naming the file if a read fails; [`Error::Config`] for a file too
+    /// small for one read at a random place (no figure to divide by).
     pub fn random(&self) -> Result<f64> {
         let slots = self.len.saturating_sub(self.span as u64) / self.page as u64;
+        if slots == 0 {
+            return Err(Error::Config(format!(
+                "{} bytes leave no room for reads of {} bytes at random places",
+                self.len, self.span
+            )));
+        }
         let pass = self.passes.fetch_add(1, Ordering::Relaxed);
         let reads = AtomicU64::new(0);
         let start = Instant::now();

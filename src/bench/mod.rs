@@ -247,7 +247,10 @@ pub fn run(dataset: Arc<dyn Dataset>, cfg: &BenchConfig) -> Result<BenchReport> 
     };
     if !cfg.only_cold {
         pagecache::read_ahead(dataset.as_ref())?;
-        let bare = Roofline::new(Arc::clone(&dataset), &layout, cfg.workers)?;
+        // As many threads as the loader runs (its workers are capped at the batches of
+        // an epoch): idle threads would each hold a batch buffer and count as gathering.
+        let threads = loader.workers();
+        let bare = Roofline::new(Arc::clone(&dataset), &layout, threads)?;
         let mut indices = Vec::with_capacity(samples as usize);
         let mut roof = Vec::new();
         let mut load = Vec::new();
@@ -271,7 +274,7 @@ pub fn run(dataset: Arc<dyn Dataset>, cfg: &BenchConfig) -> Result<BenchReport> 
                 roof.push(r);
                 load.push(l);
                 // Every roofline thread gathers for the whole pass.
-                roof_gather.push(r.as_secs_f64() * cfg.workers as f64 / batches * 1e6);
+                roof_gather.push(r.as_secs_f64() * threads as f64 / batches * 1e6);
                 load_gather.push(stats.gather.as_secs_f64() / batches * 1e6);
                 stalls.push(stats.stalls as f64 / batches);
             }
@@ -405,7 +408,8 @@ pub fn overlap_cpu(
         })?;
         CpuTrainer::new(mlp, norm, &layout, (0, 1), 3)
     };
-    let workers = cfg.workers.max(1) as f64;
+    // The workers that ran (capped at the batches of an epoch), not those asked for.
+    let workers = loader.workers().max(1) as f64;
     let mut hidden = 1;
     let mut epoch = 0;
     loop {
@@ -481,7 +485,7 @@ pub fn measure(
     match Device::auto() {
         Device::Cuda(c) => {
             log(&format!("bench: GPU figures on {}", c.name));
-            report.gpu = Some(gpu::run(&c, ds, cfg.batch, cfg.workers)?);
+            report.gpu = Some(gpu::run(&c, ds, (cfg.batch, cfg.workers), fitted)?);
         }
         Device::Cpu { reason } => report.gpu_skipped = reason,
     }

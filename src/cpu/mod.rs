@@ -32,14 +32,21 @@ struct Slot {
 }
 
 impl Slot {
-    /// Copies a batch (bytes, indices, length, number) into the slot.
-    fn fill(&mut self, batch: &HostBatch) {
+    /// Copies a batch (bytes, indices, length, number) into the slot, if it is laid out
+    /// as the slot (`layout`, the trainer's).
+    ///
+    /// # Errors
+    /// [`Error::Config`](crate::Error::Config) for a batch of another layout (another
+    /// loader's).
+    fn fill(&mut self, batch: &HostBatch, layout: &BatchLayout) -> Result<()> {
+        layout.check_batch(batch)?;
         let src = batch.as_bytes();
         self.bytes[..src.len()].copy_from_slice(src);
         self.indices.clear();
         self.indices.extend_from_slice(batch.indices());
         self.len = batch.len();
         self.number = batch.number();
+        Ok(())
     }
 }
 
@@ -111,7 +118,7 @@ impl CpuTrainer {
             out.stages.wait_data += t.elapsed();
             let batch = batch?;
             let t = Instant::now();
-            slot.fill(&batch);
+            slot.fill(&batch, &self.layout)?;
             drop(batch);
             out.stages.copy += t.elapsed();
             let t = Instant::now();
@@ -217,12 +224,12 @@ impl CpuTrainer {
         } = self;
         let trace = trace.as_deref();
         let epoch_no = epoch.epoch();
-        let slots = &slots[..];
+        let (slots, layout) = (&slots[..], &*layout);
         let waited_ns = &AtomicU64::new(0);
         let (copied, computed) = std::thread::scope(|s| {
             let copier = s.spawn(move || {
-                let stages = (slots, free_rx, full_tx);
-                copy_stage(epoch, stages, waited_ns, trace)
+                let stages = (free_rx, full_tx);
+                copy_stage(epoch, (slots, layout), stages, waited_ns, trace)
             });
             let computed = (|| -> Result<()> {
                 let mut inputs = StepInputs::new(layout, (*x_column, *y_column));
@@ -280,7 +287,8 @@ impl CpuTrainer {
 /// Returns copy time, time waiting for the loader, and the loader's statistics.
 fn copy_stage(
     mut epoch: Epoch<'_>,
-    (slots, free, full): (&[Mutex<Slot>], Receiver<usize>, Sender<usize>),
+    (slots, layout): (&[Mutex<Slot>], &BatchLayout),
+    (free, full): (Receiver<usize>, Sender<usize>),
     waited_ns: &AtomicU64,
     trace: Option<&Trace>,
 ) -> Result<(Duration, Duration, EpochStats)> {
@@ -303,7 +311,7 @@ fn copy_stage(
         let t = Instant::now();
         let mut slot = slots[i].lock().unwrap_or_else(|e| e.into_inner());
         slot.arrived = arrived;
-        slot.fill(&batch);
+        slot.fill(&batch, layout)?;
         drop(slot);
         let number = batch.number();
         drop(batch);

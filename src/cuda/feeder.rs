@@ -30,31 +30,6 @@ pub(crate) fn addr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     s.device_ptr(stream).0
 }
 
-/// Refuses a batch not laid out as the device slots it is for (a loader with another
-/// batch size or other columns: an evaluation loader with a larger batch, say). Copied,
-/// it would run past its slot, and its columns would be read at other offsets.
-///
-/// # Errors
-/// [`Error::Config`] naming both layouts' batch sizes and bytes.
-pub(crate) fn check_fits(batch: &HostBatch, slots: &BatchLayout) -> Result<()> {
-    let layout = batch.layout();
-    if layout == slots {
-        return Ok(());
-    }
-    Err(Error::Config(format!(
-        "a batch laid out for {} samples ({} bytes), for device slots laid out for {} \
-         ({} bytes{}): another loader's layout; give each loader its own feeder or slots",
-        layout.batch_size(),
-        layout.bytes(),
-        slots.batch_size(),
-        slots.bytes(),
-        match layout.columns() == slots.columns() {
-            true => "",
-            false => ", and other columns",
-        }
-    )))
-}
-
 /// A batch in device memory, ready on [`stream`](DeviceBatch::stream): enqueue work
 /// that reads it there. The slot is reused only after that work completes.
 #[derive(Debug)]
@@ -341,7 +316,7 @@ impl Feeder {
         batch: &HostBatch,
         work: impl FnOnce(&DeviceBatch) -> Result<R>,
     ) -> Result<R> {
-        check_fits(batch, &self.layout)?;
+        self.layout.check_batch(batch)?;
         self.cuda.ctx.bind_to_thread()?;
         let dst = addr(&self.slots[0], &self.copy);
         // SAFETY: slot 0 holds `layout.bytes()` bytes, the batch buffer as many (its
@@ -397,7 +372,7 @@ impl Feeder {
                 stats.wait_data += t.elapsed();
                 self.host_span(Stage::WaitData, t, epoch_no, i as u64);
                 let batch = batch?;
-                check_fits(&batch, &self.layout)?;
+                self.layout.check_batch(&batch)?;
                 let k = i % k_slots;
                 if i >= k_slots {
                     let t = Instant::now();

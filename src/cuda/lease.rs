@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaSlice, CudaStream};
 
 use super::augment::DeviceAugment;
-use super::feeder::{addr, check_fits};
+use super::feeder::addr;
 use super::{Cuda, KeepCurrent};
 use crate::augment::Augmenter;
 use crate::error::{Error, Result};
@@ -292,7 +292,7 @@ impl DeviceSlots {
             s.copied[k].record(&self.copy)?;
             return Ok(());
         }
-        check_fits(batch, &self.layout)?;
+        self.layout.check_batch(batch)?;
         let bytes = batch.as_bytes();
         // SAFETY: slot k holds `layout.bytes()` bytes, as does the batch's buffer (its
         // layout is the slots', checked above); the

@@ -95,6 +95,33 @@ impl BatchLayout {
         self.bytes
     }
 
+    /// Refuses a batch not laid out as this layout's buffers (a loader with another
+    /// batch size or other columns: an evaluation loader with a larger batch, say), for
+    /// code that copies batches into buffers or device slots of this layout. Copied, it
+    /// would run past them, and its columns would be read at other offsets.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming both layouts' batch sizes and bytes.
+    pub fn check_batch(&self, batch: &HostBatch) -> Result<()> {
+        let theirs = batch.layout();
+        if theirs == self {
+            return Ok(());
+        }
+        Err(Error::Config(format!(
+            "a batch laid out for {} samples ({} bytes), for buffers laid out for {} \
+             ({} bytes{}): another loader's layout; give each loader its own trainer, \
+             feeder or slots",
+            theirs.batch_size(),
+            theirs.bytes(),
+            self.batch_size(),
+            self.bytes(),
+            match theirs.columns() == self.columns() {
+                true => "",
+                false => ", and other columns",
+            }
+        )))
+    }
+
     /// Bytes of sample data in a batch of `rows` samples (padding excluded).
     pub fn data_bytes(&self, rows: usize) -> usize {
         self.columns.iter().map(|c| c.row_bytes * rows).sum()

@@ -315,12 +315,21 @@ fn check_labels(y: &[i64], classes: usize, indices: &[u64]) -> Result<()> {
     }
 }
 
-/// Mean loss of `n` samples without updating anything (for tests and evaluation).
+/// Mean loss of the first `n` samples (`y.len()`, at most the workspace's batch)
+/// without updating anything (for tests and evaluation).
 ///
 /// # Errors
-/// [`Error::Label`] for a label outside `0..classes`.
+/// [`Error::Label`] for a label outside `0..classes`; [`Error::Config`] if `x` holds
+/// fewer than `n` rows.
 pub fn loss(mlp: &Mlp, ws: &mut Workspace, norm: Normalize, x: &[u8], y: &[i64]) -> Result<f64> {
     let n = y.len().min(ws.batch);
+    let d = mlp.config.inputs;
+    if x.len() < n * d {
+        return Err(Error::Config(format!(
+            "{n} samples of {d} input bytes, and {} bytes given",
+            x.len()
+        )));
+    }
     check_labels(&y[..n], mlp.config.classes, &[])?;
     forward(mlp, ws, norm, x, n);
     let c = mlp.config.classes;

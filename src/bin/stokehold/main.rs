@@ -53,6 +53,9 @@ fn ensure_dataset(dir: &Path) -> stokehold::Result<()> {
 fn run(command: Command) -> stokehold::Result<ExitCode> {
     match command {
         Command::Train(a) => {
+            // Output paths are refused before any work, making the default set included.
+            a.json.as_deref().map_or(Ok(()), report::check_output)?;
+            a.trace.as_deref().map_or(Ok(()), report::check_output)?;
             ensure_dataset(&a.loader.data)?;
             let seed = a.seed;
             let config = TrainConfig {
@@ -75,7 +78,6 @@ fn run(command: Command) -> stokehold::Result<ExitCode> {
                 device_cache: !a.no_device_cache,
                 pinned: a.pinned,
             };
-            a.json.as_deref().map_or(Ok(()), report::check_output)?;
             let report = train::run(&config)?;
             let written = a.json.map_or(Ok(()), |path| write_json(&path, &report));
             emit(&train::summary(&report, &config));
@@ -121,6 +123,7 @@ fn run(command: Command) -> stokehold::Result<ExitCode> {
             })
         }
         Command::Bench(a) => {
+            a.json.as_deref().map_or(Ok(()), report::check_output)?;
             ensure_dataset(&a.loader.data)?;
             let cfg = BenchConfig {
                 batch: a.loader.batch,
@@ -133,7 +136,6 @@ fn run(command: Command) -> stokehold::Result<ExitCode> {
                 page_cache_budget: a.loader.page_cache_budget,
                 direct_reads: !a.loader.no_direct_reads,
             };
-            a.json.as_deref().map_or(Ok(()), report::check_output)?;
             let report = bench::measure(&a.loader.data, &cfg, &mut |line| eprintln!("{line}"))?;
             let written = a.json.map_or(Ok(()), |path| write_json(&path, &report));
             emit(&report.text());
