@@ -219,6 +219,13 @@ fn the_command_line_names_bad_choices() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("auto"));
     let out = stokehold(&["train", "--shuffle", "random"]);
     assert_eq!(out.status.code(), Some(2));
+    // Flags that would be ignored together are refused (exit 2, naming them).
+    let out = stokehold(&["bench", "--no-cold", "--only", "cold"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--no-cold"));
+    let out = stokehold(&["gen", "--out", "/nonexistent/d", "--vocab", "100"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--tokens"));
 }
 
 /// A copy of datasets/digits in `dir`.

@@ -103,7 +103,7 @@ pub(crate) struct GenArgs {
     #[arg(long)]
     pub(crate) tokens: Option<u64>,
     /// Vocabulary size of the token stream.
-    #[arg(long, default_value_t = 50_257)]
+    #[arg(long, default_value_t = 50_257, requires = "tokens")]
     pub(crate) vocab: u32,
 }
 
@@ -123,7 +123,7 @@ pub(crate) struct BenchArgs {
     pub(crate) no_cold: bool,
     /// Measure only this part: `cold` (a cold epoch with full and with block shuffle,
     /// and the storage's direct-I/O roofline).
-    #[arg(long, value_parser = ["cold"])]
+    #[arg(long, value_parser = ["cold"], conflicts_with = "no_cold")]
     pub(crate) only: Option<String>,
 }
 
