@@ -581,6 +581,8 @@ fn a_resume_is_neither_lost_nor_misapplied() {
     // state still says.
     assert_eq!(resumed.epoch(3).unwrap().len(), 9);
     assert_eq!(resumed.state(), state);
+    // So it does for a device cache asking whether it may serve the epoch whole.
+    assert!(resumed.resumes(3) && resumed.can_serve(3).is_err());
     let mut rest = resumed.epoch(3).unwrap();
     assert_eq!(rest.len(), 9);
     assert_eq!(rest.next().unwrap().unwrap().number(), 1);

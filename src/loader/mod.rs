@@ -728,13 +728,8 @@ impl Loader {
     /// instead of dropped (its buffers are lost; the loader's drop still returns).
     pub fn epoch(&mut self, epoch: u64) -> Result<Epoch<'_>> {
         self.check_last()?;
-        // A resumed epoch dropped before its first batch leaves the resume standing.
-        if let (None, Some(r), Some(last)) = (self.resume, self.resumed.take(), &self.last) {
-            if last.delivered.load(Ordering::Acquire) == r.batch {
-                self.resume = Some(r);
-            }
-        }
-        let (start, from) = match self.resume {
+        let pending = self.pending();
+        let (start, from) = match pending {
             Some(r) if epoch < r.epoch => {
                 return Err(Error::Config(format!(
                     "this loader resumes epoch {} at batch {}: epoch {epoch} comes before it",
@@ -744,7 +739,8 @@ impl Loader {
             Some(r) if epoch == r.epoch => (r.batch, r.start),
             _ => (0, 0),
         };
-        self.resumed = self.resume.take().filter(|r| r.epoch == epoch);
+        self.resume = None;
+        self.resumed = pending.filter(|r| r.epoch == epoch);
         // Storage's count before any worker or the planner has the job: counted after,
         // the reads they issued at once went missing from the epoch's figure.
         let read_at_start = crate::pagecache::storage_read_bytes();
@@ -948,7 +944,7 @@ impl Loader {
                 epoch: last.order.epoch(),
             });
         }
-        match self.resume {
+        match self.pending() {
             Some(r) if r.epoch > epoch || self.resumes(epoch) => Err(Error::Config(format!(
                 "this loader resumes epoch {} at batch {}: epoch {epoch} cannot be served whole",
                 r.epoch, r.batch
@@ -987,8 +983,18 @@ impl Loader {
     /// Whether [`epoch`](Loader::epoch)`(epoch)` will start part of the way into the
     /// epoch: a resume is pending for it.
     pub fn resumes(&self, epoch: u64) -> bool {
-        self.resume
+        self.pending()
             .is_some_and(|r| r.epoch == epoch && (r.batch > 0 || r.start > 0))
+    }
+
+    /// The resume the next [`epoch`](Loader::epoch) call for its epoch starts from: the
+    /// one given, or the one the last epoch started from while that epoch has delivered
+    /// no batch (dropped at once, it leaves the resume standing, as the state says).
+    fn pending(&self) -> Option<LoaderState> {
+        self.resume.or_else(|| {
+            let (r, last) = (self.resumed?, self.last.as_ref()?);
+            (last.delivered.load(Ordering::Acquire) == r.batch).then_some(r)
+        })
     }
 
     /// Resumes from a state saved by a loader with another world size, rank, batch size
