@@ -54,23 +54,29 @@ class PerSample(Dataset):
         return img, int(self.y[i])
 
 
+def augment_batch(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """A batch of ``uint8`` images (n, c, h, w) padded, cropped, flipped and normalised
+    by torch operations on the tensor's device: one pad, the crops as one indexed read."""
+    n, c, h, w = x.shape
+    dev = x.device
+    x = F.pad(x, (PAD, PAD, PAD, PAD))
+    dy = torch.randint(0, 2 * PAD + 1, (n, 1, 1), device=dev)
+    dx = torch.randint(0, 2 * PAD + 1, (n, 1, 1), device=dev)
+    flip = torch.rand(n, 1, 1, device=dev) < 0.5
+    rows = dy + torch.arange(h, device=dev).view(1, h, 1)
+    cols = torch.arange(w, device=dev).view(1, 1, w)
+    cols = dx + torch.where(flip, w - 1 - cols, cols)
+    x = x[torch.arange(n, device=dev).view(n, 1, 1, 1), torch.arange(c, device=dev).view(1, c, 1, 1),
+          rows.unsqueeze(1), cols.unsqueeze(1)]
+    return (x.float() / 255 - mean) / std
+
+
 class PerBatch(PerSample):
-    """The same, a batch at a time: one gather, one pad, the crops as one indexed read."""
+    """The same, a batch at a time (``augment_batch`` in ``__getitems__``)."""
 
     def __getitems__(self, indices):
         idx = np.sort(np.asarray(indices))
-        x = torch.from_numpy(self.x[idx])
-        n, _, h, w = x.shape
-        x = F.pad(x, (PAD, PAD, PAD, PAD))
-        dy = torch.randint(0, 2 * PAD + 1, (n, 1, 1))
-        dx = torch.randint(0, 2 * PAD + 1, (n, 1, 1))
-        flip = torch.rand(n, 1, 1) < 0.5
-        rows = dy + torch.arange(h).view(1, h, 1)
-        cols = torch.arange(w).view(1, 1, w)
-        cols = dx + torch.where(flip, w - 1 - cols, cols)
-        x = x[torch.arange(n).view(n, 1, 1, 1), torch.arange(3).view(1, 3, 1, 1),
-              rows.unsqueeze(1), cols.unsqueeze(1)]
-        x = (x.float() / 255 - self.mean) / self.std
+        x = augment_batch(torch.from_numpy(self.x[idx]), self.mean, self.std)
         return [(x, torch.from_numpy(self.y[idx]))]
 
 

@@ -34,53 +34,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import stokehold
-from python_loaders import options, read_once  # this directory is on sys.path when run as a script
-
-MEAN = (0.4914, 0.4822, 0.4465)
-STD = (0.2470, 0.2435, 0.2616)
-PAD = 4
-
-
-class Npy(Dataset):
-    """x.npy and y.npy, memory-mapped, batched through ``__getitems__``."""
-
-    def __init__(self, root: Path):
-        self.x = np.load(root / "x.npy", mmap_mode="r")
-        self.y = np.load(root / "y.npy", mmap_mode="r")
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitems__(self, indices):
-        idx = np.sort(np.asarray(indices))
-        return [(torch.from_numpy(self.x[idx]), torch.from_numpy(self.y[idx]))]
-
-
-def first(items):
-    return items[0]
-
-
-def augment_on(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """A batch of ``uint8`` images (n, c, h, w) padded, cropped, flipped and normalised
-    by torch operations on the tensor's device."""
-    n, c, h, w = x.shape
-    dev = x.device
-    x = F.pad(x, (PAD, PAD, PAD, PAD))
-    dy = torch.randint(0, 2 * PAD + 1, (n, 1, 1), device=dev)
-    dx = torch.randint(0, 2 * PAD + 1, (n, 1, 1), device=dev)
-    flip = torch.rand(n, 1, 1, device=dev) < 0.5
-    rows = dy + torch.arange(h, device=dev).view(1, h, 1)
-    cols = torch.arange(w, device=dev).view(1, 1, w)
-    cols = dx + torch.where(flip, w - 1 - cols, cols)
-    x = x[torch.arange(n, device=dev).view(n, 1, 1, 1), torch.arange(c, device=dev).view(1, c, 1, 1),
-          rows.unsqueeze(1), cols.unsqueeze(1)]
-    return (x.float() / 255 - mean) / std
+# This directory is on sys.path when run as a script.
+from python_augment import MEAN, PAD, STD, augment_batch, first
+from python_loaders import Npy, options, read_once
 
 
 def main() -> None:
@@ -142,7 +102,7 @@ def main() -> None:
     timed(4, (copy(x) for x, _ in dl))  # workers started
     results["torch_pinned"] = timed(args.batches, (copy(x) for x, _ in dl))
     results["torch_gpu_augment"] = timed(
-        args.batches, (augment_on(copy(x), mean, std) for x, _ in dl))
+        args.batches, (augment_batch(copy(x), mean, std) for x, _ in dl))
 
     rate = {k: s / t for k, (t, s) in results.items()}
     for k, r in rate.items():

@@ -169,14 +169,6 @@ pub fn storage_read_bytes() -> Option<u64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
-/// Bytes this process has read from storage since the counter read `start`
-/// ([`storage_read_bytes`]); 0 where the kernel does not say.
-pub fn storage_read_since(start: Option<u64>) -> u64 {
-    storage_read_bytes()
-        .zip(start)
-        .map_or(0, |(n, s)| n.saturating_sub(s))
-}
-
 /// The page-cache budget of a loader built without one: half the memory available now
 /// ([`available_memory`]); unlimited where the kernel does not say.
 pub fn default_budget() -> u64 {

@@ -400,8 +400,8 @@ impl Dataset for Packed {
     /// and its seed).
     fn fingerprint(&self) -> u64 {
         let [kind, seed] = self.windows.fingerprint_parts();
-        let shuffled = self.shuffled.as_ref().map_or([0, 0], |s| [1, s.seed]);
-        fold([kind, seed, self.seq_len as u64, shuffled[0], shuffled[1]])
+        let [shuffled, shuffle_seed] = self.shuffled.as_ref().map_or([0, 0], |s| [1, s.seed]);
+        fold([kind, seed, self.seq_len as u64, shuffled, shuffle_seed])
     }
 
     fn len(&self) -> u64 {

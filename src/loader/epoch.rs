@@ -41,6 +41,19 @@ pub struct EpochStats {
     pub bytes_read: u64,
 }
 
+impl EpochStats {
+    /// These figures with `bytes_read` counted now: what this process has read from
+    /// storage since its counter read `start` ([`Epoch::read_at_start`]); 0 where the
+    /// kernel does not say.
+    pub fn with_reads_since(self, start: Option<u64>) -> EpochStats {
+        let read = crate::pagecache::storage_read_bytes();
+        EpochStats {
+            bytes_read: read.zip(start).map_or(0, |(n, s)| n.saturating_sub(s)),
+            ..self
+        }
+    }
+}
+
 /// One epoch of batches, in order: an [`ExactSizeIterator`] of `Result<HostBatch>`.
 ///
 /// An error (a failed read, a worker panic, a deadlock) is yielded once and ends the
@@ -131,10 +144,7 @@ impl<'a> Epoch<'a> {
 
     /// What the consumer side measured so far.
     pub fn stats(&self) -> EpochStats {
-        EpochStats {
-            bytes_read: crate::pagecache::storage_read_since(self.read_at_start),
-            ..self.counts()
-        }
+        self.counts().with_reads_since(self.read_at_start)
     }
 
     /// [`stats`](Epoch::stats) bar `bytes_read` (left 0), without the system call that

@@ -86,10 +86,7 @@ impl Shown {
 
     /// The epoch's stats now, as `Epoch::stats` gives them.
     fn stats(&self) -> stokehold::EpochStats {
-        stokehold::EpochStats {
-            bytes_read: pagecache::storage_read_since(self.read_at_start),
-            ..self.counts
-        }
+        self.counts.with_reads_since(self.read_at_start)
     }
 }
 

@@ -244,12 +244,19 @@ def test_device_cuda_without_a_driver_says_why() -> None:
         stokehold.Loader(DIGITS, device="gpu")
 
 
-def test_torch_reads_device_batches_on_a_gpu() -> None:
+def torch_on_a_gpu():
+    """PyTorch, where it sees a GPU; the test is skipped otherwise (failed under
+    STOKEHOLD_REQUIRE_GPU=1, where a GPU run must not pass by skipping)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         if REQUIRE_GPU:
             pytest.fail("STOKEHOLD_REQUIRE_GPU=1 but torch sees no GPU")
         pytest.skip("no GPU")
+    return torch
+
+
+def test_torch_reads_device_batches_on_a_gpu() -> None:
+    torch = torch_on_a_gpu()
     x_file = np.load(DIGITS / "x.npy")
     loader = stokehold.Loader(DIGITS, batch_size=100, seed=1, device="cuda", held=1)
     side = torch.cuda.Stream()
@@ -265,11 +272,7 @@ def test_torch_reads_device_batches_on_a_gpu() -> None:
 
 
 def test_torch_reads_augmented_device_batches_on_a_gpu() -> None:
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        if REQUIRE_GPU:
-            pytest.fail("STOKEHOLD_REQUIRE_GPU=1 but torch sees no GPU")
-        pytest.skip("no GPU")
+    torch = torch_on_a_gpu()
     aug = stokehold.Augment("x", crop=2, flip=True, mean=0.3, std=0.2, seed=1)
     on_gpu = stokehold.Loader(DIGITS, batch_size=100, seed=1, device="cuda", augment=aug)
     on_cpu = stokehold.Loader(DIGITS, batch_size=100, seed=1, augment=aug)
