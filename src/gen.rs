@@ -92,10 +92,16 @@ impl Partial {
         self.map.as_deref_mut().unwrap_or_default()
     }
 
-    fn finish(mut self) -> Result<PathBuf> {
+    /// Writes the mapping's pages back to the file, and unmaps it.
+    fn flush(&mut self) -> Result<()> {
         if let Some(map) = self.map.take() {
             map.flush().map_err(|e| Error::io(&self.path, e))?;
         }
+        Ok(())
+    }
+
+    fn finish(mut self) -> Result<PathBuf> {
+        self.flush()?;
         std::fs::rename(&self.tmp, &self.path).map_err(|e| Error::io(&self.path, e))?;
         self.done = true;
         Ok(self.path.clone())
@@ -176,7 +182,19 @@ impl NpyWriter {
 
     /// The data bytes, to fill.
     pub fn data_mut(&mut self) -> &mut [u8] {
-        &mut self.file.bytes_mut()[self.offset..]
+        let offset = self.offset;
+        self.file.bytes_mut().get_mut(offset..).unwrap_or_default()
+    }
+
+    /// Writes the data to the file, still under its temporary name; after this,
+    /// [`data_mut`](NpyWriter::data_mut) is empty. Writers of files that belong together
+    /// flush them all before [`finish`](NpyWriter::finish)ing any, so that what can fail
+    /// fails before any of them is in place.
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming the file.
+    pub fn flush(&mut self) -> Result<()> {
+        self.file.flush()
     }
 
     /// Flushes and renames the file into place.
@@ -308,8 +326,18 @@ pub fn classification(
             }
             progress((xs.len() / row) as u64);
         });
-    let x = x.finish()?;
+    // x.npy is put in place last, and an older one is removed first: whatever fails or
+    // stops the process in between, x.npy is there only beside the y.npy written with it
+    // (which is what `default_missing` looks for).
+    x.flush()?;
+    y.flush()?;
+    let x_path = dir.join("x.npy");
+    match std::fs::remove_file(&x_path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&x_path, e)),
+        _ => {}
+    }
     let y = y.finish()?;
+    let x = x.finish()?;
     Ok((x, y))
 }
 
@@ -357,5 +385,47 @@ mod tests {
         assert_eq!(super::parse_shape("1,8").unwrap(), vec![1, 8]);
         let err = super::parse_shape("3xq").unwrap_err().to_string();
         assert!(err.contains("\"3xq\""), "{err}");
+    }
+
+    fn spec(seed: u64) -> super::ClassificationSpec {
+        super::ClassificationSpec {
+            samples: 100,
+            shape: vec![4],
+            classes: 3,
+            noise: 8,
+            seed,
+        }
+    }
+
+    #[test]
+    fn a_set_made_again_replaces_both_files() {
+        let dir = tempfile::tempdir().unwrap();
+        super::classification(dir.path(), &spec(1), &|_| {}).unwrap();
+        let before = std::fs::read(dir.path().join("y.npy")).unwrap();
+        super::classification(dir.path(), &spec(2), &|_| {}).unwrap();
+        assert_ne!(std::fs::read(dir.path().join("y.npy")).unwrap(), before);
+        let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+    }
+
+    #[test]
+    fn a_set_that_fails_to_land_leaves_no_x_without_its_y() {
+        let dir = tempfile::tempdir().unwrap();
+        super::classification(dir.path(), &spec(1), &|_| {}).unwrap();
+        // y.npy cannot be renamed over a directory that holds a file.
+        std::fs::remove_file(dir.path().join("y.npy")).unwrap();
+        std::fs::create_dir(dir.path().join("y.npy")).unwrap();
+        std::fs::write(dir.path().join("y.npy/keep"), b"").unwrap();
+        let err = super::classification(dir.path(), &spec(2), &|_| {}).unwrap_err();
+        assert!(err.to_string().contains("y.npy"), "{err}");
+        // The old x.npy is gone with the failed y.npy, so the pair reads as missing (and
+        // is made again) instead of an old x beside a y of another spec; no temporary
+        // file is left behind.
+        assert!(!dir.path().join("x.npy").exists());
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("y.npy")]);
     }
 }

@@ -258,7 +258,9 @@ pub fn read_ahead_file(file: MappedFile<'_>) -> Result<u64> {
         .map_or(WILL_NEED_PIECE, |f| will_need_piece(&f));
     let page = page_size();
     let bytes = file.bytes();
-    let touched = guarded(bytes, || {
+    // A fault marks the file (when watched) as changed, so that its later reads fail.
+    let mark = file.watched().map(|w| w.mark());
+    let touched = guarded(bytes, mark, || {
         let mut sum = 0u8;
         let mut asked = 0;
         for i in (0..bytes.len()).step_by(page) {

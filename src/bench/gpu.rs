@@ -8,9 +8,8 @@ use crate::backend::Trainer;
 use crate::cuda::{Cuda, CudaTrainer, Feeder, Kernels, PinnedAlloc, PinnedKind};
 use crate::dataset::Dataset;
 use crate::error::Result;
-use crate::loader::Loader;
+use crate::loader::LoaderBuilder;
 use crate::model::{Mlp, MlpConfig, Normalize};
-use crate::sampler::Shuffle;
 
 /// Host-to-device bandwidth figures, GB/s (1e9 bytes).
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -172,16 +171,17 @@ fn pinned_bytes(cuda: &Cuda, kind: PinnedKind, n: usize) -> Result<PinnedHostSli
     Ok(m)
 }
 
-/// Runs the GPU figures on `dataset` with batches of `batch` and `workers` workers; the
-/// steps classify into `classes`, normalising inputs with `norm` (see
-/// [`fit_classifier`](crate::model::fit_classifier)).
+/// Runs the GPU figures on `dataset` with loaders made from `base` (a builder over
+/// `dataset` with the batch size, prefetch and read settings to measure) and `workers`
+/// workers, the figures that vary the workers aside; the steps classify into `classes`,
+/// normalising inputs with `norm` (see [`fit_classifier`](crate::model::fit_classifier)).
 ///
 /// # Errors
 /// Any driver, NVRTC, loader or dataset error.
 pub fn run(
     cuda: &Cuda,
-    dataset: Arc<dyn Dataset>,
-    (batch, workers): (usize, usize),
+    dataset: &Arc<dyn Dataset>,
+    (base, workers): (LoaderBuilder, usize),
     (norm, classes): (Normalize, usize),
 ) -> Result<GpuBench> {
     let mut out = GpuBench {
@@ -189,10 +189,8 @@ pub fn run(
         ..GpuBench::default()
     };
     let loader = |alloc: PinnedKind, workers: usize| {
-        Loader::builder_shared(Arc::clone(&dataset))
-            .batch_size(batch)
+        base.clone()
             .workers(workers)
-            .shuffle(Shuffle::Full { seed: 0 })
             .allocator(Arc::new(PinnedAlloc::new(Arc::clone(&cuda.ctx), alloc)))
             .build()
     };

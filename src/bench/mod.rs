@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use crate::dataset::{Dataset, NpyDataset};
 use crate::device::Device;
 use crate::error::Result;
-use crate::loader::{EpochStats, Loader};
+use crate::loader::{EpochStats, Loader, LoaderBuilder};
 use crate::model::{fit_classifier, Normalize};
 use crate::pagecache::{self, Residency};
 use crate::sampler::{Order, Shard, Shuffle};
@@ -187,7 +187,9 @@ pub fn loader_epoch(loader: &mut Loader, epoch: u64) -> Result<(Duration, EpochS
     Ok((start.elapsed(), it.stats()))
 }
 
-fn build(dataset: &Arc<dyn Dataset>, cfg: &BenchConfig, shuffle: Shuffle) -> Result<Loader> {
+/// A loader over `dataset` as `cfg` asks (batch, workers, prefetch, page-cache budget,
+/// direct reads): every loader the bench measures, CPU or GPU, starts from this one.
+fn builder(dataset: &Arc<dyn Dataset>, cfg: &BenchConfig, shuffle: Shuffle) -> LoaderBuilder {
     let mut b = Loader::builder_shared(Arc::clone(dataset))
         .batch_size(cfg.batch)
         .workers(cfg.workers)
@@ -199,7 +201,11 @@ fn build(dataset: &Arc<dyn Dataset>, cfg: &BenchConfig, shuffle: Shuffle) -> Res
     if let Some(budget) = cfg.page_cache_budget {
         b = b.page_cache_budget(budget);
     }
-    b.build()
+    b
+}
+
+fn build(dataset: &Arc<dyn Dataset>, cfg: &BenchConfig, shuffle: Shuffle) -> Result<Loader> {
+    builder(dataset, cfg, shuffle).build()
 }
 
 /// Measures the loader against the roofline on a page-cached dataset (unless
@@ -485,7 +491,8 @@ pub fn measure(
     match Device::auto() {
         Device::Cuda(c) => {
             log(&format!("bench: GPU figures on {}", c.name));
-            report.gpu = Some(gpu::run(&c, ds, (cfg.batch, cfg.workers), fitted)?);
+            let base = builder(&ds, cfg, Shuffle::Full { seed: cfg.seed });
+            report.gpu = Some(gpu::run(&c, &ds, (base, cfg.workers), fitted)?);
         }
         Device::Cpu { reason } => report.gpu_skipped = reason,
     }

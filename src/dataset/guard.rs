@@ -12,6 +12,10 @@
 //! - run with this thread's guard over the mapping: a `SIGBUS` inside it is handled by
 //!   mapping a page of zeros over the faulting page, so the read completes, and is then
 //!   reported as an error naming the file. The file stays marked as changed.
+//! - check again afterwards that no read of the file faulted meanwhile: the page of zeros
+//!   replaces the vanished one in the mapping, for every thread, so another thread's
+//!   read of that page completes without a fault of its own. The handler marks the file
+//!   as changed before it maps the zeros, so that read fails too.
 //!
 //! A `SIGBUS` anywhere else goes to the handler that was installed before (Rust's own
 //! stack-overflow handler, Python's `faulthandler`...) or to the default action, so
@@ -32,6 +36,8 @@ thread_local! {
     /// Whether a page of that range faulted (an atomic, so that the compiler does not
     /// assume it unchanged across the read; the handler runs on this same thread).
     static FAULTED: AtomicBool = const { AtomicBool::new(false) };
+    /// The flag of the file that range maps, which the handler sets (null: none).
+    static MARK: Cell<*const AtomicBool> = const { Cell::new(std::ptr::null()) };
 }
 
 /// The `SIGBUS` action in place before ours, to pass faults that are not ours on to.
@@ -71,7 +77,7 @@ fn install() {
 /// place of the vanished one and is noted; any other goes where it went before.
 ///
 /// It only reads thread-locals without destructors (set before the guarded read
-/// started), calls `mmap`, a system call, and `sigaction`.
+/// started), stores to an atomic, calls `mmap`, a system call, and `sigaction`.
 extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // SAFETY: with SA_SIGINFO the kernel passes a valid `siginfo_t`; for SIGBUS it
     // holds the faulting address.
@@ -85,6 +91,15 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
     if ours {
         let page = PAGE.load(Ordering::Relaxed);
         let at = addr & !(page - 1);
+        // The file is marked before its page is replaced: a read on another thread that
+        // sees the zeros then sees the mark when it checks, after its read.
+        let mark = MARK.try_with(Cell::get).unwrap_or(std::ptr::null());
+        // SAFETY: a non-null mark points to the flag of the file whose mapping this
+        // thread's guarded read (still running: the fault is inside it) borrows, so it is
+        // alive; an atomic store is async-signal-safe.
+        if let Some(mark) = unsafe { mark.as_ref() } {
+            mark.store(true, Ordering::SeqCst);
+        }
         // SAFETY: `at` is the start of a page inside a read-only file mapping that the
         // guarded read holds alive; replacing that page with anonymous zeros changes
         // only what this mapping reads there, and `Watched` marks the file as changed so
@@ -142,20 +157,46 @@ pub(crate) const VANISHED: &str = "a page could not be read (the file shrank und
                                    mapping, or the storage returned an error)";
 
 /// Runs `read` with this thread's guard over `range`: `Some` with its result, or `None`
-/// if a page of `range` faulted (and read as zeros) meanwhile.
-pub(crate) fn guarded<R>(range: &[u8], read: impl FnOnce() -> R) -> Option<R> {
+/// if a page of `range` faulted (and read as zeros) meanwhile. A fault also sets `mark`
+/// (the flag of the file `range` maps), from the handler, before the page is replaced.
+pub(crate) fn guarded<R>(
+    range: &[u8],
+    mark: Option<&AtomicBool>,
+    read: impl FnOnce() -> R,
+) -> Option<R> {
     install();
     let start = range.as_ptr() as usize;
-    let outer = RANGE.with(|r| r.replace((start, start + range.len())));
-    let outer_fault = FAULTED.with(|f| f.swap(false, Ordering::Relaxed));
+    let mark = mark.map_or(std::ptr::null(), |m| m as *const AtomicBool);
+    // Put back as they were when this read ends, by return or by a panic of `read`
+    // (which a caller may catch: a fault after that must not be taken as this read's).
+    let _outer = Outer {
+        range: RANGE.with(|r| r.replace((start, start + range.len()))),
+        mark: MARK.with(|m| m.replace(mark)),
+        faulted: FAULTED.with(|f| f.swap(false, Ordering::Relaxed)),
+    };
     // The handler runs on this thread, between any two instructions of `read`: the
     // fences keep the guard's set-up before the read and its check after it.
     compiler_fence(Ordering::SeqCst);
     let out = read();
     compiler_fence(Ordering::SeqCst);
-    RANGE.with(|r| r.set(outer));
-    let faulted = FAULTED.with(|f| f.swap(outer_fault, Ordering::Relaxed));
+    let faulted = FAULTED.with(|f| f.load(Ordering::Relaxed));
     (!faulted).then_some(out)
+}
+
+/// The guard of an enclosing guarded read on this thread, put back on drop.
+struct Outer {
+    range: (usize, usize),
+    mark: *const AtomicBool,
+    faulted: bool,
+}
+
+impl Drop for Outer {
+    fn drop(&mut self) {
+        RANGE.with(|r| r.set(self.range));
+        MARK.with(|m| m.set(self.mark));
+        FAULTED.with(|f| f.store(self.faulted, Ordering::Relaxed));
+        compiler_fence(Ordering::SeqCst);
+    }
 }
 
 /// How often a watched file's metadata is checked again, at most.
@@ -207,6 +248,12 @@ impl Watched {
         &self.file
     }
 
+    /// The flag a fault in the file's mapping sets (see [`guarded`]): once set, every
+    /// read of the file fails.
+    pub(crate) fn mark(&self) -> &AtomicBool {
+        &self.changed
+    }
+
     fn changed(&self, how: String) -> Error {
         self.changed.store(true, Ordering::Release);
         Error::dataset(&self.path, format!("changed while it was mapped: {how}"))
@@ -248,10 +295,15 @@ impl Watched {
     ///
     /// # Errors
     /// [`Error::Dataset`] naming the file if it changed, or if a page of it could not be
-    /// read (it shrank during the read, or the storage failed).
+    /// read (it shrank during the read, or the storage failed), in this read or in
+    /// another thread's meanwhile.
     pub(crate) fn read<R>(&self, map: &[u8], read: impl FnOnce(&[u8]) -> R) -> Result<R> {
         self.check_recently()?;
-        guarded(map, || read(map)).ok_or_else(|| self.changed(VANISHED.into()))
+        let out = guarded(map, Some(&self.changed), || read(map))
+            .ok_or_else(|| self.changed(VANISHED.into()))?;
+        // Another thread's fault may have replaced a page this read saw with zeros.
+        self.check_earlier()?;
+        Ok(out)
     }
 
     /// [`check`](Watched::check), unless it passed within [`RECHECK`]; an earlier
@@ -294,11 +346,65 @@ mod tests {
         let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
         tmp.as_file().set_len(4096).unwrap();
         // The first page is still there; the others fault, and read as zeros.
-        let sum = guarded(&map, || map.iter().map(|&b| u64::from(b)).sum::<u64>());
+        let sum = guarded(&map, None, || {
+            map.iter().map(|&b| u64::from(b)).sum::<u64>()
+        });
         assert_eq!(sum, None);
         // Pages before the new end read as before.
-        let head = guarded(&map, || map[..4096].iter().all(|&b| b == 7));
+        let head = guarded(&map, None, || map[..4096].iter().all(|&b| b == 7));
         assert_eq!(head, Some(true));
+    }
+
+    #[test]
+    fn a_page_another_thread_faulted_fails_this_threads_read_too() {
+        const PAGE: usize = 4096;
+        let mut tmp = tempfile::NamedTempFile::new().unwrap();
+        tmp.write_all(&vec![7u8; 16 * PAGE]).unwrap();
+        let watched = Watched::new(tmp.path(), tmp.reopen().unwrap()).unwrap();
+        let modified = tmp.as_file().metadata().unwrap().modified().unwrap();
+        // SAFETY: as above.
+        let map = unsafe { memmap2::Mmap::map(watched.file()) }.unwrap();
+        watched.read(&map, |m| m[0]).unwrap();
+        // Page 8 vanishes (as a storage error would make it) while one thread reads it;
+        // that thread stops inside its read, its fault taken and the page read as zeros.
+        tmp.as_file().set_len(PAGE as u64).unwrap();
+        let (inside, stopped) = std::sync::mpsc::channel();
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        std::thread::scope(|s| {
+            let (watched, map) = (&watched, &map);
+            let first = s.spawn(move || {
+                watched.read(map, |m| {
+                    let v = m[8 * PAGE];
+                    inside.send(()).unwrap();
+                    wait.recv().unwrap();
+                    v
+                })
+            });
+            stopped.recv().unwrap();
+            // The file looks as it was opened again: only the fault tells.
+            tmp.as_file().set_len(16 * PAGE as u64).unwrap();
+            tmp.as_file().set_modified(modified).unwrap();
+            std::thread::sleep(RECHECK);
+            let second = watched.read(&map, |m| m[8 * PAGE]);
+            go.send(()).unwrap();
+            assert!(
+                second.is_err(),
+                "a page of zeros was read as data: {second:?}"
+            );
+            assert!(first.join().unwrap().is_err());
+        });
+    }
+
+    #[test]
+    fn a_read_that_panics_leaves_no_guard_behind() {
+        let mut tmp = tempfile::NamedTempFile::new().unwrap();
+        tmp.write_all(&[1u8; 4096]).unwrap();
+        // SAFETY: as above.
+        let map = unsafe { memmap2::Mmap::map(tmp.as_file()) }.unwrap();
+        let caught = std::panic::catch_unwind(|| guarded(&map, None, || panic!("in the read")));
+        assert!(caught.is_err());
+        assert_eq!(RANGE.with(Cell::get), (0, 0));
+        assert!(MARK.with(Cell::get).is_null());
     }
 
     #[test]
