@@ -2,9 +2,7 @@
 //! a token stream, written as files the loader reads. Large sets are written in parallel
 //! straight into memory-mapped output files, so they never need to fit in RAM twice.
 
-use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use memmap2::MmapMut;
 use rand::rngs::Xoshiro256PlusPlus;
@@ -13,6 +11,7 @@ use rayon::prelude::*;
 
 use crate::dataset::{shape_string, DType};
 use crate::error::{Error, Result};
+use crate::partial::{self, Claimed};
 use crate::util::mix;
 
 /// The header of a version 1.0 `.npy` file holding a C-order array, padded so the data
@@ -45,44 +44,37 @@ pub fn npy_header(dtype: DType, shape: &[u64]) -> Vec<u8> {
 pub const MAX_AXES: usize = 64;
 
 /// A file being written through a mutable memory map, under a temporary name of its own
-/// beside its destination (so that two writers of one path never share it), with its
-/// space reserved up front: a full disk is an error here, never a `SIGBUS` while the
-/// mapping is filled. Renamed into place by [`finish`](Partial::finish); removed if
-/// dropped before that.
+/// beside its destination (so that two writers of one path never share it, and one a
+/// killed process left is swept: see [`partial`](crate::partial)), with its space
+/// reserved up front: a full disk is an error here, never a `SIGBUS` while the mapping
+/// is filled (except on a file system that cannot reserve space, see [`reserve`]).
+/// Renamed into place by [`finish`](Partial::finish); removed if dropped before that.
 struct Partial {
     path: PathBuf,
     tmp: PathBuf,
     map: Option<MmapMut>,
     done: bool,
+    /// The temporary file, whose lock marks it as being written until it is in place.
+    file: std::fs::File,
 }
 
 impl Partial {
     fn create(path: &Path, len: u64) -> Result<Partial> {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy())
-            .unwrap_or_default();
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let tmp = path.with_file_name(format!(".{name}.{}.{n}.partial", std::process::id()));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&tmp)
-            .map_err(|e| Error::io(path, e))?;
+        let Claimed { path: tmp, file } = partial::claim(path).map_err(|e| Error::io(path, e))?;
         let mut partial = Partial {
             path: path.to_path_buf(),
             tmp,
             map: None,
             done: false,
+            file,
         };
-        reserve(&file, len).map_err(|e| Error::io(path, e))?;
+        let file = &partial.file;
+        reserve(file, len).map_err(|e| Error::io(path, e))?;
         if len > 0 {
             // SAFETY: the file was just created by this process under a name of its own,
             // and its blocks are allocated: nothing else maps or resizes it while the
             // writer lives, and filling the mapping cannot fault on a full disk.
-            let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| Error::io(path, e))?;
+            let map = unsafe { MmapMut::map_mut(file) }.map_err(|e| Error::io(path, e))?;
             partial.map = Some(map);
         }
         Ok(partial)
@@ -118,7 +110,9 @@ impl Drop for Partial {
 }
 
 /// Allocates `len` bytes of `file` on disk (`posix_fallocate`); where the file system
-/// cannot, only sets the length.
+/// cannot (some FUSE and network file systems, ZFS before 2.2), only sets the length:
+/// there, a disk that fills while the mapping is written still ends the process with
+/// `SIGBUS`, as any program writing through a mapping would.
 fn reserve(file: &std::fs::File, len: u64) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     let Ok(n) = libc::off_t::try_from(len) else {

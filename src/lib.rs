@@ -34,8 +34,9 @@
 
 // The layers, each importing only from those above it in this list (see the README's
 // "Design in brief"):
-// L0: error, util
+// L0: error, util, partial (temporary files)
 mod error;
+mod partial;
 mod permutation;
 mod util;
 // L1: the data, its order, the model's math

@@ -143,6 +143,10 @@ pub(crate) fn advise_random(file: MappedFile<'_>) {
 /// and from the page cache, as [`evict_file`] does for a whole file; `fd` is the file
 /// open for reading.
 pub(crate) fn drop_range(file: MappedFile<'_>, fd: &File, offset: usize, len: usize) {
+    // A range that runs to the end of the file, in whole pages, may pass its end; the
+    // mapping refuses advice past its length, and the fadvise below cannot drop pages
+    // that are still mapped.
+    let len = len.min(file.bytes().len().saturating_sub(offset));
     // SAFETY: as in `evict_file`: a read-only shared file mapping, whose pages fault the
     // same bytes back in on the next read.
     let _ = unsafe {
@@ -292,4 +296,38 @@ pub fn read_ahead(dataset: &dyn Dataset) -> Result<u64> {
         .files()
         .into_iter()
         .try_fold(0, |acc, f| Ok(acc + read_ahead_file(f)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use super::*;
+
+    #[test]
+    fn a_range_in_whole_pages_past_the_end_of_the_file_is_dropped() {
+        let page = page_size();
+        let mut tmp = tempfile::NamedTempFile::new().unwrap();
+        tmp.write_all(&vec![3u8; 3 * page + 100]).unwrap();
+        tmp.as_file().sync_all().unwrap();
+        // SAFETY: a read-only mapping of a file this test owns.
+        let map = unsafe { memmap2::Mmap::map(tmp.as_file()) }.unwrap();
+        let file = MappedFile::new(tmp.path(), &map);
+        assert_eq!(
+            map.iter().map(|&b| u64::from(b)).sum::<u64>(),
+            3 * (3 * page as u64 + 100)
+        );
+        let resident = |f| resident_range(f, 0, map.len()).unwrap();
+        // SAFETY: a zeroed statfs is a valid value for statfs to fill in.
+        let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: a valid descriptor and a statfs to write.
+        let rc = unsafe { libc::fstatfs(tmp.as_file().as_raw_fd(), &mut fs) };
+        if rc != 0 || fs.f_type == libc::TMPFS_MAGIC || resident(file).iter().all(|&p| p & 1 == 0) {
+            eprintln!("skipped: the file's pages cannot be dropped from the page cache here");
+            return;
+        }
+        drop_range(file, tmp.as_file(), 0, 4 * page);
+        let left = resident(file).iter().filter(|&&p| p & 1 == 1).count();
+        assert_eq!(left, 0, "pages still cached after the drop");
+    }
 }

@@ -32,21 +32,20 @@ pub fn megabytes(bytes: u64) -> String {
 
 /// Writes `bytes` to `path` whole or not at all: into a temporary file beside it, synced,
 /// then renamed over it. A crash or a full disk leaves the old file (or none), never a
-/// truncated one.
+/// truncated one; a temporary file that a killed process left is removed by the next
+/// write to `path` (see `partial`).
 ///
 /// # Errors
 /// [`Error::Io`] naming `path`; the temporary file is removed.
 pub fn write_whole(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy())
-        .unwrap_or_default();
-    let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+    let crate::partial::Claimed {
+        path: tmp,
+        mut file,
+    } = crate::partial::claim(path).map_err(|e| Error::io(path, e))?;
     let written = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
+        file.write_all(bytes)?;
+        file.sync_all()?;
         std::fs::rename(&tmp, path)
     })();
     written.map_err(|e| {

@@ -17,6 +17,21 @@ fn turn() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A directory for a test's files beside the build (a real file system, where `/tmp`
+/// may be tmpfs, whose pages cannot be evicted).
+fn tempdir() -> tempfile::TempDir {
+    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
+}
+
+/// Says why a test measures nothing here; with `STOKEHOLD_REQUIRE_COLD=1` (set by CI,
+/// whose machines can evict, read directly and report storage reads), fails instead.
+fn skip(why: &str) {
+    if std::env::var_os("STOKEHOLD_REQUIRE_COLD").is_some_and(|v| v == "1") {
+        panic!("{why}, and STOKEHOLD_REQUIRE_COLD=1 forbids skipping");
+    }
+    eprintln!("skipped: {why}");
+}
+
 /// A CIFAR-shaped set of `samples` rows of 3,080 bytes.
 fn dataset(dir: &Path, samples: u64) -> Arc<dyn Dataset> {
     let spec = ClassificationSpec {
@@ -65,7 +80,7 @@ fn measured(dir: &Path, samples: u64) -> Option<Arc<dyn Dataset>> {
 fn measurable(ds: &dyn Dataset) -> bool {
     let yes = evicts(ds) && storage_read_bytes().is_some();
     if !yes {
-        eprintln!("skipped: no eviction or no /proc/self/io here");
+        skip("no eviction or no /proc/self/io here");
     }
     yes
 }
@@ -82,7 +97,7 @@ proptest! {
     #[test]
     fn the_plan_never_changes_the_batches(budget in prop_oneof![Just(0u64), 0u64..8 << 20, Just(u64::MAX)], block in any::<bool>(), direct in any::<bool>(), seed in 0u64..4) {
         let _turn = turn();
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempdir();
         let ds = dataset(dir.path(), 2000);
         let shuffle = match block {
             true => Shuffle::block(seed),
@@ -127,10 +142,10 @@ fn streamed_then_resident(
 #[test]
 fn streaming_keeps_the_page_cache_it_fills_small() {
     let _turn = turn();
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempdir();
     let ds = dataset(dir.path(), 20_000);
     if !evicts(ds.as_ref()) {
-        eprintln!("skipped: the page cache cannot be evicted on this file system");
+        skip("the page cache cannot be evicted on this file system");
         return;
     }
     let mut loader = Loader::builder_shared(Arc::clone(&ds))
@@ -147,7 +162,7 @@ fn streaming_keeps_the_page_cache_it_fills_small() {
 #[test]
 fn a_cold_epoch_reports_what_storage_read() {
     let _turn = turn();
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempdir();
     let Some(ds) = measured(dir.path(), 5000) else {
         return;
     };
@@ -173,7 +188,7 @@ fn a_cold_epoch_reports_what_storage_read() {
 fn a_shared_dataset_says_where_its_rows_live() {
     // The loader holds an `Arc<dyn Dataset>`: `locate` must reach the files through it,
     // or the planner asks for nothing.
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempdir();
     let ds = dataset(dir.path(), 100);
     let mut ranges = Vec::new();
     ds.locate(0, 5, &mut |f, offset, len| ranges.push((f, offset, len)));
@@ -216,12 +231,12 @@ fn resident_at_most(file: stokehold::MappedFile<'_>, most: f64) {
 #[test]
 fn direct_reads_deliver_the_rows_read_no_more_and_leave_nothing_behind() {
     let _turn = turn();
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempdir();
     let Some(ds) = measured(dir.path(), 20_000) else {
         return;
     };
     let Some((same, amplification)) = streamed_directly(&ds, Shuffle::Full { seed: 3 }) else {
-        eprintln!("skipped: no io_uring here");
+        eprintln!("skipped: no io_uring here (may be turned off by the kernel)");
         return;
     };
     assert!(same, "direct reads changed the batches");
@@ -237,7 +252,7 @@ fn a_file_truncated_under_direct_reads_is_an_error_naming_it() {
     // Rows read by the workers (full shuffle), and windows read by the planner (block).
     for shuffle in [Shuffle::Full { seed: 1 }, Shuffle::block(2)] {
         let _turn = turn();
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempdir();
         let ds = dataset(dir.path(), 3000);
         let mut loader = Loader::builder_shared(Arc::clone(&ds))
             .batch_size(64)
@@ -263,10 +278,10 @@ fn a_streamed_block_shuffle_drops_the_pages_between_its_rows() {
     // Rank 0 of 2 takes every other row of each window: a block shuffle reads the
     // window's blocks whole, the other rank's rows with them, and must drop those too.
     let _turn = turn();
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempdir();
     let ds = dataset(dir.path(), 40_000);
     if !evicts(ds.as_ref()) {
-        eprintln!("skipped: the page cache cannot be evicted on this file system");
+        skip("the page cache cannot be evicted on this file system");
         return;
     }
     let mut loader = Loader::builder_shared(Arc::clone(&ds))
@@ -285,12 +300,12 @@ fn a_streamed_block_shuffle_drops_the_pages_between_its_rows() {
 #[test]
 fn a_streamed_block_shuffle_reads_its_windows_once_and_leaves_nothing_behind() {
     let _turn = turn();
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempdir();
     let Some(ds) = measured(dir.path(), 20_000) else {
         return;
     };
     if stokehold::testing::direct_align(ds.files()[0].path()).is_none() {
-        eprintln!("skipped: no O_DIRECT on this file system");
+        skip("no O_DIRECT on this file system");
         return;
     }
     let (same, amplification) = streamed_directly(&ds, Shuffle::block(9)).unwrap();
@@ -310,7 +325,7 @@ fn window_reads_leave_what_was_cached_to_the_page_cache() {
     // Half of x.npy resident as the epoch starts (a set just written, larger than the
     // budget): its rows are copied from there, and only the other half is read.
     let _turn = turn();
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempdir();
     let Some(ds) = measured(dir.path(), 20_000) else {
         return;
     };
@@ -346,7 +361,7 @@ fn window_reads_resume_and_shard_as_the_mapped_path_does() {
     // A resumed epoch starts its plan mid-epoch; a shard reads its windows' blocks with
     // the other rank's rows in them. Either way the batches are the mapping's.
     let _turn = turn();
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempdir();
     let ds = dataset(dir.path(), 6000);
     for (rank, start) in [(0, 0), (1, 0), (0, 37), (1, 20)] {
         let build = |plan: bool| {
@@ -374,7 +389,7 @@ fn random_token_windows_in_file_order_are_read_row_by_row() {
     // is read in its own sectors (about 1.25x its 2,050 bytes), not as the pages around
     // it (4 to 8 KiB each, 2 to 4x).
     let _turn = turn();
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempdir();
     let path = gen::token_stream(dir.path().join("t.bin"), 64 << 20, 50_257, 1).unwrap();
     let windows = stokehold::Windows::Random { seed: 3 };
     let tokens = TokenDataset::open_bin(&path, DType::U16, 1024, windows).unwrap();
@@ -399,7 +414,7 @@ fn random_token_windows_in_file_order_are_read_row_by_row() {
     };
     let mut planned = build(true);
     if !planned.direct_reads() {
-        eprintln!("skipped: no io_uring here");
+        eprintln!("skipped: no io_uring here (may be turned off by the kernel)");
         return;
     }
     let want: Vec<Vec<u8>> = build(false)

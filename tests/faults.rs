@@ -226,6 +226,24 @@ fn the_command_line_names_bad_choices() {
     let out = stokehold(&["gen", "--out", "/nonexistent/d", "--vocab", "100"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--tokens"));
+    for flag in ["--samples", "--shape", "--classes", "--noise"] {
+        let value = if flag == "--shape" { "1x2" } else { "5" };
+        let out = stokehold(&[
+            "gen",
+            "--out",
+            "/nonexistent/t",
+            "--tokens",
+            "9",
+            flag,
+            value,
+        ]);
+        assert_eq!(out.status.code(), Some(2), "{flag}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(flag) && err.contains("--tokens"),
+            "{flag}: {err}"
+        );
+    }
 }
 
 /// A copy of datasets/digits in `dir`.

@@ -31,6 +31,12 @@ pub struct Concat {
     ends: Vec<u64>,
     /// `files_before[p]`: the files of parts `0..p`, where part `p`'s are numbered from.
     files_before: Vec<usize>,
+    /// `listed[k]`: where the parts' `k`th file is among [`files`](Dataset::files),
+    /// which lists a mapping that several parts share (parts over one dataset) once:
+    /// read ahead, counted and evicted once, not planned as two files.
+    listed: Vec<usize>,
+    /// The files listed: `(part, its file)`, each mapping at its first place.
+    unique: Vec<(usize, usize)>,
 }
 
 impl Concat {
@@ -66,19 +72,32 @@ impl Concat {
             )));
         }
         let (mut ends, mut files_before) = (Vec::new(), Vec::new());
-        let (mut samples, mut files) = (0u64, 0usize);
-        for part in &parts {
-            files_before.push(files);
+        let (mut listed, mut unique) = (Vec::new(), Vec::new());
+        let mut first = std::collections::HashMap::new();
+        let mut samples = 0u64;
+        for (p, part) in parts.iter().enumerate() {
+            files_before.push(listed.len());
             samples = samples
                 .checked_add(part.len())
                 .ok_or_else(|| Error::Config(format!("a {what} of more than 2^64 samples")))?;
-            files += part.files().len();
+            for (f, file) in part.files().iter().enumerate() {
+                let bytes = file.bytes();
+                let at = *first
+                    .entry((bytes.as_ptr() as usize, bytes.len()))
+                    .or_insert_with(|| {
+                        unique.push((p, f));
+                        unique.len() - 1
+                    });
+                listed.push(at);
+            }
             ends.push(samples);
         }
         Ok(Concat {
             parts,
             ends,
             files_before,
+            listed,
+            unique,
         })
     }
 
@@ -147,7 +166,8 @@ impl Dataset for Concat {
     }
 
     fn files(&self) -> Vec<MappedFile<'_>> {
-        self.parts.iter().flat_map(|p| p.files()).collect()
+        let parts: Vec<_> = self.parts.iter().map(|p| p.files()).collect();
+        self.unique.iter().map(|&(p, f)| parts[p][f]).collect()
     }
 
     /// The parts' lengths one after another; `None` if no part has any.
@@ -187,7 +207,9 @@ impl Dataset for Concat {
         if let Some((p, local)) = self.part_of(index) {
             let before = self.files_before[p];
             self.parts[p].locate(epoch, local, &mut |f, offset, len| {
-                each(before + f, offset, len)
+                // A file the part does not list is passed on as it is (past the list).
+                let k = before + f;
+                each(self.listed.get(k).copied().unwrap_or(k), offset, len)
             });
         }
     }
@@ -241,6 +263,38 @@ mod tests {
         c.locate(0, 7, &mut |f, off, len| at.push((f, off, len)));
         assert_eq!(at, [(0, 2, 2)]);
         assert_eq!(c.lengths().unwrap(), Some(vec![0, 1, 2, 0, 1, 2, 3]));
+    }
+
+    #[test]
+    fn parts_over_one_dataset_list_its_files_once() {
+        use crate::dataset::{DType, NpyDataset, Subset};
+        let dir = tempfile::tempdir().unwrap();
+        let mut w =
+            crate::gen::NpyWriter::create(dir.path().join("x.npy"), DType::U16, &[10]).unwrap();
+        for (i, b) in w.data_mut().chunks_exact_mut(2).enumerate() {
+            b.copy_from_slice(&(i as u16).to_le_bytes());
+        }
+        w.finish().unwrap();
+        let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(dir.path().join("x.npy")).unwrap());
+        let sub = |r| Arc::new(Subset::new(Arc::clone(&ds), r).unwrap()) as Arc<dyn Dataset>;
+        let c = Concat::new(vec![sub(0..4), sub(6..10), part(1, 2, "x")]).unwrap();
+        assert_eq!(c.files().len(), 1);
+        assert_eq!(
+            c.files()[0].bytes().as_ptr(),
+            ds.files()[0].bytes().as_ptr()
+        );
+        // Sample 5 (the second part's second, the file's row 7) is located in file 0, where
+        // the file itself locates row 7; the counting part's ranges stay past the list.
+        let at = |i| {
+            let mut at = Vec::new();
+            c.locate(0, i, &mut |f, off, len| at.push((f, off, len)));
+            at
+        };
+        let mut row7 = Vec::new();
+        ds.locate(0, 7, &mut |f, off, len| row7.push((f, off, len)));
+        assert_eq!(at(5), row7);
+        assert_eq!(at(9), [(2, 2, 2)]);
+        assert_eq!(values(&c, &[0, 5, 9]), [0, 7, 2]);
     }
 
     #[test]

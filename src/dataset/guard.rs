@@ -364,16 +364,16 @@ mod tests {
         let modified = tmp.as_file().metadata().unwrap().modified().unwrap();
         // SAFETY: as above.
         let map = unsafe { memmap2::Mmap::map(watched.file()) }.unwrap();
-        watched.read(&map, |m| m[0]).unwrap();
-        // Page 8 vanishes (as a storage error would make it) while one thread reads it;
-        // that thread stops inside its read, its fault taken and the page read as zeros.
-        tmp.as_file().set_len(PAGE as u64).unwrap();
+        // Page 8 vanishes (as a storage error would make it) while one thread reads it,
+        // after the read's checks; that thread stops inside its read, its fault taken and
+        // the page read as zeros.
         let (inside, stopped) = std::sync::mpsc::channel();
         let (go, wait) = std::sync::mpsc::channel::<()>();
         std::thread::scope(|s| {
-            let (watched, map) = (&watched, &map);
+            let (watched, map, file) = (&watched, &map, tmp.as_file());
             let first = s.spawn(move || {
                 watched.read(map, |m| {
+                    file.set_len(PAGE as u64).unwrap();
                     let v = m[8 * PAGE];
                     inside.send(()).unwrap();
                     wait.recv().unwrap();
@@ -385,7 +385,7 @@ mod tests {
             tmp.as_file().set_len(16 * PAGE as u64).unwrap();
             tmp.as_file().set_modified(modified).unwrap();
             std::thread::sleep(RECHECK);
-            let second = watched.read(&map, |m| m[8 * PAGE]);
+            let second = watched.read(map, |m| m[8 * PAGE]);
             go.send(()).unwrap();
             assert!(
                 second.is_err(),

@@ -10,6 +10,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use crate::error::{Error, Result};
+use crate::partial::{self, Claimed};
 
 /// A stage of the pipeline, as a span's name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,6 +126,9 @@ struct Stream {
     tmp: PathBuf,
     chunks: Option<SyncSender<Vec<Span>>>,
     writer: Option<JoinHandle<std::io::Result<()>>>,
+    /// The temporary file, open (and so locked: see [`partial`](crate::partial)) until it
+    /// is in place or removed.
+    _claim: std::fs::File,
 }
 
 impl Stream {
@@ -217,12 +221,11 @@ impl Trace {
     /// [`Error::Io`](crate::Error::Io) naming `path` if the file or the writer thread
     /// cannot be created.
     pub fn create(path: &Path) -> Result<Trace> {
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy())
-            .unwrap_or_default();
-        let tmp = path.with_file_name(format!(".{name}.{}.partial", std::process::id()));
-        let file = std::fs::File::create(&tmp).map_err(|e| Error::io(path, e))?;
+        let Claimed { path: tmp, file } = partial::claim(path).map_err(|e| Error::io(path, e))?;
+        let claim = file.try_clone().map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            Error::io(path, e)
+        })?;
         let origin = Instant::now();
         let (chunks, rx) = sync_channel(QUEUED);
         let writer = std::thread::Builder::new()
@@ -240,6 +243,7 @@ impl Trace {
                 tmp,
                 chunks: Some(chunks),
                 writer: Some(writer),
+                _claim: claim,
             })),
         })
     }

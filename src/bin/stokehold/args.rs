@@ -85,21 +85,22 @@ pub(crate) struct GenArgs {
     #[arg(long)]
     pub(crate) out: PathBuf,
     /// Samples.
-    #[arg(long, default_value_t = 200_000)]
+    #[arg(long, conflicts_with = "tokens", default_value_t = 200_000)]
     pub(crate) samples: u64,
     /// Shape of one sample, e.g. 3x32x32.
-    #[arg(long, default_value = "3x32x32", value_parser = |s: &str| gen::parse_shape(s))]
+    #[arg(long, conflicts_with = "tokens", default_value = "3x32x32", value_parser = |s: &str| gen::parse_shape(s))]
     pub(crate) shape: std::vec::Vec<u64>,
     /// Classes.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, conflicts_with = "tokens", default_value_t = 10)]
     pub(crate) classes: u32,
     /// Noise amplitude around each class prototype (0-255).
-    #[arg(long, default_value_t = 96)]
+    #[arg(long, conflicts_with = "tokens", default_value_t = 96)]
     pub(crate) noise: u8,
     /// Seed.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
-    /// Write a raw u16 token stream of this many tokens to --out instead.
+    /// Write a raw u16 token stream of this many tokens to --out instead (the
+    /// classification set's flags are then refused).
     #[arg(long)]
     pub(crate) tokens: Option<u64>,
     /// Vocabulary size of the token stream.
