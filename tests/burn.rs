@@ -163,6 +163,37 @@ fn a_resumed_loader_yields_the_rest_of_its_epoch_then_the_next() {
 }
 
 #[test]
+fn a_resumed_loader_is_not_split_and_its_state_follows_set_epoch() {
+    let mut order = digits().build().unwrap();
+    let saved = LoaderState {
+        batch: 3,
+        ..order.epoch(1).unwrap().state()
+    };
+    drop(order);
+    let loader = indices_and_labels(digits().resume(saved));
+    let pending = loader.state().unwrap();
+    assert_eq!((pending.epoch, pending.batch, pending.taken), (1, 3, 300));
+    // Each part would start epoch 1 from its first batch: refused, saying why.
+    let shared: Arc<dyn DataLoader<(Vec<u64>, Vec<i64>)>> = Arc::new(loader.clone());
+    for part in split_dataloader(Arc::clone(&shared), &[Device::flex(), Device::flex()]) {
+        let e = part.iter().next().unwrap().unwrap_err().to_string();
+        assert!(e.contains("resumes epoch 1 part-way"), "{e}");
+    }
+    // Once the resumed epoch has run, the loader splits.
+    assert_eq!(loader.iter().count(), 18 - 3);
+    let parts = split_dataloader(shared, &[Device::flex(), Device::flex()]);
+    assert!(parts.iter().all(|p| p.iter().all(|b| b.is_ok())));
+    // An epoch dropped part-way and asked for again runs from its start: so says the
+    // state.
+    loader.set_epoch(2);
+    loader.iter().take(5).for_each(drop);
+    loader.set_epoch(2);
+    assert_eq!(loader.state().unwrap(), state(2, 0));
+    let again: Vec<Vec<u64>> = loader.iter().map(|b| b.unwrap().0).collect();
+    assert_eq!(again, stokehold_epoch(digits(), 2));
+}
+
+#[test]
 fn one_epoch_at_a_time_and_devices_share_the_count() {
     let loader = indices_and_labels(digits());
     let other = loader.to_device(&Device::flex());

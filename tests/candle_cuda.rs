@@ -108,3 +108,33 @@ fn token_ids_are_widened_on_the_device() {
     }
     assert!(seen > 200);
 }
+
+#[test]
+fn candles_own_copy_from_a_pinned_batch_is_done_before_the_batch_goes_back() {
+    use stokehold::interop::candle::tensors;
+    let Some(dev) = cuda() else { return };
+    let device = Device::Cuda(dev.clone());
+    let mut loader = pinned(
+        NpyDataset::open(DIGITS).unwrap(),
+        100,
+        Shuffle::Full { seed: 2 },
+        &dev,
+    );
+    // A product queued on candle's stream before each copy holds the copy back, so a
+    // copy that read the buffer late would read the batch the workers put there next.
+    let big = candle_core::Tensor::ones((2048, 2048), CDType::F32, &device).unwrap();
+    let mut kept = Vec::new();
+    for epoch in 0..2 {
+        for batch in loader.epoch(epoch).unwrap() {
+            let batch = batch.unwrap();
+            let x = batch.column::<u8>(0).unwrap().to_vec();
+            let _busy = big.matmul(&big).unwrap();
+            let t = tensors(&batch, &device).unwrap();
+            drop(batch);
+            kept.push((t, x));
+        }
+    }
+    for (t, x) in kept {
+        assert_eq!(t[0].flatten_all().unwrap().to_vec1::<u8>().unwrap(), x);
+    }
+}

@@ -105,7 +105,8 @@ impl Batch {
         self.host.is_empty()
     }
 
-    /// The samples' indices in the dataset.
+    /// The samples' indices in the loader's dataset: for a loader made by `slice` (burn's
+    /// `split_dataloader`), in its part, counted from the part's first sample.
     pub fn indices(&self) -> &[u64] {
         self.host.indices()
     }
@@ -360,9 +361,11 @@ impl<O> BurnLoader<O> {
         };
         let (loader, _held) = shared.loader.take()?;
         let next = shared.next.load(Ordering::Acquire);
-        let state = loader.state();
-        Ok(match state.epoch == next {
-            true => state,
+        // The loader's own state only while it resumes the epoch the next `iter()` runs:
+        // otherwise that `iter()` runs its epoch from the start (after `set_epoch` back
+        // to an epoch dropped part-way, say), whatever the loader's state says.
+        Ok(match loader.resumes(next) {
+            true => loader.state(),
             false => LoaderState::at(loader.order(), next, 0, 0),
         })
     }
@@ -488,8 +491,18 @@ fn part(shared: &Shared, start: usize, end: usize) -> Result<Option<Shared>> {
     if from == to {
         return Ok(None);
     }
-    let dataset = Subset::new(Arc::clone(dataset), from..to)?;
     let next = shared.next.load(Ordering::Acquire);
+    {
+        let (loader, _held) = shared.loader.take()?;
+        if loader.resumes(next) {
+            return Err(Error::Config(format!(
+                "this loader resumes epoch {next} part-way: its slices would each start \
+                 that epoch from its first batch, training the batches before the resume \
+                 point again; split a loader that starts at an epoch's first batch"
+            )));
+        }
+    }
+    let dataset = Subset::new(Arc::clone(dataset), from..to)?;
     Shared::new(shared.builder.clone().over(Arc::new(dataset)), Some(next)).map(Some)
 }
 

@@ -8,7 +8,11 @@
 //! candle's tensors own their storage, so a tensor is one copy of the batch's bytes: into
 //! candle's CPU storage, or, for a CUDA device, a host-to-device copy on candle's own
 //! stream. The batch (and its pooled, possibly pinned buffer) can go back to the loader
-//! as soon as the tensors are made.
+//! as soon as the tensors are made: on CUDA, each column's copy is waited for (with
+//! candle's earlier work on its stream) before its tensor is returned, because a copy
+//! from page-locked memory reads the buffer after the call. For copies that overlap
+//! candle's kernels instead, onto device slots that stay with the loader, use
+//! `interop::candle_cuda::CudaTensors` (feature `candle-cuda`).
 //!
 //! ```
 //! # fn main() -> stokehold::Result<()> {
@@ -93,7 +97,14 @@ fn same<T: Element + WithDType>(
     shape: Vec<usize>,
     device: &Device,
 ) -> Result<Tensor> {
-    Tensor::from_slice(batch.column::<T>(c)?, shape, device).map_err(candle_err)
+    let tensor = Tensor::from_slice(batch.column::<T>(c)?, shape, device).map_err(candle_err)?;
+    // On CUDA the copy is enqueued on candle's stream and, from a pinned buffer, reads
+    // it later: it must be done before the batch can go back to the pool and be refilled.
+    // (A widened column is copied from a pageable vector, which the driver stages first.)
+    if device.is_cuda() {
+        device.synchronize().map_err(candle_err)?;
+    }
+    Ok(tensor)
 }
 
 /// A column widened element by element to a type candle has.

@@ -11,15 +11,22 @@
 //! Ordering, on the device:
 //! - candle's stream waits for an event recorded after the batch's copies, so no kernel
 //!   candle enqueues from then on reads a column before it lands;
-//! - candle's stream is not waited for by the copies: the next batch's copy overlaps the
-//!   step running on candle's stream;
 //! - each allocation is freed on the copy stream when its tensor is dropped, after the
 //!   kernels that read it (cudarc records an event on candle's stream for every kernel
 //!   argument, which is why [`CudaTensors::new`] refuses a context with event tracking
-//!   turned off).
+//!   turned off): dropping a tensor makes the copy stream wait for those kernels;
+//! - the copies wait for nothing else of candle's: a batch's copy overlaps the step on
+//!   candle's stream as long as the tensors of the batches that step reads are still
+//!   alive when it is enqueued. A loop that drops a step's tensors before asking for
+//!   the next batch (`for b in epoch { let t = ct.tensors(b?)?; step(&t)?; }`) queues
+//!   each copy behind the step before it; to overlap, ask for batch `k + 1` before
+//!   dropping batch `k`'s tensors.
 //!
 //! The host batch is kept until its copies are done (at most two batches at a time), then
-//! goes back to the loader's pool.
+//! goes back to the loader's pool; the loader must allow that many batches out at once,
+//! plus the one being asked for: [`held`](crate::LoaderBuilder::held) of at least 2,
+//! or the next batch waits for a buffer until the pool's grace period ends in
+//! [`Error::PoolExhausted`].
 //!
 //! Element types are as in [`super::candle`]; token ids (`u16`) are copied as they are
 //! and widened to `u32` by candle's own kernels, on its stream. An `i8` column, rare in
@@ -117,9 +124,23 @@ impl CudaTensors {
     /// driver error.
     pub fn tensors(&mut self, batch: HostBatch) -> Result<Vec<Tensor>> {
         self.copy.context().bind_to_thread()?;
+        if let Some(col) = batch.columns().iter().find(|c| c.dtype == DType::U64) {
+            return Err(Error::Config(format!(
+                "column {}: candle has no uint64 tensors",
+                col.name
+            )));
+        }
         let mut copies = Vec::with_capacity(batch.columns().len());
         for c in 0..batch.columns().len() {
-            copies.push(self.column(&batch, c)?);
+            match self.column(&batch, c) {
+                Ok(copy) => copies.push(copy),
+                Err(e) => {
+                    // The batch goes back to the pool on return: the copies enqueued
+                    // from its buffer must be done first.
+                    let _ = self.copy.synchronize();
+                    return Err(e);
+                }
+            }
         }
         let copied = self.copy.record_event(None)?;
         // Before any of candle's kernels (the widening below included) is enqueued.
@@ -133,20 +154,21 @@ impl CudaTensors {
     fn column(&self, batch: &HostBatch, c: usize) -> Result<Column> {
         let col = &batch.columns()[c];
         let mut shape = dims(batch, c);
+        let (name, bytes) = (col.name.as_str(), batch.bytes(c));
         let same = match col.dtype {
-            DType::U8 | DType::Bool => self.copied::<u8>(batch.bytes(c), shape),
-            DType::U32 => self.copied::<u32>(batch.bytes(c), shape),
-            DType::I16 => self.copied::<i16>(batch.bytes(c), shape),
-            DType::I32 => self.copied::<i32>(batch.bytes(c), shape),
-            DType::I64 => self.copied::<i64>(batch.bytes(c), shape),
-            DType::F32 => self.copied::<f32>(batch.bytes(c), shape),
-            DType::F64 => self.copied::<f64>(batch.bytes(c), shape),
-            DType::F16 => self.copied::<half::f16>(batch.bytes(c), shape),
+            DType::U8 | DType::Bool => self.copied::<u8>(name, bytes, shape),
+            DType::U32 => self.copied::<u32>(name, bytes, shape),
+            DType::I16 => self.copied::<i16>(name, bytes, shape),
+            DType::I32 => self.copied::<i32>(name, bytes, shape),
+            DType::I64 => self.copied::<i64>(name, bytes, shape),
+            DType::F32 => self.copied::<f32>(name, bytes, shape),
+            DType::F64 => self.copied::<f64>(name, bytes, shape),
+            DType::F16 => self.copied::<half::f16>(name, bytes, shape),
             DType::U16 => {
                 // The ids' two bytes as a trailing dimension of u8, widened once candle's
                 // stream waits for the copy.
                 shape.push(2);
-                return Ok(Column::Ids(self.copied::<u8>(batch.bytes(c), shape)?));
+                return Ok(Column::Ids(self.copied::<u8>(name, bytes, shape)?));
             }
             DType::I8 => column(batch, c, &Device::Cuda(self.device.clone())),
             DType::U64 => Err(Error::Config(format!(
@@ -159,12 +181,25 @@ impl CudaTensors {
 
     /// A device allocation for the elements of type `T` in `bytes`, on the copy stream,
     /// `bytes` copied into it there, as a tensor of `shape` on candle's device.
-    fn copied<T>(&self, bytes: &[u8], shape: Vec<usize>) -> Result<Tensor>
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming column `name` if `shape` does not hold exactly the
+    /// elements in `bytes` (a dataset whose column's shape and row size disagree): candle
+    /// does not check a tensor made from storage, whose kernels would read past it.
+    fn copied<T>(&self, name: &str, bytes: &[u8], shape: Vec<usize>) -> Result<Tensor>
     where
         T: DeviceRepr + candle_core::cuda::CudaDType,
     {
         let len = bytes.len() / std::mem::size_of::<T>();
-        debug_assert_eq!(len * std::mem::size_of::<T>(), bytes.len());
+        let elements = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        if elements != Some(len) || len * std::mem::size_of::<T>() != bytes.len() {
+            return Err(Error::Config(format!(
+                "column {name}: a batch of {} bytes is not a tensor of shape {shape:?} of \
+                 {}-byte elements (the column's shape and row size disagree)",
+                bytes.len(),
+                std::mem::size_of::<T>()
+            )));
+        }
         // SAFETY: the allocation is written whole by the copy enqueued just after, on the
         // same stream, before anything can read it (candle's stream waits for the
         // batch's copies before the tensor is handed out).

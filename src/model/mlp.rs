@@ -237,18 +237,24 @@ fn gemm(
     if m == 0 || n == 0 {
         return;
     }
-    // The furthest element each operand is read or written at must be in bounds.
-    let last =
-        |rows: usize, cols: usize, rs: usize, cs: usize| (rows - 1) * rs + (cols.max(1) - 1) * cs;
+    // The furthest element each operand is read or written at must be in bounds (and
+    // its offset must not wrap: release builds do not check overflow).
+    let within = |len: usize, rows: usize, cols: usize, rs: usize, cs: usize| {
+        (rows - 1)
+            .checked_mul(rs)
+            .zip((cols.max(1) - 1).checked_mul(cs))
+            .and_then(|(r, c)| r.checked_add(c))
+            .is_some_and(|last| last < len)
+    };
     assert!(
-        k == 0 || last(m, k, rsa, csa) < a.len(),
+        k == 0 || within(a.len(), m, k, rsa, csa),
         "gemm: a is too short"
     );
     assert!(
-        k == 0 || last(k, n, rsb, csb) < b.len(),
+        k == 0 || within(b.len(), k, n, rsb, csb),
         "gemm: b is too short"
     );
-    assert!(last(m, n, rsc, 1) < c.len(), "gemm: c is too short");
+    assert!(within(c.len(), m, n, rsc, 1), "gemm: c is too short");
     // SAFETY: the asserts above show every index the product touches lies inside the
     // slices; `c` is borrowed mutably and distinct from `a` and `b`.
     unsafe {
@@ -324,7 +330,7 @@ fn check_labels(y: &[i64], classes: usize, indices: &[u64]) -> Result<()> {
 pub fn loss(mlp: &Mlp, ws: &mut Workspace, norm: Normalize, x: &[u8], y: &[i64]) -> Result<f64> {
     let n = y.len().min(ws.batch);
     let d = mlp.config.inputs;
-    if x.len() < n * d {
+    if n.checked_mul(d).map_or(true, |bytes| x.len() < bytes) {
         return Err(Error::Config(format!(
             "{n} samples of {d} input bytes, and {} bytes given",
             x.len()
@@ -372,7 +378,7 @@ pub fn step(
         lr,
         ..
     } = mlp.config;
-    if n > ws.batch || x.len() < n * d {
+    if n > ws.batch || n.checked_mul(d).map_or(true, |bytes| x.len() < bytes) {
         return Err(Error::Config(format!(
             "a batch of {n} samples with {} input bytes does not fit a workspace of {} x {d}",
             x.len(),
@@ -529,6 +535,17 @@ mod tests {
             &mut Metrics::default()
         )
         .is_err());
+    }
+
+    #[test]
+    fn a_config_changed_to_overflow_is_an_error_not_a_wild_read() {
+        let (mut mlp, x, y, norm) = tiny();
+        let mut ws = Workspace::new(&mlp.config, 6).unwrap();
+        // `config` is a public field: rows * inputs wraps to a small number.
+        mlp.config.inputs = (1 << 63) + 1;
+        let mut m = Metrics::default();
+        assert!(step(&mut mlp, &mut ws, norm, &x, &y[..2], &[], &mut m).is_err());
+        assert!(loss(&mlp, &mut ws, norm, &x, &y[..2]).is_err());
     }
 
     #[test]
