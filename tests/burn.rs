@@ -141,16 +141,21 @@ fn each_iter_is_the_next_epoch_in_the_loaders_order() {
     );
 }
 
-#[test]
-fn a_resumed_loader_yields_the_rest_of_its_epoch_then_the_next() {
-    let whole = stokehold_epoch(digits(), 1);
+/// A loader of [`digits`] resumed at batch 3 of epoch 1.
+fn resumed_at_epoch_1_batch_3() -> BurnLoader<(Vec<u64>, Vec<i64>)> {
     let mut order = digits().build().unwrap();
     let saved = LoaderState {
         batch: 3,
         ..order.epoch(1).unwrap().state()
     };
     drop(order);
-    let loader = indices_and_labels(digits().resume(saved));
+    indices_and_labels(digits().resume(saved))
+}
+
+#[test]
+fn a_resumed_loader_yields_the_rest_of_its_epoch_then_the_next() {
+    let whole = stokehold_epoch(digits(), 1);
+    let loader = resumed_at_epoch_1_batch_3();
     assert_eq!(loader.epoch(), 1);
     let mut it = loader.iter();
     assert_eq!(it.progress().items_processed, 300);
@@ -164,13 +169,7 @@ fn a_resumed_loader_yields_the_rest_of_its_epoch_then_the_next() {
 
 #[test]
 fn a_resumed_loader_is_not_split_and_its_state_follows_set_epoch() {
-    let mut order = digits().build().unwrap();
-    let saved = LoaderState {
-        batch: 3,
-        ..order.epoch(1).unwrap().state()
-    };
-    drop(order);
-    let loader = indices_and_labels(digits().resume(saved));
+    let loader = resumed_at_epoch_1_batch_3();
     let pending = loader.state().unwrap();
     assert_eq!((pending.epoch, pending.batch, pending.taken), (1, 3, 300));
     // Each part would start epoch 1 from its first batch: refused, saying why.
