@@ -74,8 +74,8 @@ pub use dataset::{
 pub use error::{Error, NpyProblem, Result};
 pub use loader::{
     BatchLayout, BatchTiming, Canceller, Epoch, EpochStats, HostAlloc, HostBatch, HostMemory,
-    Loader, LoaderBuilder, LoaderState, PlainAlloc, Startup, Storage, DEFAULT_PREFETCH_BYTES,
-    MAX_WORKERS,
+    Loader, LoaderBuilder, LoaderState, PlainAlloc, Startup, Storage, DEFAULT_HELD,
+    DEFAULT_PREFETCH_BYTES, MAX_WORKERS,
 };
 pub use permutation::Permutation;
 pub use sampler::{EpochOrder, Order, Shard, ShardTail, Shuffle};

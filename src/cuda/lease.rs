@@ -144,6 +144,13 @@ pub struct DeviceSlots {
 }
 
 impl DeviceSlots {
+    /// The most host batches the slots keep from their loader's pool at once: the
+    /// copies that may still be running and the batch being lent. A loader that feeds
+    /// only a `DeviceSlots` needs [`held`](crate::LoaderBuilder::held) of at least this
+    /// (its consumer holds device slots, not host batches), or its workers wait for a
+    /// buffer that only the next [`lend`](DeviceSlots::lend) gives back.
+    pub const HOST_BATCHES: usize = IN_FLIGHT + 1;
+
     /// `slots` device slots (at least 1) for batches of `layout` on the device of `ctx`,
     /// with a copy stream of their own.
     ///

@@ -36,6 +36,10 @@ use worker::{Assignment, Job, Staged};
 /// Bytes of prefetched batches the loader aims for when no prefetch depth is given.
 pub const DEFAULT_PREFETCH_BYTES: usize = 32 << 20;
 
+/// Batches a consumer may hold at once without slowing prefetch, unless
+/// [`LoaderBuilder::held`] says otherwise.
+pub const DEFAULT_HELD: usize = 2;
+
 /// Worker threads a loader may have.
 pub const MAX_WORKERS: usize = 1024;
 
@@ -90,6 +94,21 @@ impl LoaderState {
             taken: 0,
             global: 0,
         }
+    }
+
+    /// Checks, without resuming anything, that a loader with order `order` can resume
+    /// from this state: exactly ([`Loader::resume`]) or, `elastic`, as
+    /// [`Loader::resume_elastic`] would.
+    ///
+    /// # Errors
+    /// As those calls: [`Error::Config`] for a state saved under another order (or
+    /// global order), or past the end of its epoch.
+    pub fn check(&self, order: &Order, elastic: bool) -> Result<()> {
+        let how = match elastic {
+            true => Resume::Elastic,
+            false => Resume::Exact,
+        };
+        check_resume(order, *self, how).map(drop)
     }
 
     /// The state of a loader with order `order` after `batch` batches of `epoch`, whose
@@ -205,7 +224,8 @@ impl LoaderBuilder {
         self
     }
 
-    /// Batches the consumer may hold at once without slowing prefetch (default 2).
+    /// Batches the consumer may hold at once without slowing prefetch (default
+    /// [`DEFAULT_HELD`]).
     pub fn held(mut self, n: usize) -> Self {
         self.held = n;
         self
@@ -703,7 +723,7 @@ impl Loader {
             shard: Shard::single(),
             workers,
             prefetch: None,
-            held: 2,
+            held: DEFAULT_HELD,
             drop_last: false,
             allocator: Arc::new(PlainAlloc),
             resume: None,

@@ -9,6 +9,7 @@ mod augment;
 mod device;
 
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use numpy::ndarray::{ArrayView1, ArrayView2};
@@ -133,6 +134,11 @@ impl SendPtr {
     }
 }
 
+/// The error of an epoch object whose epoch the loader ended before it was exhausted.
+fn ended() -> PyErr {
+    Error::new_err("this epoch was ended: the loader started another epoch or was resumed")
+}
+
 /// Locks a mutex of this module (the slot, the glance), whether or not a thread
 /// panicked holding it (nothing they hold is left half-changed by a panic).
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -153,6 +159,10 @@ struct Shape {
     progress: Option<bool>,
     /// The device slots batches are copied into, with `device="cuda"`.
     device: Option<device::Slots>,
+    /// The loader's order, to check a resume state before the running epoch is ended.
+    order: stokehold::Order,
+    /// The process that built the loader: its worker threads live there only.
+    pid: u32,
 }
 
 /// An opened dataset, for a loader to be built over.
@@ -502,8 +512,31 @@ unsafe impl Send for Loader {}
 // reaches the loader only holding the control's turn.
 unsafe impl Sync for Loader {}
 
+/// Fails in a forked child of process `pid`, which built the loader: its worker threads
+/// (and any thread waiting in one of its epochs) exist in that process only, so an
+/// epoch here would wait for them for ever.
+fn forked(pid: u32) -> PyResult<()> {
+    match std::process::id() == pid {
+        true => Ok(()),
+        false => Err(Error::new_err(format!(
+            "this loader was built in process {pid}, and this is a forked child of it \
+             (a DataLoader worker, multiprocessing with fork): its worker threads do not \
+             exist here; build a loader in the child, or start children with spawn"
+        ))),
+    }
+}
+
 impl Drop for Loader {
     fn drop(&mut self) {
+        if std::process::id() != self.shape.pid {
+            // A forked child: ending the epoch or joining the workers would wait for
+            // threads that do not exist here. The copies of them are left as they are.
+            if let Ok(mut running) = self.slot.try_lock() {
+                std::mem::forget(running.epoch.take());
+            }
+            std::mem::forget(self.shape.device.take());
+            return;
+        }
         let slot = Arc::clone(&self.slot);
         let loader = SendPtr(self.loader.as_ptr());
         let end = move || {
@@ -691,7 +724,12 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
     if let Some(p) = prefetch {
         b = b.prefetch(p);
     }
-    if let Some(h) = held {
+    // On a device, the loop holds device slots (`held + 2` of them, below), not host
+    // batches: the host pool holds the batches the slots keep while their copies run.
+    let held_by_loop = held.unwrap_or(stokehold::DEFAULT_HELD);
+    if ctx.is_some() {
+        b = b.held(stokehold::cuda::DeviceSlots::HOST_BATCHES);
+    } else if let Some(h) = held {
         b = b.held(h);
     }
     if let Some(bytes) = page_cache_budget {
@@ -717,7 +755,7 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
         (Some(ctx), _, _) => {
             // As many slots as batches the loop may hold, plus the one being copied and
             // the one being read.
-            let slots = loader.held() + 2;
+            let slots = held_by_loop + 2;
             let layout = loader.layout();
             let s = match (&cuda, &augment) {
                 (Some(c), Some(a)) => {
@@ -745,6 +783,8 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
         report,
         progress,
         device,
+        order: loader.order().clone(),
+        pid: std::process::id(),
     };
     Ok(Loader {
         slot: Arc::new(Mutex::new(Running {
@@ -767,12 +807,20 @@ impl Loader {
     /// Ends the running epoch, if any, and returns the loader. The slot is locked with
     /// the GIL released: a thread waiting for a batch holds the lock without the GIL
     /// (and is woken first, by stopping the epoch's workers).
-    fn idle<'t>(&self, py: Python<'_>, _turn: &'t mut Turn<'_>) -> &'t mut stokehold::Loader {
+    ///
+    /// # Errors
+    /// In a forked child of the process that built the loader (see [`forked`]).
+    fn idle<'t>(
+        &self,
+        py: Python<'_>,
+        _turn: &'t mut Turn<'_>,
+    ) -> PyResult<&'t mut stokehold::Loader> {
+        forked(self.shape.pid)?;
         let (slot, seen) = (Arc::clone(&self.slot), Arc::clone(&self.seen));
         py.detach(move || end_epoch(&slot, &seen, None).generation += 1);
         // SAFETY: the slot is empty, so no epoch borrows the loader, and every other
         // use of it takes the turn, held (and borrowed) for the returned borrow's life.
-        unsafe { &mut *self.loader.as_ptr() }
+        Ok(unsafe { &mut *self.loader.as_ptr() })
     }
 
     /// Notes the loader's state (after a resume or a drained epoch) for `state_json`.
@@ -857,7 +905,7 @@ impl Loader {
     fn epoch(slf: PyRef<'_, Self>, py: Python<'_>, epoch: u64) -> PyResult<Epoch> {
         let slot = Arc::clone(&slf.slot);
         let mut turn = slf.control.take(py);
-        let loader: *mut stokehold::Loader = slf.idle(py, &mut turn);
+        let loader: *mut stokehold::Loader = slf.idle(py, &mut turn)?;
         let loader = SendPtr(loader);
         // SAFETY: `idle` emptied the slot, and the turn is held until the epoch is in
         // it: this is the only borrow of the loader; it is stored in the slot, which
@@ -907,6 +955,7 @@ impl Loader {
         });
         let dataset = Arc::clone(&slf.shape.dataset);
         let device = slf.shape.device.clone();
+        let pid = slf.shape.pid;
         Ok(Epoch {
             dataset,
             device,
@@ -918,6 +967,8 @@ impl Loader {
             len,
             columns: columns.into(),
             progress: Mutex::new(progress),
+            pid,
+            exhausted: AtomicBool::new(false),
         })
     }
 
@@ -936,8 +987,10 @@ impl Loader {
     fn resume_json(&self, py: Python<'_>, json: &str, elastic: bool) -> PyResult<()> {
         let state: LoaderState = serde_json::from_str(json)
             .map_err(|e| Error::new_err(format!("a loader state: {e}")))?;
+        // Refused before the running epoch is ended: a rejected state changes nothing.
+        state.check(&self.shape.order, elastic).map_err(error)?;
         let mut turn = self.control.take(py);
-        let loader = self.idle(py, &mut turn);
+        let loader = self.idle(py, &mut turn)?;
         let resumed = match elastic {
             true => loader.resume_elastic(state),
             false => loader.resume(state),
@@ -951,7 +1004,7 @@ impl Loader {
     /// benchmarks. Ends the running epoch.
     fn drain(&self, py: Python<'_>, epoch: u64) -> PyResult<(u64, f64)> {
         let mut turn = self.control.take(py);
-        let loader = SendPtr(self.idle(py, &mut turn));
+        let loader = SendPtr(self.idle(py, &mut turn)?);
         let (drained, state) = py.detach(move || {
             let start = std::time::Instant::now();
             // SAFETY: `idle` emptied the slot and the turn is held for this call: this
@@ -990,7 +1043,7 @@ impl Loader {
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         let mut turn = self.control.take(py);
-        let loader = self.idle(py, &mut turn);
+        let loader = self.idle(py, &mut turn)?;
         d.set_item("workers", loader.workers())?;
         d.set_item("prefetch", loader.prefetch())?;
         d.set_item("buffers", loader.buffers())?;
@@ -1015,6 +1068,11 @@ struct Epoch {
     len: usize,
     columns: Arc<[Column]>,
     progress: Mutex<Option<Mutex<EpochProgress>>>,
+    /// The process that built the loader (see [`forked`]).
+    pid: u32,
+    /// Set once the epoch has yielded its last batch: `__next__` stops from then on,
+    /// even after the loader has started another epoch.
+    exhausted: AtomicBool,
 }
 
 impl Epoch {
@@ -1057,13 +1115,33 @@ impl Epoch {
 
     /// The next batch (a `_Batch`, or a `_DeviceBatch` on a device); `None` at the end.
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        if self.exhausted.load(Ordering::Acquire) {
+            return Ok(None);
+        }
+        forked(self.pid)?;
+        let (slot, seen) = (Arc::clone(&self.slot), Arc::clone(&self.seen));
+        let generation = self.generation;
         if let Some(slots) = &self.device {
+            // Nothing left: the end, without waiting for a slot (a loop that holds every
+            // slot ends its epoch as any other).
+            let running = Arc::clone(&slot);
+            let left = py.detach(move || {
+                let r = lock(&running);
+                (r.generation == generation).then(|| r.epoch.as_ref().map_or(0, |e| e.len()))
+            });
+            match left {
+                None => return Err(ended()),
+                Some(0) => {
+                    self.exhausted.store(true, Ordering::Release);
+                    self.end_progress();
+                    return Ok(None);
+                }
+                Some(_) => {}
+            }
             // A slot first: a loop holding every slot gets its error with the batch
             // still in the epoch (taken, it would be lost, and the state would count it).
             device::reserve(py, slots).inspect_err(|_| self.end_progress())?;
         }
-        let (slot, seen) = (Arc::clone(&self.slot), Arc::clone(&self.seen));
-        let generation = self.generation;
         let next = py.detach(move || {
             let mut running = lock(&slot);
             if running.generation != generation {
@@ -1082,10 +1160,9 @@ impl Epoch {
             Ok(next)
         });
         match next {
-            Err(()) => Err(Error::new_err(
-                "this epoch was ended: the loader started another epoch or was resumed",
-            )),
+            Err(()) => Err(ended()),
             Ok(None) => {
+                self.exhausted.store(true, Ordering::Release);
                 self.end_progress();
                 Ok(None)
             }

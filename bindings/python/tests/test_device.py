@@ -208,6 +208,27 @@ def test_holding_every_slot_is_an_error_not_a_hang(emulator: Path) -> None:
     """)
 
 
+def test_a_device_epoch_ends_at_once_and_a_small_pool_keeps_going(emulator: Path) -> None:
+    run_child(emulator, """
+        # Four batches, four slots (held=2): a loop that keeps them all ends its epoch
+        # as any other, without waiting for a fifth slot.
+        loader = stokehold.Loader(sys.argv[1], batch_size=450, device="cuda", held=2)
+        it = loader.epoch(0)
+        kept = list(it)
+        assert [len(b) for b in kept] == [450, 450, 450, 447], [len(b) for b in kept]
+        del kept
+        assert next(it, None) is None
+        loader.epoch(1)
+        assert next(it, None) is None, "an exhausted epoch raised once another started"
+        # One buffer ahead and none held: the host batches whose copies run are the
+        # device slots' to keep, not the loop's, and the workers still get buffers.
+        small = stokehold.Loader(sys.argv[1], batch_size=100, device="cuda", prefetch=1, held=0)
+        for epoch in range(2):
+            assert sum(len(b) for b in small.epoch(epoch)) == 1797
+        print("child passed")
+    """)
+
+
 def test_the_device_augments_as_the_workers_do(emulator: Path) -> None:
     run_child(emulator, """
         aug = stokehold.Augment("x", crop=2, flip=True, mean=0.3, std=0.2, fill=3, seed=5)

@@ -5,6 +5,7 @@ report."""
 import gc
 import json
 import os
+import pickle
 import queue
 import threading
 import time
@@ -150,6 +151,60 @@ def test_a_state_from_another_configuration_raises(cols):
     with pytest.raises(stokehold.Error, match="ordr"):
         other.load_state_dict(dict(ordr, order=state["order"]))
     other.load_state_dict(dict(state, order=0))  # the explicit way to skip the check
+
+
+def test_a_refused_state_leaves_the_running_epoch_and_numpy_integers_resume(cols):
+    whole = all_indices(stokehold.Loader(cols, batch_size=40, seed=9), 0)
+    loader = stokehold.Loader(cols, batch_size=40, seed=9)
+    it = loader.epoch(0)
+    next(it)
+    other = stokehold.Loader(cols, batch_size=40, seed=10).state_dict()
+    with pytest.raises(stokehold.Error, match="another order"):
+        loader.load_state_dict(other)
+    next(it)  # the epoch runs on: the refused state changed nothing
+    # Restored through numpy (np.savez, a tensor's values): the same integers.
+    state = {k: np.uint64(v) for k, v in loader.state_dict().items()}
+    with pytest.raises(stokehold.Error, match="integers"):
+        loader.load_state_dict(dict(state, batch=2.0))
+    del it
+    resumed = stokehold.Loader(cols, batch_size=40, seed=9)
+    resumed.load_state_dict(state)
+    np.testing.assert_array_equal(all_indices(resumed, 0), whole[80:])
+
+
+def test_errors_pickle():
+    e = pickle.loads(pickle.dumps(stokehold.Error("x.npy: not a .npy file")))
+    assert type(e) is stokehold.Error and str(e) == "x.npy: not a .npy file"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_gets_an_error_not_a_hang(cols):
+    loader = stokehold.Loader(cols, batch_size=100)
+    it = loader.epoch(0)
+    next(it)
+    pid = os.fork()
+    if pid == 0:
+        code = 9
+        try:
+            code = 0
+            for call in (lambda: loader.epoch(1), lambda: next(it)):
+                try:
+                    call()
+                    code = 1
+                except stokehold.Error as e:
+                    code = code if "forked child" in str(e) else 2
+            del it, loader
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert sum(len(b) for b in loader.epoch(1)) == N  # the parent's loader is fine
 
 
 def test_a_state_over_the_same_file_read_otherwise_raises(tmp_path):
@@ -391,6 +446,9 @@ def test_starting_an_epoch_ends_the_last(cols):
     with pytest.raises(stokehold.Error, match="ended"):
         next(old)
     assert sum(len(b) for b in new) == N
+    # An epoch that ran to its end stays ended, whatever the loader does next.
+    loader.epoch(2)
+    assert next(new, None) is None
 
 
 def test_sharding_splits_the_samples(cols):

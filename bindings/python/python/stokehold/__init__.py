@@ -14,6 +14,7 @@ A buffer goes back to the loader when its batch and every array viewing it are g
 from __future__ import annotations
 
 import json
+import operator
 import sys
 import time
 from pathlib import Path
@@ -23,6 +24,9 @@ import numpy as np
 
 from . import _stokehold
 from ._stokehold import Error, __version__
+
+# Named where users import it from, so that an error pickles (multiprocessing, Ray).
+Error.__module__ = "stokehold"
 
 __all__ = [
     "Augment",
@@ -369,6 +373,12 @@ class Loader:
             raise Error(
                 "a loader state needs its 'order' key, the fingerprint of the loader that "
                 "saved it (state_dict() has it; 'order': 0 resumes without the check)")
+        try:
+            # Integers however they came back (numpy's, a tensor's item()): exact, as
+            # the fingerprints need every one of their 64 bits.
+            state = {k: operator.index(v) for k, v in state.items()}
+        except TypeError as e:
+            raise Error(f"a loader state holds integers only: {e}") from None
         self._used = True
         self._raw.resume_json(json.dumps(state), elastic)
 
