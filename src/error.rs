@@ -124,6 +124,10 @@ pub enum Error {
         /// The batch that never came.
         batch: u64,
     },
+    /// A wait for a batch was stopped by the epoch's interrupt check
+    /// ([`Epoch::interrupt_with`](crate::Epoch::interrupt_with)); the epoch goes on.
+    #[error("the wait for a batch was interrupted")]
+    Interrupted,
     /// A host buffer could not be allocated.
     #[error("allocating a {bytes}-byte host buffer ({allocator}): {message}")]
     Alloc {

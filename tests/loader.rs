@@ -775,6 +775,49 @@ fn batches_held_by_another_thread_are_not_a_deadlock() {
     assert_eq!(n, 10);
 }
 
+#[test]
+fn an_interrupt_check_stops_a_wait_and_the_epoch_goes_on() {
+    let build = || {
+        Loader::builder(Synth::new(200))
+            .batch_size(20)
+            .workers(1)
+            .prefetch(1)
+            .held(1)
+            .build()
+            .unwrap()
+    };
+    let want: Vec<Vec<u64>> = build()
+        .epoch(0)
+        .unwrap()
+        .map(|b| b.unwrap().indices().to_vec())
+        .collect();
+    let mut loader = build();
+    let mut epoch = loader.epoch(0).unwrap();
+    // Both buffers read on another thread, which keeps them: no deadlock the loader can
+    // call, so the wait for a third batch lasts as long as that thread keeps them.
+    let kept = [
+        epoch.next().unwrap().unwrap(),
+        epoch.next().unwrap().unwrap(),
+    ];
+    let (go, wait) = crossbeam_channel::bounded::<()>(0);
+    let keeper = std::thread::spawn(move || {
+        assert!(kept.iter().all(|b| !b.bytes(0).is_empty()));
+        wait.recv().unwrap();
+    });
+    let checks = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let counted = Arc::clone(&checks);
+    epoch.interrupt_with(move || counted.fetch_add(1, Ordering::Relaxed) >= 2);
+    let err = epoch.next().unwrap().unwrap_err();
+    assert!(matches!(err, stokehold::Error::Interrupted), "{err}");
+    assert_eq!(checks.load(Ordering::Relaxed), 3);
+    // Nothing was taken: once the buffers come back, the same batch comes next.
+    assert_eq!(epoch.state().batch, 2);
+    go.send(()).unwrap();
+    keeper.join().unwrap();
+    let rest: Vec<Vec<u64>> = epoch.map(|b| b.unwrap().indices().to_vec()).collect();
+    assert_eq!(rest, want[2..]);
+}
+
 /// Records the thread (id and name) of every gather.
 struct ThreadLog {
     inner: Synth,

@@ -73,7 +73,12 @@ pub struct Epoch<'a> {
     started: Instant,
     stats: EpochStats,
     read_at_start: Option<u64>,
+    /// Asked while `next()` waits ([`Epoch::interrupt_with`]).
+    interrupt: Option<Interrupt>,
 }
+
+/// A check that `next()` makes while it waits: `true` stops the wait.
+type Interrupt = Box<dyn FnMut() -> bool + Send>;
 
 impl EpochStats {
     /// Bytes read from storage over the sample bytes delivered, for samples of
@@ -106,7 +111,17 @@ impl<'a> Epoch<'a> {
             started: Instant::now(),
             stats: EpochStats::default(),
             read_at_start,
+            interrupt: None,
         }
+    }
+
+    /// Has `next()` call `check` every 50 ms while it waits for a batch: once `check`
+    /// returns `true`, `next()` returns [`Error::Interrupted`] at once. The epoch is not
+    /// ended, and no batch is taken: the next `next()` waits for the same batch. For a
+    /// host that must stay responsive while it waits (Python's Ctrl-C, which its
+    /// bindings check here).
+    pub fn interrupt_with(&mut self, check: impl FnMut() -> bool + Send + 'static) {
+        self.interrupt = Some(Box::new(check));
     }
 
     /// The epoch number.
@@ -270,6 +285,10 @@ impl Iterator for Epoch<'_> {
                         }
                     } else {
                         stuck = None;
+                    }
+                    if self.interrupt.as_mut().is_some_and(|check| check()) {
+                        self.stats.waited += asked.elapsed();
+                        return Some(Err(Error::Interrupted));
                     }
                     if matches!(self.finished.try_recv(), Err(TryRecvError::Disconnected)) {
                         // Every worker has left the job: whatever it sent is queued.

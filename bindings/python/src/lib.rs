@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use numpy::ndarray::{ArrayView1, ArrayView2};
 use numpy::{PyArray1, PyArray2};
-use pyo3::exceptions::{PyException, PyIndexError, PyKeyError, PyValueError};
+use pyo3::exceptions::{PyException, PyIndexError, PyKeyError, PyKeyboardInterrupt, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
@@ -912,7 +912,21 @@ impl Loader {
         // `Drop` empties before freeing the loader, and the epoch object holds a
         // reference to this object, so the loader outlives every use of the borrow.
         let started = py.detach(move || unsafe { (*loader.get()).epoch(epoch) });
-        let started: stokehold::Epoch<'static> = started.map_err(error)?;
+        let mut started: stokehold::Epoch<'static> = started.map_err(error)?;
+        // Ctrl-C while the loop waits for a batch: Python's handlers run (on the main
+        // thread; elsewhere this finds nothing) and what they raise stops the wait.
+        let interrupted: Arc<Mutex<Option<PyErr>>> = Arc::default();
+        let caught = Arc::clone(&interrupted);
+        started.interrupt_with(move || {
+            Python::try_attach(|py| match py.check_signals() {
+                Ok(()) => false,
+                Err(e) => {
+                    *lock(&caught) = Some(e);
+                    true
+                }
+            })
+            .unwrap_or(false)
+        });
         let len = started.len();
         // What the bar counts: the samples of the batches left (a resumed epoch starts
         // part of the way in; `drop_last` leaves the tail out).
@@ -969,6 +983,8 @@ impl Loader {
             progress: Mutex::new(progress),
             pid,
             exhausted: AtomicBool::new(false),
+            last: Mutex::new(None),
+            interrupted,
         })
     }
 
@@ -1073,11 +1089,20 @@ struct Epoch {
     /// Set once the epoch has yielded its last batch: `__next__` stops from then on,
     /// even after the loader has started another epoch.
     exhausted: AtomicBool,
+    /// The loader's figures when the epoch yielded its last batch: its row can still be
+    /// had once the loader has started another epoch.
+    last: Mutex<Option<stokehold::EpochStats>>,
+    /// What Python's signal handlers raised while `__next__` waited (Ctrl-C's
+    /// `KeyboardInterrupt`), for `__next__` to raise.
+    interrupted: Arc<Mutex<Option<PyErr>>>,
 }
 
 impl Epoch {
     /// The loader's figures of this epoch so far; `None` once it was ended.
     fn loader_stats(&self, py: Python<'_>) -> Option<stokehold::EpochStats> {
+        if let Some(last) = *lock(&self.last) {
+            return Some(last);
+        }
         let seen = Arc::clone(&self.seen);
         let generation = self.generation;
         // From the glance, not the slot: a thread waiting in `__next__` for a buffer
@@ -1092,6 +1117,15 @@ impl Epoch {
             }
         });
         shown.map(|s| s.stats())
+    }
+
+    /// The epoch has yielded its last batch: `__next__` stops from now on, and its
+    /// figures as they stand are kept.
+    fn exhaust(&self, py: Python<'_>) {
+        let last = self.loader_stats(py);
+        *lock(&self.last) = last;
+        self.exhausted.store(true, Ordering::Release);
+        self.end_progress();
     }
 
     /// Ends the progress bar, if any.
@@ -1132,8 +1166,7 @@ impl Epoch {
             match left {
                 None => return Err(ended()),
                 Some(0) => {
-                    self.exhausted.store(true, Ordering::Release);
-                    self.end_progress();
+                    self.exhaust(py);
                     return Ok(None);
                 }
                 Some(_) => {}
@@ -1162,9 +1195,13 @@ impl Epoch {
         match next {
             Err(()) => Err(ended()),
             Ok(None) => {
-                self.exhausted.store(true, Ordering::Release);
-                self.end_progress();
+                self.exhaust(py);
                 Ok(None)
+            }
+            Ok(Some(Err(stokehold::Error::Interrupted))) => {
+                // The epoch goes on: the batch is still to come.
+                let raised = lock(&self.interrupted).take();
+                Err(raised.unwrap_or_else(|| PyKeyboardInterrupt::new_err(())))
             }
             Ok(Some(Err(e))) => {
                 self.end_progress();

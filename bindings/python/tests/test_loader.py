@@ -392,6 +392,37 @@ def test_a_thread_waiting_for_a_buffer_blocks_neither_state_dict_nor_a_new_epoch
     assert sum(len(b) for b in epoch) == N
 
 
+def test_ctrl_c_stops_a_wait_that_would_not_end(cols):
+    # Both buffers are read on another thread, which keeps them: the loop's wait for a
+    # third is no deadlock the loader could call (that thread may let go), so it waits
+    # for as long as that thread keeps them. Ctrl-C must still reach the loop.
+    import signal
+
+    loader = stokehold.Loader(cols, batch_size=50, workers=1, prefetch=1, held=1)
+    it = loader.epoch(0)
+    kept = [next(it), next(it)]
+    release = threading.Event()
+
+    def keep():
+        assert all(b["x"].shape[0] == 50 for b in kept)  # read here: held away
+        release.wait(10)
+        kept.clear()
+
+    keeper = threading.Thread(target=keep, daemon=True)
+    keeper.start()
+    time.sleep(0.2)
+    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        next(it)
+    release.set()
+    keeper.join(10)
+    # Nothing was lost: the batch the wait was for comes next.
+    assert loader.state_dict()["batch"] == 2
+    want = [b.indices.copy() for b in stokehold.Loader(cols, batch_size=50).epoch(0)]
+    np.testing.assert_array_equal(next(it).indices, want[2])
+
+
 def test_calls_from_other_threads_wait_their_turn(cols):
     # A checkpointing thread asks for the state and the length while epochs start: it
     # waits for each start instead of failing with pyo3's "Already borrowed".
@@ -965,6 +996,16 @@ def test_the_report(cols):
     assert len(j["epochs"]) == 3
     assert "warmup" in j and "cold_cache_s" in j["warmup"]
     json.dumps(j)
+
+
+def test_an_epoch_run_to_its_end_gives_its_row_after_the_next_starts(cols):
+    loader = stokehold.Loader(cols, batch_size=100, workers=2)
+    timer = stokehold.EpochTimer(loader.epoch(0))
+    for batch in timer:
+        timer.record(0.0, 0, len(batch))
+    following = loader.epoch(1)  # e.g. a loop that starts the next epoch, then reports
+    row = timer.finish()
+    assert row["samples"] == N and len(following) == len(loader)
 
 
 def test_digits_ships_and_loads():
