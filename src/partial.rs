@@ -1,17 +1,19 @@
 //! Temporary files beside their destination, for writes that land whole or not at all.
 //!
-//! A writer fills `.NAME.PID.N.partial` beside `NAME` and renames it into place; an
+//! A writer fills `.NAME.HOST.PID.N.partial` beside `NAME` and renames it into place; an
 //! error or a drop removes it. A process killed meanwhile (Ctrl-C while `stokehold
 //! train` makes its default set, the OOM killer) removes nothing, and a name with its
 //! process id would never be reused: each such file (the default set's is 600 MB) would
 //! stay, hidden. So each writer holds an exclusive `flock` on its file while it lives,
-//! and a new writer to the same destination first removes the siblings whose lock it can
-//! take: their writers are gone (the kernel drops a lock with its process). A lock is
-//! what marks a live writer, not a process id, which another process, or the same
-//! number on another machine sharing the directory, may hold.
+//! and a new writer to the same destination first removes the siblings of its own host
+//! whose lock it can take: their writers are gone (the kernel drops a lock with its
+//! process). A lock is what marks a live writer, not a process id, which another
+//! process may have taken since.
 //!
-//! Where the file system has no `flock` (some FUSE mounts), the writer goes on without
-//! one and nothing there is swept.
+//! Only this host's files are swept: a network file system may grant `flock` locally
+//! (NFS mounted `nolock` or `local_lock=flock`, Lustre's `localflock`), so another
+//! machine's live writer could look gone. Where the file system has no `flock` at all
+//! (some FUSE mounts), the writer goes on without one and nothing there is swept.
 
 use std::fs::{File, OpenOptions};
 use std::io::ErrorKind;
@@ -29,8 +31,8 @@ pub(crate) struct Claimed {
     pub(crate) file: File,
 }
 
-/// Creates a temporary file for `dest`, `.NAME.PID.N.partial` in its directory, after
-/// removing the ones there that no live writer holds.
+/// Creates a temporary file for `dest`, `.NAME.HOST.PID.N.partial` in its directory,
+/// after removing this host's there that no live writer holds.
 ///
 /// # Errors
 /// The error of creating the file.
@@ -40,10 +42,12 @@ pub(crate) fn claim(dest: &Path) -> std::io::Result<Claimed> {
         .file_name()
         .map(|n| n.to_string_lossy())
         .unwrap_or_default();
-    sweep(dest, &name);
+    let host = host();
+    sweep(dest, &name, &host);
     loop {
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let path = dest.with_file_name(format!(".{name}.{}.{n}.partial", std::process::id()));
+        let pid = std::process::id();
+        let path = dest.with_file_name(format!(".{name}.{host}.{pid}.{n}.partial"));
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -57,6 +61,18 @@ pub(crate) fn claim(dest: &Path) -> std::io::Result<Claimed> {
             Ok(true) if !same_file(&path, &file) => continue,
             _ => return Ok(Claimed { path, file }),
         }
+    }
+}
+
+/// This machine's name, as a file name's part (`unknown` where it cannot be read).
+fn host() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: `buf` is writable for its length; gethostname writes at most that much.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    match (rc, end) {
+        (0, 1..) => String::from_utf8_lossy(&buf[..end]).replace(['/', '\0'], "_"),
+        _ => "unknown".into(),
     }
 }
 
@@ -82,9 +98,29 @@ fn same_file(path: &Path, file: &File) -> bool {
     }
 }
 
-/// Removes the temporary files of `dest` (named `name`) whose writer is gone: those
-/// whose lock can be taken. Errors leave a file where it is.
-fn sweep(dest: &Path, name: &str) {
+/// Whether `file_name` is a temporary file of destination `name` on `host`:
+/// `.NAME.HOST.PID.N.partial`, the host matched whole (host names may hold dots).
+fn left_by(file_name: &str, name: &str, host: &str) -> bool {
+    let Some(mid) = file_name
+        .strip_prefix('.')
+        .and_then(|f| f.strip_prefix(name))
+        .and_then(|f| f.strip_prefix('.'))
+        .and_then(|f| f.strip_suffix(".partial"))
+    else {
+        return false;
+    };
+    let mut parts = mid.rsplitn(3, '.');
+    let numbers = parts
+        .by_ref()
+        .take(2)
+        .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+    numbers && parts.next() == Some(host)
+}
+
+/// Removes the temporary files of `dest` (named `name`) that `host` (this machine) left
+/// and whose writer is gone: those whose lock can be taken. Errors leave a file where
+/// it is.
+fn sweep(dest: &Path, name: &str, host: &str) {
     let dir = match dest.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
@@ -92,13 +128,12 @@ fn sweep(dest: &Path, name: &str) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
-    let prefix = format!(".{name}.");
     for entry in entries.flatten() {
         let file_name = entry.file_name();
         let Some(n) = file_name.to_str() else {
             continue;
         };
-        if !(n.starts_with(&prefix) && n.ends_with(".partial")) {
+        if !left_by(n, name, host) {
             continue;
         }
         let path = entry.path();
@@ -132,15 +167,21 @@ mod tests {
     fn a_left_file_is_swept_and_a_live_one_kept() {
         let dir = tempfile::tempdir().unwrap();
         let dest = dir.path().join("x.npy");
-        // Left by a writer that was killed: nobody holds its lock.
-        std::fs::write(dir.path().join(".x.npy.4000000.0.partial"), b"old").unwrap();
-        // Another destination's, and a name that is not a temporary file: kept.
-        std::fs::write(dir.path().join(".y.npy.4000000.0.partial"), b"y").unwrap();
+        let host = host();
+        // Left by a writer of this host that was killed: nobody holds its lock.
+        let left = format!(".x.npy.{host}.4000000.0.partial");
+        std::fs::write(dir.path().join(&left), b"old").unwrap();
+        // Another host's (its lock may not show here), another destination's, and a
+        // name that is not a temporary file: kept.
+        let elsewhere = format!(".x.npy.{host}.cluster.4000000.0.partial");
+        std::fs::write(dir.path().join(&elsewhere), b"x").unwrap();
+        let other = format!(".y.npy.{host}.4000000.0.partial");
+        std::fs::write(dir.path().join(&other), b"y").unwrap();
         std::fs::write(dir.path().join(".x.npy.notes"), b"n").unwrap();
         let live = claim(&dest).unwrap();
         let names = partials(dir.path());
-        assert_eq!(names.len(), 2, "{names:?}");
-        assert!(names.contains(&".y.npy.4000000.0.partial".to_string()));
+        assert_eq!(names.len(), 3, "{names:?}");
+        assert!(names.contains(&other) && names.contains(&elsewhere) && !names.contains(&left));
         assert!(dir.path().join(".x.npy.notes").exists());
         // A second writer to the same destination leaves the first one's file alone.
         let second = claim(&dest).unwrap();
@@ -150,7 +191,7 @@ mod tests {
         // Its writer gone (the lock with it), the next writer sweeps it.
         let third = claim(&dest).unwrap();
         let names = partials(dir.path());
-        assert_eq!(names.len(), 3, "{names:?}");
+        assert_eq!(names.len(), 4, "{names:?}");
         assert!(second.path.exists() && third.path.exists());
     }
 }

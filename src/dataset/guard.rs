@@ -361,32 +361,38 @@ mod tests {
         let mut tmp = tempfile::NamedTempFile::new().unwrap();
         tmp.write_all(&vec![7u8; 16 * PAGE]).unwrap();
         let watched = Watched::new(tmp.path(), tmp.reopen().unwrap()).unwrap();
-        let modified = tmp.as_file().metadata().unwrap().modified().unwrap();
         // SAFETY: as above.
         let map = unsafe { memmap2::Mmap::map(watched.file()) }.unwrap();
-        // Page 8 vanishes (as a storage error would make it) while one thread reads it,
-        // after the read's checks; that thread stops inside its read, its fault taken and
-        // the page read as zeros.
-        let (inside, stopped) = std::sync::mpsc::channel();
-        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let (inside, entered) = std::sync::mpsc::channel();
+        let (faulted, after) = std::sync::mpsc::channel();
+        let (read, done) = std::sync::mpsc::channel();
         std::thread::scope(|s| {
             let (watched, map, file) = (&watched, &map, tmp.as_file());
+            // Both readers are inside their reads, their checks passed, when page 8
+            // vanishes (as a storage error would make it) under the first, whose fault
+            // maps zeros there; the second then reads those zeros, with no fault of its
+            // own, while the first is still inside its read: only the handler's mark can
+            // tell the second.
+            let second = s.spawn(move || {
+                let out = watched.read(map, |m| {
+                    inside.send(()).unwrap();
+                    after.recv().unwrap();
+                    m[8 * PAGE]
+                });
+                read.send(()).unwrap();
+                out
+            });
             let first = s.spawn(move || {
+                entered.recv().unwrap();
                 watched.read(map, |m| {
                     file.set_len(PAGE as u64).unwrap();
                     let v = m[8 * PAGE];
-                    inside.send(()).unwrap();
-                    wait.recv().unwrap();
+                    faulted.send(()).unwrap();
+                    done.recv().unwrap();
                     v
                 })
             });
-            stopped.recv().unwrap();
-            // The file looks as it was opened again: only the fault tells.
-            tmp.as_file().set_len(16 * PAGE as u64).unwrap();
-            tmp.as_file().set_modified(modified).unwrap();
-            std::thread::sleep(RECHECK);
-            let second = watched.read(map, |m| m[8 * PAGE]);
-            go.send(()).unwrap();
+            let second = second.join().unwrap();
             assert!(
                 second.is_err(),
                 "a page of zeros was read as data: {second:?}"

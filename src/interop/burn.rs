@@ -492,8 +492,8 @@ fn part(shared: &Shared, start: usize, end: usize) -> Result<Option<Shared>> {
         return Ok(None);
     }
     let next = shared.next.load(Ordering::Acquire);
-    {
-        let (loader, _held) = shared.loader.take()?;
+    // Busy, the loader is iterating an epoch before `next`: no resume is pending for it.
+    if let Ok((loader, _held)) = shared.loader.take() {
         if loader.resumes(next) {
             return Err(Error::Config(format!(
                 "this loader resumes epoch {next} part-way: its slices would each start \

@@ -75,6 +75,9 @@ pub struct Epoch<'a> {
     read_at_start: Option<u64>,
     /// Asked while `next()` waits ([`Epoch::interrupt_with`]).
     interrupt: Option<Interrupt>,
+    /// Where an interrupted wait stood, for the next `next()` to go on from: it had
+    /// stalled, and since when (and at which release count) every buffer was held.
+    paused: Option<Option<(Instant, u64)>>,
 }
 
 /// A check that `next()` makes while it waits: `true` stops the wait.
@@ -112,14 +115,17 @@ impl<'a> Epoch<'a> {
             stats: EpochStats::default(),
             read_at_start,
             interrupt: None,
+            paused: None,
         }
     }
 
     /// Has `next()` call `check` every 50 ms while it waits for a batch: once `check`
     /// returns `true`, `next()` returns [`Error::Interrupted`] at once. The epoch is not
-    /// ended, and no batch is taken: the next `next()` waits for the same batch. For a
-    /// host that must stay responsive while it waits (Python's Ctrl-C, which its
-    /// bindings check here).
+    /// ended, and no batch is taken: the next `next()` waits for the same batch, going
+    /// on from where the interrupted wait stood (a wait cut into pieces still ends in
+    /// [`Error::PoolExhausted`] after the same grace). For a host that must stay
+    /// responsive while it waits (Python's Ctrl-C: its bindings stop the wait, check
+    /// for signals outside the epoch's lock, and wait again).
     pub fn interrupt_with(&mut self, check: impl FnMut() -> bool + Send + 'static) {
         self.interrupt = Some(Box::new(check));
     }
@@ -236,8 +242,10 @@ impl Iterator for Epoch<'_> {
         }
         let asked = Instant::now();
         let ring = self.pending.len() as u64;
-        let mut stalled = false;
-        let mut stuck: Option<(Instant, u64)> = None;
+        let (mut stalled, mut stuck) = match self.paused.take() {
+            Some(stuck) => (true, stuck),
+            None => (false, None),
+        };
         loop {
             let slot = (self.next % ring) as usize;
             if self.pending[slot]
@@ -288,6 +296,7 @@ impl Iterator for Epoch<'_> {
                     }
                     if self.interrupt.as_mut().is_some_and(|check| check()) {
                         self.stats.waited += asked.elapsed();
+                        self.paused = Some(stuck);
                         return Some(Err(Error::Interrupted));
                     }
                     if matches!(self.finished.try_recv(), Err(TryRecvError::Disconnected)) {

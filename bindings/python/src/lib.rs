@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use numpy::ndarray::{ArrayView1, ArrayView2};
 use numpy::{PyArray1, PyArray2};
-use pyo3::exceptions::{PyException, PyIndexError, PyKeyError, PyKeyboardInterrupt, PyValueError};
+use pyo3::exceptions::{PyException, PyIndexError, PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
@@ -531,8 +531,11 @@ impl Drop for Loader {
         if std::process::id() != self.shape.pid {
             // A forked child: ending the epoch or joining the workers would wait for
             // threads that do not exist here. The copies of them are left as they are.
-            if let Ok(mut running) = self.slot.try_lock() {
-                std::mem::forget(running.epoch.take());
+            match self.slot.try_lock() {
+                Ok(mut running) => std::mem::forget(running.epoch.take()),
+                // Locked in the parent when it forked (a thread waited for a batch): the
+                // epoch stays where it is, never dropped.
+                Err(_) => std::mem::forget(Arc::clone(&self.slot)),
             }
             std::mem::forget(self.shape.device.take());
             return;
@@ -913,20 +916,9 @@ impl Loader {
         // reference to this object, so the loader outlives every use of the borrow.
         let started = py.detach(move || unsafe { (*loader.get()).epoch(epoch) });
         let mut started: stokehold::Epoch<'static> = started.map_err(error)?;
-        // Ctrl-C while the loop waits for a batch: Python's handlers run (on the main
-        // thread; elsewhere this finds nothing) and what they raise stops the wait.
-        let interrupted: Arc<Mutex<Option<PyErr>>> = Arc::default();
-        let caught = Arc::clone(&interrupted);
-        started.interrupt_with(move || {
-            Python::try_attach(|py| match py.check_signals() {
-                Ok(()) => false,
-                Err(e) => {
-                    *lock(&caught) = Some(e);
-                    true
-                }
-            })
-            .unwrap_or(false)
-        });
+        // Ctrl-C while the loop waits for a batch: the wait stops every 50 ms for
+        // `__next__` to run Python's signal handlers.
+        started.interrupt_with(|| true);
         let len = started.len();
         // What the bar counts: the samples of the batches left (a resumed epoch starts
         // part of the way in; `drop_last` leaves the tail out).
@@ -984,7 +976,6 @@ impl Loader {
             pid,
             exhausted: AtomicBool::new(false),
             last: Mutex::new(None),
-            interrupted,
         })
     }
 
@@ -1092,9 +1083,6 @@ struct Epoch {
     /// The loader's figures when the epoch yielded its last batch: its row can still be
     /// had once the loader has started another epoch.
     last: Mutex<Option<stokehold::EpochStats>>,
-    /// What Python's signal handlers raised while `__next__` waited (Ctrl-C's
-    /// `KeyboardInterrupt`), for `__next__` to raise.
-    interrupted: Arc<Mutex<Option<PyErr>>>,
 }
 
 impl Epoch {
@@ -1158,10 +1146,20 @@ impl Epoch {
         if let Some(slots) = &self.device {
             // Nothing left: the end, without waiting for a slot (a loop that holds every
             // slot ends its epoch as any other).
-            let running = Arc::clone(&slot);
+            let (running, glance) = (Arc::clone(&slot), Arc::clone(&seen));
             let left = py.detach(move || {
-                let r = lock(&running);
-                (r.generation == generation).then(|| r.epoch.as_ref().map_or(0, |e| e.len()))
+                let mut r = lock(&running);
+                if r.generation != generation {
+                    return None;
+                }
+                let e = r.epoch.as_mut()?;
+                if e.len() == 0 {
+                    // Returns at once, and moves the state on to the next epoch, as the
+                    // end of an epoch on the host does.
+                    let _ = e.next();
+                    lock(&glance).state = e.state();
+                }
+                Some(e.len())
             });
             match left {
                 None => return Err(ended()),
@@ -1175,33 +1173,40 @@ impl Epoch {
             // still in the epoch (taken, it would be lost, and the state would count it).
             device::reserve(py, slots).inspect_err(|_| self.end_progress())?;
         }
-        let next = py.detach(move || {
-            let mut running = lock(&slot);
-            if running.generation != generation {
-                return Err(());
+        let next = loop {
+            let (slot, seen) = (Arc::clone(&slot), Arc::clone(&seen));
+            let next = py.detach(move || {
+                let mut running = lock(&slot);
+                if running.generation != generation {
+                    return Err(());
+                }
+                let next = running.epoch.as_mut().and_then(|e| e.next());
+                let mut glance = lock(&seen);
+                if glance.ended == Some(generation) {
+                    // Ended while this thread waited (its batch, if any, goes back).
+                    return Err(());
+                }
+                if let Some(e) = &running.epoch {
+                    glance.state = e.state();
+                    glance.shown = Some(Shown::of(generation, e));
+                }
+                Ok(next)
+            });
+            if let Ok(Some(Err(stokehold::Error::Interrupted))) = next {
+                // The wait stops every 50 ms: Python's signal handlers run here, with
+                // the epoch's lock let go (a handler may end the epoch or ask for its
+                // row); what they raise (Ctrl-C's KeyboardInterrupt) leaves the batch
+                // still to come.
+                py.check_signals()?;
+                continue;
             }
-            let next = running.epoch.as_mut().and_then(|e| e.next());
-            let mut glance = lock(&seen);
-            if glance.ended == Some(generation) {
-                // Ended while this thread waited (its batch, if any, goes back).
-                return Err(());
-            }
-            if let Some(e) = &running.epoch {
-                glance.state = e.state();
-                glance.shown = Some(Shown::of(generation, e));
-            }
-            Ok(next)
-        });
+            break next;
+        };
         match next {
             Err(()) => Err(ended()),
             Ok(None) => {
                 self.exhaust(py);
                 Ok(None)
-            }
-            Ok(Some(Err(stokehold::Error::Interrupted))) => {
-                // The epoch goes on: the batch is still to come.
-                let raised = lock(&self.interrupted).take();
-                Err(raised.unwrap_or_else(|| PyKeyboardInterrupt::new_err(())))
             }
             Ok(Some(Err(e))) => {
                 self.end_progress();
@@ -1268,6 +1273,7 @@ impl Epoch {
         samples: u64,
         residency_start: (u64, u64),
     ) -> PyResult<Row> {
+        forked(self.pid)?;
         let Some(loader) = self.loader_stats(py) else {
             return Err(Error::new_err(
                 "this epoch was ended before its row was taken",

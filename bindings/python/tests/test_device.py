@@ -218,6 +218,9 @@ def test_a_device_epoch_ends_at_once_and_a_small_pool_keeps_going(emulator: Path
         assert [len(b) for b in kept] == [450, 450, 450, 447], [len(b) for b in kept]
         del kept
         assert next(it, None) is None
+        # The state moves on to the next epoch, as on the host.
+        state = loader.state_dict()
+        assert (state["epoch"], state["batch"]) == (1, 0), state
         loader.epoch(1)
         assert next(it, None) is None, "an exhausted epoch raised once another started"
         # One buffer ahead and none held: the host batches whose copies run are the

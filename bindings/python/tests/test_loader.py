@@ -392,12 +392,11 @@ def test_a_thread_waiting_for_a_buffer_blocks_neither_state_dict_nor_a_new_epoch
     assert sum(len(b) for b in epoch) == N
 
 
-def test_ctrl_c_stops_a_wait_that_would_not_end(cols):
-    # Both buffers are read on another thread, which keeps them: the loop's wait for a
-    # third is no deadlock the loader could call (that thread may let go), so it waits
-    # for as long as that thread keeps them. Ctrl-C must still reach the loop.
-    import signal
-
+def waiting_for_ever(cols):
+    """A loader, its epoch 0 after two batches, and those batches read and kept on
+    another thread until the returned event is set: the loop's wait for a third is no
+    deadlock the loader could call (that thread may let go), so it lasts as long as the
+    thread keeps them. Returns (loader, epoch, release, keeper)."""
     loader = stokehold.Loader(cols, batch_size=50, workers=1, prefetch=1, held=1)
     it = loader.epoch(0)
     kept = [next(it), next(it)]
@@ -411,8 +410,14 @@ def test_ctrl_c_stops_a_wait_that_would_not_end(cols):
     keeper = threading.Thread(target=keep, daemon=True)
     keeper.start()
     time.sleep(0.2)
-    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
+    return loader, it, release, keeper
+
+
+def test_ctrl_c_stops_a_wait_that_would_not_end(cols):
+    import signal
+
+    loader, it, release, keeper = waiting_for_ever(cols)
+    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     with pytest.raises(KeyboardInterrupt):
         next(it)
     release.set()
@@ -421,6 +426,30 @@ def test_ctrl_c_stops_a_wait_that_would_not_end(cols):
     assert loader.state_dict()["batch"] == 2
     want = [b.indices.copy() for b in stokehold.Loader(cols, batch_size=50).epoch(0)]
     np.testing.assert_array_equal(next(it).indices, want[2])
+
+
+def test_a_signal_handler_may_use_the_loader_while_the_loop_waits(cols):
+    # The handler runs with the epoch's lock let go: a handler that saves a checkpoint
+    # or asks the loader anything (here `info()`, which ends the running epoch) neither
+    # deadlocks nor is lost.
+    import signal
+
+    loader, it, release, keeper = waiting_for_ever(cols)
+    seen = []
+
+    def handler(signum, frame):
+        seen.append((loader.state_dict()["batch"], loader.info()["buffers"]))
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
+        with pytest.raises(stokehold.Error, match="ended"):
+            next(it)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        release.set()
+        keeper.join(10)
+    assert seen == [(2, 2)]
 
 
 def test_calls_from_other_threads_wait_their_turn(cols):
