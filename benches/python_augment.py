@@ -133,10 +133,14 @@ def main() -> None:
         "augment_vs_plain": a / rate["stokehold"],
         "augment_vs_torch_per_sample": a / rate["torch_per_sample"],
         "augment_vs_torch_per_batch": a / rate["torch_per_batch"],
-        "batch": args.batch,
-        "workers": args.workers,
-        "batches": args.batches,
     }
+    emit(out, args)
+
+
+def emit(out, args):
+    """Adds the run's settings to `out`, prints it as one JSON line without the
+    per-loader rates, and writes it whole to `--json` when given."""
+    out.update(batch=args.batch, workers=args.workers, batches=args.batches)
     print(json.dumps({k: v for k, v in out.items() if k != "samples_per_s"}))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")

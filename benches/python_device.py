@@ -28,7 +28,6 @@ runs the same loops with host batches and torch on the CPU, to check the script.
 The files are read once first so every loader reads a warm page cache.
 """
 
-import json
 import os
 import sys
 import time
@@ -39,7 +38,7 @@ from torch.utils.data import DataLoader
 
 import stokehold
 # This directory is on sys.path when run as a script.
-from python_augment import MEAN, PAD, STD, augment_batch, first
+from python_augment import MEAN, PAD, STD, augment_batch, emit, first
 from python_loaders import Npy, options, read_once
 
 
@@ -117,13 +116,8 @@ def main() -> None:
         "device_augment_vs_torch_gpu_augment":
             rate["stokehold_device_augment"] / rate["torch_gpu_augment"],
         "device_augment_vs_device": rate["stokehold_device_augment"] / rate["stokehold_device"],
-        "batch": args.batch,
-        "workers": args.workers,
-        "batches": args.batches,
     }
-    print(json.dumps({k: v for k, v in out.items() if k != "samples_per_s"}))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    emit(out, args)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use stokehold::gen::{self, ClassificationSpec};
 use stokehold::pagecache::{self, storage_read_bytes};
+use stokehold::testing::skip_cold;
 use stokehold::{DType, Dataset, HostBatch, Loader, NpyDataset, Shuffle, Storage, TokenDataset};
 
 /// Storage figures are per process (`/proc/self/io`): the tests here take turns.
@@ -21,15 +22,6 @@ fn turn() -> std::sync::MutexGuard<'static, ()> {
 /// may be tmpfs, whose pages cannot be evicted).
 fn tempdir() -> tempfile::TempDir {
     tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
-}
-
-/// Says why a test measures nothing here; with `STOKEHOLD_REQUIRE_COLD=1` (set by CI,
-/// whose machines can evict, read directly and report storage reads), fails instead.
-fn skip(why: &str) {
-    if std::env::var_os("STOKEHOLD_REQUIRE_COLD").is_some_and(|v| v == "1") {
-        panic!("{why}, and STOKEHOLD_REQUIRE_COLD=1 forbids skipping");
-    }
-    eprintln!("skipped: {why}");
 }
 
 /// A CIFAR-shaped set of `samples` rows of 3,080 bytes.
@@ -80,7 +72,7 @@ fn measured(dir: &Path, samples: u64) -> Option<Arc<dyn Dataset>> {
 fn measurable(ds: &dyn Dataset) -> bool {
     let yes = evicts(ds) && storage_read_bytes().is_some();
     if !yes {
-        skip("no eviction or no /proc/self/io here");
+        skip_cold("no eviction or no /proc/self/io here");
     }
     yes
 }
@@ -145,7 +137,7 @@ fn streaming_keeps_the_page_cache_it_fills_small() {
     let dir = tempdir();
     let ds = dataset(dir.path(), 20_000);
     if !evicts(ds.as_ref()) {
-        skip("the page cache cannot be evicted on this file system");
+        skip_cold("the page cache cannot be evicted on this file system");
         return;
     }
     let mut loader = Loader::builder_shared(Arc::clone(&ds))
@@ -281,7 +273,7 @@ fn a_streamed_block_shuffle_drops_the_pages_between_its_rows() {
     let dir = tempdir();
     let ds = dataset(dir.path(), 40_000);
     if !evicts(ds.as_ref()) {
-        skip("the page cache cannot be evicted on this file system");
+        skip_cold("the page cache cannot be evicted on this file system");
         return;
     }
     let mut loader = Loader::builder_shared(Arc::clone(&ds))
@@ -305,7 +297,7 @@ fn a_streamed_block_shuffle_reads_its_windows_once_and_leaves_nothing_behind() {
         return;
     };
     if stokehold::testing::direct_align(ds.files()[0].path()).is_none() {
-        skip("no O_DIRECT on this file system");
+        skip_cold("no O_DIRECT on this file system");
         return;
     }
     let (same, amplification) = streamed_directly(&ds, Shuffle::block(9)).unwrap();

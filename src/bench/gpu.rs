@@ -171,16 +171,15 @@ fn pinned_bytes(cuda: &Cuda, kind: PinnedKind, n: usize) -> Result<PinnedHostSli
     Ok(m)
 }
 
-/// Runs the GPU figures on `dataset` with loaders made from `base` (a builder over
-/// `dataset` with the batch size, prefetch and read settings to measure) and `workers`
-/// workers, the figures that vary the workers aside; the steps classify into `classes`,
-/// normalising inputs with `norm` (see [`fit_classifier`](crate::model::fit_classifier)).
+/// Runs the GPU figures with loaders made from `base` (a builder over the dataset, with
+/// the batch size, prefetch and read settings to measure) and `workers` workers, the
+/// figures that vary the workers aside; the steps classify into `classes`, normalising
+/// inputs with `norm` (see [`fit_classifier`](crate::model::fit_classifier)).
 ///
 /// # Errors
 /// Any driver, NVRTC, loader or dataset error.
 pub fn run(
     cuda: &Cuda,
-    dataset: &Arc<dyn Dataset>,
     (base, workers): (LoaderBuilder, usize),
     (norm, classes): (Normalize, usize),
 ) -> Result<GpuBench> {
@@ -224,6 +223,7 @@ pub fn run(
     drop((feeder, lw));
 
     // Overlap: pick the hidden width whose step takes about as long as a batch's copy.
+    let dataset = Arc::clone(base.dataset());
     let inputs = dataset.columns()[0].row_bytes;
     let kernels = Kernels::load(cuda)?;
     let copy_per_batch = fed.copy.as_secs_f64() / fed.batches.max(1) as f64;

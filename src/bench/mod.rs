@@ -492,7 +492,7 @@ pub fn measure(
         Device::Cuda(c) => {
             log(&format!("bench: GPU figures on {}", c.name));
             let base = builder(&ds, cfg, Shuffle::Full { seed: cfg.seed });
-            report.gpu = Some(gpu::run(&c, &ds, (base, cfg.workers), fitted)?);
+            report.gpu = Some(gpu::run(&c, (base, cfg.workers), fitted)?);
         }
         Device::Cpu { reason } => report.gpu_skipped = reason,
     }

@@ -1144,34 +1144,18 @@ impl Epoch {
         let (slot, seen) = (Arc::clone(&self.slot), Arc::clone(&self.seen));
         let generation = self.generation;
         if let Some(slots) = &self.device {
-            // Nothing left: the end, without waiting for a slot (a loop that holds every
-            // slot ends its epoch as any other).
-            let (running, glance) = (Arc::clone(&slot), Arc::clone(&seen));
+            // A slot first, where a batch is still to come: a loop holding every slot
+            // gets its error with the batch still in the epoch (taken, it would be lost,
+            // and the state would count it), and one that kept every batch of the epoch
+            // ends it as any other, below, without waiting for a slot.
+            let running = Arc::clone(&slot);
             let left = py.detach(move || {
-                let mut r = lock(&running);
-                if r.generation != generation {
-                    return None;
-                }
-                let e = r.epoch.as_mut()?;
-                if e.len() == 0 {
-                    // Returns at once, and moves the state on to the next epoch, as the
-                    // end of an epoch on the host does.
-                    let _ = e.next();
-                    lock(&glance).state = e.state();
-                }
-                Some(e.len())
+                let r = lock(&running);
+                (r.generation == generation).then(|| r.epoch.as_ref().map_or(0, |e| e.len()))
             });
-            match left {
-                None => return Err(ended()),
-                Some(0) => {
-                    self.exhaust(py);
-                    return Ok(None);
-                }
-                Some(_) => {}
+            if left.is_some_and(|n| n > 0) {
+                device::reserve(py, slots).inspect_err(|_| self.end_progress())?;
             }
-            // A slot first: a loop holding every slot gets its error with the batch
-            // still in the epoch (taken, it would be lost, and the state would count it).
-            device::reserve(py, slots).inspect_err(|_| self.end_progress())?;
         }
         let next = loop {
             let (slot, seen) = (Arc::clone(&slot), Arc::clone(&seen));
