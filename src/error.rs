@@ -124,9 +124,10 @@ pub enum Error {
         /// The batch that never came.
         batch: u64,
     },
-    /// A wait for a batch was stopped by the epoch's interrupt check
-    /// ([`Epoch::interrupt_with`](crate::Epoch::interrupt_with)); the epoch goes on.
-    #[error("the wait for a batch was interrupted")]
+    /// A wait for a batch, or for a device slot, was stopped by its interrupt check
+    /// ([`Epoch::interrupt_with`](crate::Epoch::interrupt_with),
+    /// `cuda::DeviceSlots::interrupt_with`); the epoch goes on, and nothing was taken.
+    #[error("the wait for a batch or a device slot was interrupted")]
     Interrupted,
     /// A host buffer could not be allocated.
     #[error("allocating a {bytes}-byte host buffer ({allocator}): {message}")]

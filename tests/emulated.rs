@@ -390,6 +390,13 @@ fn lent_batches_wait_for_their_consumers() {
 }
 
 #[test]
+fn a_slot_wait_stops_for_its_interrupt_check() {
+    emulated("a_slot_wait_stops_for_its_interrupt_check", 50, |c| {
+        gpu_checks::a_slot_wait_stops_for_its_interrupt_check(c)
+    });
+}
+
+#[test]
 fn augmenting_on_the_device_matches_the_workers() {
     emulated("augmenting_on_the_device_matches_the_workers", 50, |c| {
         gpu_checks::augmenting_on_the_device_matches_the_workers(c)

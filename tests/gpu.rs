@@ -83,6 +83,11 @@ fn lent_batches_wait_for_their_consumers() {
 }
 
 #[test]
+fn a_slot_wait_stops_for_its_interrupt_check() {
+    on_gpu(gpu_checks::a_slot_wait_stops_for_its_interrupt_check);
+}
+
+#[test]
 fn augmenting_on_the_device_matches_the_workers() {
     on_gpu(gpu_checks::augmenting_on_the_device_matches_the_workers);
 }

@@ -141,7 +141,16 @@ pub struct DeviceSlots {
     augment: Option<DeviceAugment>,
     /// A free slot kept for the next lend ([`reserve`](DeviceSlots::reserve)).
     reserved: Option<usize>,
+    /// Asked while [`reserve`](DeviceSlots::reserve) waits
+    /// ([`interrupt_with`](DeviceSlots::interrupt_with)).
+    interrupt: Option<Interrupt>,
+    /// Since when an interrupted wait had found every slot lent on the asking thread,
+    /// for the next wait to go on from.
+    stuck: Option<Instant>,
 }
+
+/// A check that [`DeviceSlots::reserve`] makes while it waits: `true` stops the wait.
+type Interrupt = Box<dyn FnMut() -> bool + Send>;
 
 impl DeviceSlots {
     /// The most host batches the slots keep from their loader's pool at once: the
@@ -187,6 +196,8 @@ impl DeviceSlots {
             in_flight: VecDeque::with_capacity(IN_FLIGHT + 1),
             augment: None,
             reserved: None,
+            interrupt: None,
+            stuck: None,
         })
     }
 
@@ -245,7 +256,8 @@ impl DeviceSlots {
         let _current = KeepCurrent::new();
         let k = match self.reserved.take() {
             Some(k) => k,
-            None => self.take_slot()?,
+            // The batch is in hand: this wait is not interrupted (it would lose it).
+            None => self.take_slot(false)?,
         };
         let copied = self.enqueue_copy(k, &batch);
         if copied.is_err() {
@@ -330,19 +342,34 @@ impl DeviceSlots {
     /// epoch's state counts it). Does nothing if a slot is already kept.
     ///
     /// # Errors
-    /// [`Error::SlotsExhausted`], as [`lend`](DeviceSlots::lend).
+    /// [`Error::SlotsExhausted`], as [`lend`](DeviceSlots::lend);
+    /// [`Error::Interrupted`] when the check given to
+    /// [`interrupt_with`](DeviceSlots::interrupt_with) stopped the wait.
     pub fn reserve(&mut self) -> Result<()> {
         if self.reserved.is_none() {
-            self.reserved = Some(self.take_slot()?);
+            self.reserved = Some(self.take_slot(true)?);
         }
         Ok(())
     }
 
-    /// A free slot: the one released last. Waits while none is free.
-    fn take_slot(&self) -> Result<usize> {
+    /// Has [`reserve`](DeviceSlots::reserve) call `check` every 20 ms while it waits for
+    /// a slot (a batch kept on another thread may be kept indefinitely): once `check`
+    /// returns `true`, `reserve` returns [`Error::Interrupted`] at once, and the next
+    /// call waits again from where this one stood (a wait cut into pieces still ends in
+    /// [`Error::SlotsExhausted`] after the same grace). The wait of a
+    /// [`lend`](DeviceSlots::lend) without a reserved slot is not interrupted: its batch
+    /// is in hand. For a host that must stay responsive (Python's Ctrl-C).
+    pub fn interrupt_with(&mut self, check: impl FnMut() -> bool + Send + 'static) {
+        self.interrupt = Some(Box::new(check));
+    }
+
+    /// A free slot: the one released last. Waits while none is free; `interruptible`:
+    /// the interrupt check may stop the wait.
+    fn take_slot(&mut self, interruptible: bool) -> Result<usize> {
+        let slots = self.slots();
         let s = &*self.shared;
         let mut free = lock(&s.free);
-        let mut stuck: Option<Instant> = None;
+        let mut stuck = self.stuck.take();
         loop {
             if let Some(k) = free.pop() {
                 return Ok(k);
@@ -350,9 +377,7 @@ impl DeviceSlots {
             if s.away.load(Ordering::Acquire) == 0 {
                 let since = *stuck.get_or_insert_with(Instant::now);
                 if since.elapsed() >= EXHAUSTED_GRACE {
-                    return Err(Error::SlotsExhausted {
-                        slots: self.slots(),
-                    });
+                    return Err(Error::SlotsExhausted { slots });
                 }
             } else {
                 stuck = None;
@@ -362,6 +387,14 @@ impl DeviceSlots {
                 .wait_timeout(free, Duration::from_millis(20))
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
+            if free.is_empty() && interruptible {
+                if let Some(check) = self.interrupt.as_mut() {
+                    if check() {
+                        self.stuck = stuck;
+                        return Err(Error::Interrupted);
+                    }
+                }
+            }
         }
     }
 

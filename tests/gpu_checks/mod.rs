@@ -618,6 +618,76 @@ pub fn lent_batches_wait_for_their_consumers(c: Cuda) {
     assert!(none(), "drain left its context current");
 }
 
+/// `DeviceSlots::reserve`'s wait for a slot stops when its interrupt check says so
+/// (Python's Ctrl-C), with nothing taken: the wait goes on at the next call and the
+/// batch it was for comes next; a wait cut into pieces for slots held on this thread
+/// still ends in `SlotsExhausted`.
+pub fn a_slot_wait_stops_for_its_interrupt_check(c: Cuda) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::mpsc;
+    use std::time::Duration;
+    use stokehold::cuda::{DeviceSlots, LEGACY_STREAM};
+
+    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(DIGITS).unwrap());
+    let mut loader = pinned_loader(&c, &ds, 100).build().unwrap();
+    let mut slots = DeviceSlots::new(&c.ctx, loader.layout(), 2).unwrap();
+    let checks = Arc::new(AtomicUsize::new(0));
+    {
+        let checks = Arc::clone(&checks);
+        // Every fifth check (about 100 ms of waiting) stops the wait.
+        slots.interrupt_with(move || checks.fetch_add(1, Ordering::AcqRel) % 5 == 4);
+    }
+    let mut epoch = loader.epoch(0).unwrap();
+    let a = slots.lend(epoch.next().unwrap().unwrap()).unwrap();
+    let b = slots.lend(epoch.next().unwrap().unwrap()).unwrap();
+    // Both used on a thread that keeps them until told: no slot comes back meanwhile.
+    let (used, go) = (mpsc::channel(), mpsc::channel::<()>());
+    let keeper = std::thread::spawn(move || {
+        a.wait_on(LEGACY_STREAM).unwrap();
+        b.wait_on(LEGACY_STREAM).unwrap();
+        used.0.send(()).unwrap();
+        let told = go.1.recv_timeout(Duration::from_secs(20));
+        drop((a, b));
+        told.is_ok()
+    });
+    used.1.recv().unwrap();
+    let err = slots.reserve().unwrap_err();
+    assert!(matches!(err, stokehold::Error::Interrupted), "{err}");
+    assert!(checks.load(Ordering::Acquire) >= 5);
+    go.0.send(()).unwrap();
+    let mut again = 0;
+    loop {
+        match slots.reserve() {
+            Ok(()) => break,
+            Err(stokehold::Error::Interrupted) if again < 1000 => again += 1,
+            Err(e) => panic!("the wait after the slots came back: {e}"),
+        }
+    }
+    assert!(keeper.join().unwrap(), "the wait was not interrupted");
+    // Nothing was taken from the epoch: the batch the wait was for comes next, into
+    // the reserved slot.
+    let third = slots.lend(epoch.next().unwrap().unwrap()).unwrap();
+    assert_eq!(third.number(), 2);
+    // Both slots held on this thread: waits cut into pieces of about 100 ms still end
+    // in the error after the grace, instead of each starting it anew.
+    let fourth = slots.lend(epoch.next().unwrap().unwrap()).unwrap();
+    let mut pieces = 0;
+    let err = loop {
+        match slots.reserve() {
+            Err(stokehold::Error::Interrupted) if pieces < 200 => pieces += 1,
+            Err(e) => break e,
+            Ok(()) => panic!("a slot while both are held"),
+        }
+    };
+    assert!(
+        matches!(err, stokehold::Error::SlotsExhausted { slots: 2 }),
+        "{err}"
+    );
+    assert!(pieces >= 2, "the wait was not cut into pieces ({pieces})");
+    drop((third, fourth));
+    slots.drain().unwrap();
+}
+
 /// Augmenting on the device (`DeviceSlots::augmented`, `kernels/augment.cu`) writes the
 /// same bytes as the loader's workers do on the CPU: a normalised `float32` column
 /// (channels first) and a `uint8` one (channels last, from the same file), every column

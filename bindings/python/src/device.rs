@@ -117,11 +117,18 @@ pub(crate) type Slots = Arc<Mutex<DeviceSlots>>;
 
 /// Waits for a free device slot and keeps it for the next `lend`, with the GIL
 /// released: called before a batch is taken from the epoch, so that a loop holding
-/// every slot gets its error with the batch still in the epoch.
+/// every slot gets its error with the batch still in the epoch. The wait stops every
+/// 20 ms (the slots' interrupt check) to run Python's signal handlers, with the slots'
+/// lock let go; what they raise (Ctrl-C's `KeyboardInterrupt`) leaves the batch in
+/// the epoch.
 pub(crate) fn reserve(py: Python<'_>, slots: &Slots) -> PyResult<()> {
-    let slots = Arc::clone(slots);
-    py.detach(move || slots.lock().unwrap_or_else(|e| e.into_inner()).reserve())
-        .map_err(error)
+    loop {
+        let slots = Arc::clone(slots);
+        match py.detach(move || slots.lock().unwrap_or_else(|e| e.into_inner()).reserve()) {
+            Err(stokehold::Error::Interrupted) => py.check_signals()?,
+            done => return done.map_err(error),
+        }
+    }
 }
 
 /// Copies `batch` into a device slot of `slots` (without the GIL: it may wait for one).

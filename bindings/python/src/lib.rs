@@ -760,7 +760,7 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
             // the one being read.
             let slots = held_by_loop + 2;
             let layout = loader.layout();
-            let s = match (&cuda, &augment) {
+            let mut s = match (&cuda, &augment) {
                 (Some(c), Some(a)) => {
                     let augmenter = a.bind(layout.columns()).map_err(error)?;
                     columns = augmenter.columns().to_vec();
@@ -769,6 +769,9 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
                 _ => stokehold::cuda::DeviceSlots::new(ctx, layout, slots),
             }
             .map_err(error)?;
+            // Ctrl-C while the loop waits for a slot (a batch kept on another thread):
+            // the wait stops every 20 ms for `__next__` to run Python's signal handlers.
+            s.interrupt_with(|| true);
             Some(Arc::new(Mutex::new(s)))
         }
         _ => None,

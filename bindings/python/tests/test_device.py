@@ -208,6 +208,43 @@ def test_holding_every_slot_is_an_error_not_a_hang(emulator: Path) -> None:
     """)
 
 
+def test_ctrl_c_stops_a_wait_for_a_device_slot(emulator: Path) -> None:
+    run_child(emulator, """
+        import os, signal, threading
+        # Every slot lent to batches used on another thread, which keeps them until
+        # told: the loop's wait for a slot lasts as long, and Ctrl-C must stop it.
+        loader = stokehold.Loader(sys.argv[1], batch_size=100, device="cuda", held=1)
+        epoch = loader.epoch(0)
+        kept = [next(epoch) for _ in range(3)]
+        used, release = threading.Event(), threading.Event()
+
+        def keep():
+            for b in kept:
+                b.synchronize()  # used here: the slots wait for this thread
+            used.set()
+            release.wait(5)
+            kept.clear()
+
+        keeper = threading.Thread(target=keep, daemon=True)
+        keeper.start()
+        assert used.wait(10)
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        try:
+            next(epoch)
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("the wait for a slot went on through Ctrl-C")
+        # Nothing was taken: the batch the wait was for comes next.
+        assert loader.state_dict()["batch"] == 3, loader.state_dict()
+        release.set()
+        keeper.join(10)
+        want = [b.indices.copy() for b in stokehold.Loader(sys.argv[1], batch_size=100).epoch(0)]
+        assert np.array_equal(next(epoch).indices, want[3])
+        print("child passed")
+    """)
+
+
 def test_a_device_epoch_ends_at_once_and_a_small_pool_keeps_going(emulator: Path) -> None:
     run_child(emulator, """
         # Four batches, four slots (held=2): a loop that keeps them all ends its epoch
