@@ -251,7 +251,12 @@ impl DeviceSlots {
     ///
     /// # Errors
     /// [`Error::SlotsExhausted`] when every slot stays lent to batches used only on the
-    /// calling thread (waiting would never end); [`Error::Cuda`] on a driver error.
+    /// calling thread (waiting would never end); [`Error::Cuda`] on a driver error. On
+    /// an error the batch goes back to its pool, but its epoch has counted it: a loop
+    /// that goes on (or saves a checkpoint) resumes its loader from the epoch's
+    /// [`state`](crate::Epoch::state) taken before the batch (Python's loader does so
+    /// itself). [`reserve`](DeviceSlots::reserve) before taking the batch keeps the
+    /// first error from happening with the batch in hand.
     pub fn lend(&mut self, batch: HostBatch) -> Result<LentBatch> {
         let _current = KeepCurrent::new();
         let k = match self.reserved.take() {

@@ -12,11 +12,14 @@
 //   GPU. Asynchronous copies read their host source when they run, not when they are
 //   enqueued: a buffer reused before its copy completes is caught by the results.
 //   STOKEHOLD_EMU_JITTER_US=N sleeps up to N us before each operation to shake out races.
+// - STOKEHOLD_EMU_FAIL_HTOD=N makes the Nth asynchronous host-to-device copy (from 1)
+//   fail with CUDA_ERROR_ILLEGAL_ADDRESS, for the callers' error paths.
 // - Kernels come from the emulated NVRTC (nvrtc.cpp) as shared objects; a launch copies
 //   its parameters (their sizes come from the kernel's C++ signature) and checks its
 //   configuration against the limits of a real device.
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -66,6 +69,7 @@ enum : int {
     CUDA_ERROR_NOT_READY = 600,
     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
     CUDA_ERROR_STREAM_CAPTURE_ISOLATION = 905,
+    CUDA_ERROR_ILLEGAL_ADDRESS = 700,
     CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701,
     CUDA_ERROR_NOT_SUPPORTED = 801,
 };
@@ -308,6 +312,7 @@ CUresult cuGetErrorName(CUresult e, const char** s) {
         case CUDA_ERROR_ILLEGAL_STATE: *s = "CUDA_ERROR_ILLEGAL_STATE"; break;
         case CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: *s = "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"; break;
         case CUDA_ERROR_STREAM_CAPTURE_ISOLATION: *s = "CUDA_ERROR_STREAM_CAPTURE_ISOLATION"; break;
+        case CUDA_ERROR_ILLEGAL_ADDRESS: *s = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
         case CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: *s = "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"; break;
         case CUDA_ERROR_NOT_SUPPORTED: *s = "CUDA_ERROR_NOT_SUPPORTED"; break;
         default: *s = "CUDA_ERROR_UNKNOWN"; return CUDA_ERROR_INVALID_VALUE;
@@ -494,9 +499,20 @@ CUresult cuMemFreeHost(void* p) {
     return CUDA_SUCCESS;
 }
 
+// Whether this call is the one STOKEHOLD_EMU_FAIL_HTOD names.
+bool htod_fails() {
+    static const char* n = getenv("STOKEHOLD_EMU_FAIL_HTOD");
+    static std::atomic<unsigned long long> calls{0};
+    return n && ++calls == strtoull(n, nullptr, 10);
+}
+
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
+    if (htod_fails()) {
+        LOG("cuMemcpyHtoDAsync: failing as STOKEHOLD_EMU_FAIL_HTOD asks");
+        return CUDA_ERROR_ILLEGAL_ADDRESS;
+    }
     if (!in_device(dst, n)) {
         LOG("cuMemcpyHtoDAsync: %zu bytes at %llx outside any allocation", n, dst);
         return CUDA_ERROR_INVALID_VALUE;

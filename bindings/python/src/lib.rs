@@ -1119,6 +1119,26 @@ impl Epoch {
         self.end_progress();
     }
 
+    /// After a batch taken from this epoch was lost (its copy to the device failed):
+    /// ends the epoch with the loader's state at `before`, the state before that batch,
+    /// as a failed read on the host leaves it, so that a resume (or the next
+    /// `epoch(e)`) yields the lost batch again. Nothing happens once the loader has
+    /// moved on to another epoch.
+    fn rewind(&self, py: Python<'_>, before: LoaderState) {
+        let loader = self._loader.borrow(py);
+        let mut turn = loader.control.take(py);
+        let (slot, generation) = (Arc::clone(&self.slot), self.generation);
+        // Epochs start holding the turn, which this thread holds now.
+        if !py.detach(move || lock(&slot).generation == generation) {
+            return;
+        }
+        if let Ok(l) = loader.idle(py, &mut turn) {
+            if l.resume(before).is_ok() {
+                loader.note_state(l.state());
+            }
+        }
+    }
+
     /// Ends the progress bar, if any.
     fn end_progress(&self) {
         let bar = self
@@ -1167,6 +1187,7 @@ impl Epoch {
                 if running.generation != generation {
                     return Err(());
                 }
+                let before = running.epoch.as_ref().map(|e| e.state());
                 let next = running.epoch.as_mut().and_then(|e| e.next());
                 let mut glance = lock(&seen);
                 if glance.ended == Some(generation) {
@@ -1177,9 +1198,9 @@ impl Epoch {
                     glance.state = e.state();
                     glance.shown = Some(Shown::of(generation, e));
                 }
-                Ok(next)
+                Ok(next.map(|n| (n, before)))
             });
-            if let Ok(Some(Err(stokehold::Error::Interrupted))) = next {
+            if let Ok(Some((Err(stokehold::Error::Interrupted), _))) = next {
                 // The wait stops every 50 ms: Python's signal handlers run here, with
                 // the epoch's lock let go (a handler may end the epoch or ask for its
                 // row); what they raise (Ctrl-C's KeyboardInterrupt) leaves the batch
@@ -1195,11 +1216,11 @@ impl Epoch {
                 self.exhaust(py);
                 Ok(None)
             }
-            Ok(Some(Err(e))) => {
+            Ok(Some((Err(e), _))) => {
                 self.end_progress();
                 Err(error(e))
             }
-            Ok(Some(Ok(batch))) => {
+            Ok(Some((Ok(batch), before))) => {
                 if let Some(bar) = &*self.progress.lock().unwrap_or_else(|e| e.into_inner()) {
                     let mut bar = bar.lock().unwrap_or_else(|e| e.into_inner());
                     bar.advance(batch.len() as u64, 0.0);
@@ -1210,6 +1231,9 @@ impl Epoch {
                     Some(slots) => {
                         let batch = device::lend(py, slots, batch).inspect_err(|_| {
                             self.end_progress();
+                            if let Some(before) = before {
+                                self.rewind(py, before);
+                            }
                         })?;
                         Py::new(py, device::DeviceBatch { batch, columns })?.into_any()
                     }
