@@ -74,8 +74,9 @@ pub enum Error {
         /// The panic payload, when it was a string.
         message: String,
     },
-    /// The thread asking for the next batch holds every host buffer (none has been
-    /// read on another thread) and released none for a second: waiting would never end.
+    /// The thread asking for the next batch holds every host buffer and released none
+    /// for a second, and no batch of the loader was ever read or dropped on another
+    /// thread: waiting would never end.
     #[error(
         "all {buffers} host buffers are held by the consumer; drop a batch before asking \
          for the next one, or raise `held` on the loader builder"
@@ -84,8 +85,9 @@ pub enum Error {
         /// The pool's size.
         buffers: usize,
     },
-    /// Every device slot is lent to a batch still alive, none of them used on another
-    /// thread, and none was released for a second: waiting would never end.
+    /// Every device slot is lent to a batch still alive, none was released for a
+    /// second, and no batch of the slots was ever used or dropped on another thread:
+    /// waiting would never end.
     #[error(
         "all {slots} device slots are held by live batches; drop a batch (and the tensors \
          viewing it) before asking for the next one, or lend more slots (`held`)"

@@ -341,17 +341,23 @@ fn holding_every_buffer_is_an_error_not_a_hang() {
     assert_eq!(rest, (2..10).collect::<Vec<_>>());
 }
 
-#[test]
-fn a_slow_consumer_fed_through_a_queue_is_not_a_deadlock() {
-    // Two buffers: one in the training thread's step, one waiting in the queue, while
-    // the loading thread asks for a third and waits longer than the deadlock grace.
-    let mut loader = two_buffers(40);
-    let (tx, rx) = crossbeam_channel::bounded::<stokehold::HostBatch>(1);
+/// Epoch 0 of a loader with two buffers over `n` samples, each batch sent to a training
+/// thread through a queue of `capacity` (`None`: unbounded) that reads it, then (after
+/// dropping it, with `drop_first`) steps for longer than the deadlock grace: the batches
+/// delivered, and the first sample of each the trainer saw.
+fn fed_through_a_queue(n: u64, capacity: Option<usize>, drop_first: bool) -> (usize, Vec<u64>) {
+    let mut loader = two_buffers(n);
+    let (tx, rx) = match capacity {
+        Some(c) => crossbeam_channel::bounded::<stokehold::HostBatch>(c),
+        None => crossbeam_channel::unbounded(),
+    };
     let trainer = std::thread::spawn(move || {
         let mut seen = Vec::new();
         for batch in rx {
             seen.push(batch.column::<u64>(0).unwrap()[0]);
+            let kept = (!drop_first).then_some(batch);
             std::thread::sleep(std::time::Duration::from_millis(1300));
+            drop(kept);
         }
         seen
     });
@@ -361,9 +367,68 @@ fn a_slow_consumer_fed_through_a_queue_is_not_a_deadlock() {
         delivered += 1;
     }
     drop(tx);
-    let seen = trainer.join().unwrap();
-    assert_eq!(delivered, 4);
-    assert_eq!(seen.len(), 4);
+    (delivered, trainer.join().unwrap())
+}
+
+#[test]
+fn a_slow_consumer_fed_through_a_queue_is_not_a_deadlock() {
+    // Two buffers: one in the training thread's step, one waiting in the queue, while
+    // the loading thread asks for a third and waits longer than the deadlock grace.
+    let (delivered, seen) = fed_through_a_queue(40, Some(1), false);
+    assert_eq!((delivered, seen.len()), (4, 4));
+}
+
+#[test]
+fn a_pool_the_memory_cannot_hold_is_refused_counting_its_pages() {
+    // One-byte samples, a batch each, every batch prefetched: as many buffers as this
+    // machine has KiB of memory. Their rows (256 bytes a buffer with its alignment)
+    // take a quarter of the memory, but each buffer is a whole page, and holds its
+    // sample's index: the pool needs four times the memory, and is refused.
+    // SAFETY: sysconf only reads system configuration.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    let memory = pages as u64 * page as u64;
+    struct Bytes(u64, Vec<stokehold::Column>);
+    impl stokehold::Dataset for Bytes {
+        fn len(&self) -> u64 {
+            self.0
+        }
+        fn columns(&self) -> &[stokehold::Column] {
+            &self.1
+        }
+        fn gather(&self, _: u64, _: &[u64], out: &mut [&mut [u8]]) -> stokehold::Result<()> {
+            out[0].fill(1);
+            Ok(())
+        }
+    }
+    let column = stokehold::Column {
+        name: "b".into(),
+        dtype: stokehold::DType::U8,
+        shape: vec![],
+        row_bytes: 1,
+    };
+    let err = Loader::builder(Bytes(memory / 1024, vec![column]))
+        .batch_size(1)
+        .prefetch(usize::MAX)
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(&err, stokehold::Error::Config(m) if m.contains("the buffer pool needs")),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_consumer_that_drops_its_batch_before_its_step_is_not_a_deadlock() {
+    // The training thread copies each batch out and drops it, then steps: while it
+    // steps, the batches queued for it hold both buffers, unread, and nothing is
+    // released for longer than the deadlock grace; it will read and drop them.
+    let (delivered, seen) = fed_through_a_queue(60, None, true);
+    assert_eq!((delivered, seen.len()), (6, 6));
 }
 
 #[test]

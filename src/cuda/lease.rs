@@ -68,6 +68,10 @@ struct Shared {
     /// Lent slots whose batch was used on a thread other than the one it was lent to:
     /// such a batch is released however long the asking thread waits.
     away: AtomicUsize,
+    /// Set once a batch was used or dropped on a thread other than the one it was lent
+    /// to: its consumer hands batches on, so batches lent and not yet used there are no
+    /// proof that waiting for a slot would never end.
+    handed_on: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -139,14 +143,12 @@ pub struct DeviceSlots {
     in_flight: VecDeque<(HostBatch, usize)>,
     /// The augmentation run on the device after each copy, if any.
     augment: Option<DeviceAugment>,
-    /// A free slot kept for the next lend ([`reserve`](DeviceSlots::reserve)).
-    reserved: Option<usize>,
     /// Asked while [`reserve`](DeviceSlots::reserve) waits
     /// ([`interrupt_with`](DeviceSlots::interrupt_with)).
     interrupt: Option<Interrupt>,
-    /// Since when an interrupted wait had found every slot lent on the asking thread,
-    /// for the next wait to go on from.
-    stuck: Option<Instant>,
+    /// How long an interrupted wait had waited with every slot lent to batches used on
+    /// the asking thread only, for the next wait to go on from.
+    stuck: Duration,
 }
 
 /// A check that [`DeviceSlots::reserve`] makes while it waits: `true` stops the wait.
@@ -188,6 +190,7 @@ impl DeviceSlots {
             free: Mutex::new((0..k).rev().collect()),
             available: Condvar::new(),
             away: AtomicUsize::new(0),
+            handed_on: AtomicBool::new(false),
         };
         Ok(DeviceSlots {
             shared: Arc::new(shared),
@@ -195,9 +198,8 @@ impl DeviceSlots {
             layout: Arc::new(layout.clone()),
             in_flight: VecDeque::with_capacity(IN_FLIGHT + 1),
             augment: None,
-            reserved: None,
             interrupt: None,
-            stuck: None,
+            stuck: Duration::ZERO,
         })
     }
 
@@ -245,25 +247,48 @@ impl DeviceSlots {
         &self.copy
     }
 
-    /// Copies `batch` into a free slot (the one [`reserve`](DeviceSlots::reserve)d, if
-    /// any) and lends it. Waits for a slot while every one is lent; the host never waits
-    /// for the consumers' work, only the copy stream does.
+    /// Copies `batch` into a free slot and lends it. Waits for a slot while every one is
+    /// lent (a wait that is not interrupted: the batch is in hand); the host never
+    /// waits for the consumers' work, only the copy stream does.
     ///
     /// # Errors
     /// [`Error::SlotsExhausted`] when every slot stays lent to batches used only on the
-    /// calling thread (waiting would never end); [`Error::Cuda`] on a driver error. On
-    /// an error the batch goes back to its pool, but its epoch has counted it: a loop
-    /// that goes on (or saves a checkpoint) resumes its loader from the epoch's
+    /// calling thread (waiting would never end); [`Error::Cuda`] on a driver error,
+    /// naming the earlier batch whose copy failed where it was that one. On an error the
+    /// batch goes back to its pool, but its epoch has counted it: a loop that goes on
+    /// (or saves a checkpoint) resumes its loader from the epoch's
     /// [`state`](crate::Epoch::state) taken before the batch (Python's loader does so
-    /// itself). [`reserve`](DeviceSlots::reserve) before taking the batch keeps the
-    /// first error from happening with the batch in hand.
+    /// itself). A slot [`reserve`](DeviceSlots::reserve)d before the batch is taken
+    /// keeps the first error from happening with the batch in hand.
     pub fn lend(&mut self, batch: HostBatch) -> Result<LentBatch> {
         let _current = KeepCurrent::new();
-        let k = match self.reserved.take() {
-            Some(k) => k,
-            // The batch is in hand: this wait is not interrupted (it would lose it).
-            None => self.take_slot(false)?,
-        };
+        // The copies still running first: a failed one is no slot's business.
+        self.retire(IN_FLIGHT - 1)?;
+        let k = self.take_slot(false)?;
+        self.lend_into(k, batch)
+    }
+
+    /// [`lend`](DeviceSlots::lend) into the slot `reserved` keeps, without waiting for
+    /// one.
+    ///
+    /// # Errors
+    /// As [`lend`](DeviceSlots::lend), but for [`Error::SlotsExhausted`];
+    /// [`Error::Config`] for a slot reserved from other slots (the batch goes back).
+    pub fn lend_reserved(&mut self, reserved: Reserved, batch: HostBatch) -> Result<LentBatch> {
+        let _current = KeepCurrent::new();
+        if !Arc::ptr_eq(&reserved.shared, &self.shared) {
+            return Err(Error::Config(
+                "a device slot reserved from other slots was given to lend_reserved".into(),
+            ));
+        }
+        // Dropped on an error here, the reservation gives its slot back.
+        self.retire(IN_FLIGHT - 1)?;
+        let k = reserved.take();
+        self.lend_into(k, batch)
+    }
+
+    /// Copies `batch` into slot `k`, which this call now owns, and lends it.
+    fn lend_into(&mut self, k: usize, batch: HostBatch) -> Result<LentBatch> {
         let copied = self.enqueue_copy(k, &batch);
         if copied.is_err() {
             // Some of the copies may be enqueued (several with an augmentation): they
@@ -287,7 +312,6 @@ impl DeviceSlots {
             streams: Mutex::new(Vec::new()),
         };
         self.in_flight.push_back((batch, k));
-        self.retire(IN_FLIGHT)?;
         Ok(lent)
     }
 
@@ -329,41 +353,60 @@ impl DeviceSlots {
 
     /// Releases the host batches whose copies are done, waiting for the oldest while
     /// more than `keep` remain.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] naming the batch whose copy failed (it stays in flight).
     fn retire(&mut self, keep: usize) -> Result<()> {
-        while let Some(&(_, k)) = self.in_flight.front() {
-            let event = &self.shared.copied[k];
-            if self.in_flight.len() <= keep && !event.try_is_complete()? {
-                break;
+        while let Some((batch, k)) = self.in_flight.front() {
+            let event = &self.shared.copied[*k];
+            let done = (|| {
+                if self.in_flight.len() <= keep && !event.try_is_complete()? {
+                    return Ok(false);
+                }
+                event.synchronize()?;
+                Ok(true)
+            })();
+            match done {
+                Ok(false) => break,
+                Ok(true) => drop(self.in_flight.pop_front()),
+                Err(Error::Cuda(e)) => {
+                    let (n, epoch) = (batch.number(), batch.epoch());
+                    return Err(Error::Cuda(format!(
+                        "the copy of batch {n} of epoch {epoch} to the device: {e}"
+                    )));
+                }
+                Err(e) => return Err(e),
             }
-            event.synchronize()?;
-            self.in_flight.pop_front();
         }
         Ok(())
     }
 
-    /// Waits for a free slot and keeps it for the next [`lend`](DeviceSlots::lend): a
-    /// loop that takes batches from an epoch learns that every slot stays lent before it
-    /// takes one (a batch taken and then refused a slot would be lost to it, though the
-    /// epoch's state counts it). Does nothing if a slot is already kept.
+    /// Waits for a free slot and keeps it for [`lend_reserved`](DeviceSlots::lend_reserved):
+    /// a loop that takes batches from an epoch learns that every slot stays lent before
+    /// it takes one (a batch taken and then refused a slot would be lost to it, though
+    /// the epoch's state counts it). Each thread that takes batches keeps its own;
+    /// dropped unused, the slot is free again.
     ///
     /// # Errors
     /// [`Error::SlotsExhausted`], as [`lend`](DeviceSlots::lend);
     /// [`Error::Interrupted`] when the check given to
     /// [`interrupt_with`](DeviceSlots::interrupt_with) stopped the wait.
-    pub fn reserve(&mut self) -> Result<()> {
-        if self.reserved.is_none() {
-            self.reserved = Some(self.take_slot(true)?);
-        }
-        Ok(())
+    pub fn reserve(&mut self) -> Result<Reserved> {
+        let k = self.take_slot(true)?;
+        Ok(Reserved {
+            shared: Arc::clone(&self.shared),
+            slot: Some(k),
+        })
     }
 
     /// Has [`reserve`](DeviceSlots::reserve) call `check` every 20 ms while it waits for
-    /// a slot (a batch kept on another thread may be kept indefinitely): once `check`
-    /// returns `true`, `reserve` returns [`Error::Interrupted`] at once, and the next
-    /// call waits again from where this one stood (a wait cut into pieces still ends in
-    /// [`Error::SlotsExhausted`] after the same grace). The wait of a
-    /// [`lend`](DeviceSlots::lend) without a reserved slot is not interrupted: its batch
-    /// is in hand. For a host that must stay responsive (Python's Ctrl-C).
+    /// a slot (a batch kept on another thread may be kept indefinitely), with no lock
+    /// of the slots held: once `check` returns `true`, `reserve` returns
+    /// [`Error::Interrupted`] at once, and the next call waits again from where this one
+    /// stood (a wait cut into pieces still ends in [`Error::SlotsExhausted`] after the
+    /// same grace; time between the pieces does not count). The wait of a
+    /// [`lend`](DeviceSlots::lend) is not interrupted: its batch is in hand. For a host
+    /// that must stay responsive (Python's Ctrl-C).
     pub fn interrupt_with(&mut self, check: impl FnMut() -> bool + Send + 'static) {
         self.interrupt = Some(Box::new(check));
     }
@@ -372,32 +415,40 @@ impl DeviceSlots {
     /// the interrupt check may stop the wait.
     fn take_slot(&mut self, interruptible: bool) -> Result<usize> {
         let slots = self.slots();
-        let s = &*self.shared;
-        let mut free = lock(&s.free);
-        let mut stuck = self.stuck.take();
+        let shared = Arc::clone(&self.shared);
+        // Waited with every slot lent to batches used on this thread only.
+        let mut stuck = std::mem::take(&mut self.stuck);
         loop {
+            let started = Instant::now();
+            let mut free = lock(&shared.free);
             if let Some(k) = free.pop() {
                 return Ok(k);
             }
-            if s.away.load(Ordering::Acquire) == 0 {
-                let since = *stuck.get_or_insert_with(Instant::now);
-                if since.elapsed() >= EXHAUSTED_GRACE {
-                    return Err(Error::SlotsExhausted { slots });
-                }
-            } else {
-                stuck = None;
+            let alone = shared.away.load(Ordering::Acquire) == 0
+                && !shared.handed_on.load(Ordering::Acquire);
+            if !alone {
+                stuck = Duration::ZERO;
+            } else if stuck >= EXHAUSTED_GRACE {
+                return Err(Error::SlotsExhausted { slots });
             }
-            free = s
+            free = shared
                 .available
                 .wait_timeout(free, Duration::from_millis(20))
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
-            if free.is_empty() && interruptible {
-                if let Some(check) = self.interrupt.as_mut() {
-                    if check() {
-                        self.stuck = stuck;
-                        return Err(Error::Interrupted);
-                    }
+            let got = free.pop();
+            // The check runs with no lock held (it may drop a batch, which takes it).
+            drop(free);
+            if let Some(k) = got {
+                return Ok(k);
+            }
+            if alone {
+                stuck += started.elapsed();
+            }
+            if let Some(check) = self.interrupt.as_mut().filter(|_| interruptible) {
+                if check() {
+                    self.stuck = stuck;
+                    return Err(Error::Interrupted);
                 }
             }
         }
@@ -423,6 +474,40 @@ impl Drop for DeviceSlots {
             let _ = self.shared.ctx.synchronize();
         }
         self.in_flight.clear();
+    }
+}
+
+/// A free device slot kept for one [`DeviceSlots::lend_reserved`]
+/// ([`DeviceSlots::reserve`]); dropped unused, the slot is free again.
+#[must_use = "a reserved slot is given to lend_reserved; dropped, it is free again"]
+pub struct Reserved {
+    shared: Arc<Shared>,
+    slot: Option<usize>,
+}
+
+impl Reserved {
+    /// The slot, now the caller's to fill or give back.
+    fn take(mut self) -> usize {
+        self.slot
+            .take()
+            .expect("a reservation holds its slot until taken")
+    }
+}
+
+impl std::fmt::Debug for Reserved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reserved")
+            .field("slot", &self.slot)
+            .finish()
+    }
+}
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        if let Some(k) = self.slot.take() {
+            // Nothing was copied into it: it goes back as it was.
+            self.shared.release(k, &[]);
+        }
     }
 }
 
@@ -559,6 +644,7 @@ impl LentBatch {
     /// waits for its release however long that takes.
     fn touch(&self) {
         if std::thread::current().id() != self.owner && !self.away.swap(true, Ordering::AcqRel) {
+            self.shared.handed_on.store(true, Ordering::Release);
             self.shared.away.fetch_add(1, Ordering::AcqRel);
         }
     }
@@ -573,6 +659,8 @@ impl Drop for LentBatch {
         };
         if self.away.load(Ordering::Acquire) {
             self.shared.away.fetch_sub(1, Ordering::AcqRel);
+        } else if std::thread::current().id() != self.owner {
+            self.shared.handed_on.store(true, Ordering::Release);
         }
         self.shared.release(self.slot, &streams);
     }

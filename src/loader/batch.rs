@@ -228,7 +228,9 @@ impl HostBatch {
             && thread_number() != self.home
             && !self.away.swap(true, Ordering::AcqRel)
         {
-            self.lease.pool().held_away.fetch_add(1, Ordering::AcqRel);
+            let pool = self.lease.pool();
+            pool.handed_on.store(true, Ordering::Release);
+            pool.held_away.fetch_add(1, Ordering::AcqRel);
         }
     }
 
@@ -350,6 +352,8 @@ impl Drop for HostBatch {
         let pool = self.lease.pool();
         if self.away.load(Ordering::Acquire) {
             pool.held_away.fetch_sub(1, Ordering::AcqRel);
+        } else if thread_number() != self.home {
+            pool.handed_on.store(true, Ordering::Release);
         }
         pool.released.fetch_add(1, Ordering::AcqRel);
         pool.held.fetch_sub(1, Ordering::AcqRel);

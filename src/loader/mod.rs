@@ -420,7 +420,7 @@ impl LoaderBuilder {
         let buffers = prefetch
             .checked_add(self.held)
             .ok_or_else(|| Error::Config("prefetch + held overflows".into()))?;
-        check_pool_fits(buffers, layout.bytes())?;
+        check_pool_fits(buffers, layout.bytes(), rows)?;
         let pool = Pool::new(self.allocator.as_ref(), buffers, layout.bytes(), rows)?;
         let budget = self.budget.unwrap_or_else(crate::pagecache::default_budget);
         let threads_start = Instant::now();
@@ -629,21 +629,29 @@ fn check_resume(order: &Order, r: LoaderState, how: Resume) -> Result<LoaderStat
     Ok(LoaderState::of(order, &epoch, r.batch))
 }
 
-/// Refuses a pool of `buffers` buffers of `bytes` that the machine's memory cannot
-/// hold (allocating it would end in the out-of-memory killer, not an error).
-fn check_pool_fits(buffers: usize, bytes: usize) -> Result<()> {
+/// Refuses a pool of `buffers` buffers of `bytes` for batches of `rows` rows that the
+/// machine's memory cannot hold (allocating it would end in the out-of-memory killer, not
+/// an error). Each buffer costs its bytes rounded up to whole aligned pages (all touched),
+/// its batch's sample indices, and its entry in each epoch's results ring.
+fn check_pool_fits(buffers: usize, bytes: usize, rows: usize) -> Result<()> {
     // SAFETY: sysconf only reads system configuration.
     let pages = unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) };
     let memory = u64::try_from(pages)
         .ok()
         .map(|n| n.saturating_mul(crate::util::page_size() as u64))
         .filter(|&m| m > 0);
-    let needed = (buffers as u64).saturating_mul(bytes as u64);
+    let align = BUFFER_ALIGN.max(crate::util::page_size()) as u64;
+    let each = (bytes as u64)
+        .div_ceil(align)
+        .saturating_mul(align)
+        .saturating_add((rows as u64).saturating_mul(8))
+        .saturating_add(std::mem::size_of::<Option<worker::Done>>() as u64);
+    let needed = (buffers as u64).saturating_mul(each);
     match memory {
         Some(memory) if needed > memory => Err(Error::Config(format!(
-            "the buffer pool needs {needed} bytes ({buffers} buffers of {bytes}), more than \
-             this machine's {memory} bytes of memory: lower the prefetch depth, the held \
-             batches or the batch size"
+            "the buffer pool needs {needed} bytes ({buffers} buffers of {bytes} bytes, \
+             {each} with their pages and indices), more than this machine's {memory} bytes \
+             of memory: lower the prefetch depth, the held batches or the batch size"
         ))),
         _ => Ok(()),
     }

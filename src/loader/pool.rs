@@ -147,6 +147,11 @@ pub(crate) struct Pool {
     pub(crate) held_away: AtomicUsize,
     /// `HostBatch`es dropped so far (on any thread).
     pub(crate) released: AtomicU64,
+    /// Set once a batch of this pool was read or dropped on a thread other than the one
+    /// it was delivered to: its consumer hands batches on (a queue to a training
+    /// thread), so batches held and not yet read there are no proof that waiting for a
+    /// buffer would never end.
+    pub(crate) handed_on: AtomicBool,
     allocator: &'static str,
     alloc_time: Duration,
 }
@@ -197,6 +202,7 @@ impl Pool {
             held: AtomicUsize::new(0),
             held_away: AtomicUsize::new(0),
             released: AtomicU64::new(0),
+            handed_on: AtomicBool::new(false),
             allocator: alloc.name(),
             alloc_time: start.elapsed(),
         }))

@@ -592,12 +592,14 @@ pub fn lent_batches_wait_for_their_consumers(c: Cuda) {
     // One of them used on another thread, dropped there later: the next lend waits for it.
     drop(a);
     let c2 = slots.lend(epoch.next().unwrap().unwrap()).unwrap();
+    let (used, on) = std::sync::mpsc::channel();
     let elsewhere = std::thread::spawn(move || {
         b.wait_on(stokehold::cuda::LEGACY_STREAM).unwrap();
+        used.send(()).unwrap();
         std::thread::sleep(std::time::Duration::from_millis(1500));
         drop(b);
     });
-    std::thread::sleep(std::time::Duration::from_millis(100));
+    on.recv().unwrap();
     let d = slots.lend(epoch.next().unwrap().unwrap()).unwrap();
     elsewhere.join().unwrap();
     drop((c2, d));
@@ -630,13 +632,16 @@ pub fn a_slot_wait_stops_for_its_interrupt_check(c: Cuda) {
 
     let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(DIGITS).unwrap());
     let mut loader = pinned_loader(&c, &ds, 100).build().unwrap();
-    let mut slots = DeviceSlots::new(&c.ctx, loader.layout(), 2).unwrap();
     let checks = Arc::new(AtomicUsize::new(0));
-    {
+    let layout = loader.layout().clone();
+    let two_slots = || {
+        let mut slots = DeviceSlots::new(&c.ctx, &layout, 2).unwrap();
         let checks = Arc::clone(&checks);
         // Every fifth check (about 100 ms of waiting) stops the wait.
         slots.interrupt_with(move || checks.fetch_add(1, Ordering::AcqRel) % 5 == 4);
-    }
+        slots
+    };
+    let mut slots = two_slots();
     let mut epoch = loader.epoch(0).unwrap();
     let a = slots.lend(epoch.next().unwrap().unwrap()).unwrap();
     let b = slots.lend(epoch.next().unwrap().unwrap()).unwrap();
@@ -656,27 +661,54 @@ pub fn a_slot_wait_stops_for_its_interrupt_check(c: Cuda) {
     assert!(checks.load(Ordering::Acquire) >= 5);
     go.0.send(()).unwrap();
     let mut again = 0;
-    loop {
+    let reserved = loop {
         match slots.reserve() {
-            Ok(()) => break,
+            Ok(r) => break r,
             Err(stokehold::Error::Interrupted) if again < 1000 => again += 1,
             Err(e) => panic!("the wait after the slots came back: {e}"),
         }
-    }
+    };
     assert!(keeper.join().unwrap(), "the wait was not interrupted");
     // Nothing was taken from the epoch: the batch the wait was for comes next, into
     // the reserved slot.
-    let third = slots.lend(epoch.next().unwrap().unwrap()).unwrap();
+    let third = slots
+        .lend_reserved(reserved, epoch.next().unwrap().unwrap())
+        .unwrap();
     assert_eq!(third.number(), 2);
-    // Both slots held on this thread: waits cut into pieces of about 100 ms still end
-    // in the error after the grace, instead of each starting it anew.
+    // Both slots held here now, but these slots' batches were handed to another
+    // thread: batches lent and not yet used there (a queue to a training thread that
+    // dropped its last batch before its step) are not called a deadlock.
     let fourth = slots.lend(epoch.next().unwrap().unwrap()).unwrap();
+    for _ in 0..15 {
+        let err = slots.reserve().unwrap_err();
+        assert!(matches!(err, stokehold::Error::Interrupted), "{err}");
+    }
+    drop((third, fourth, epoch));
+    slots.drain().unwrap();
+    // Slots whose batches never left this thread: waits cut into pieces of about
+    // 100 ms still end in the error after the grace, instead of each starting it anew.
+    // Each reservation is its own (two threads taking batches keep one each), and
+    // one dropped unused frees its slot.
+    let mut slots = two_slots();
+    let mut epoch = loader.epoch(1).unwrap();
+    let (first, second) = (slots.reserve().unwrap(), slots.reserve().unwrap());
+    drop(first);
+    let third = slots.reserve().unwrap();
+    let held: Vec<_> = [second, third]
+        .into_iter()
+        .map(|r| {
+            slots
+                .lend_reserved(r, epoch.next().unwrap().unwrap())
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(held[0].number() + 1, held[1].number());
     let mut pieces = 0;
     let err = loop {
         match slots.reserve() {
             Err(stokehold::Error::Interrupted) if pieces < 200 => pieces += 1,
             Err(e) => break e,
-            Ok(()) => panic!("a slot while both are held"),
+            Ok(_) => panic!("a slot while both are held"),
         }
     };
     assert!(
@@ -684,7 +716,7 @@ pub fn a_slot_wait_stops_for_its_interrupt_check(c: Cuda) {
         "{err}"
     );
     assert!(pieces >= 2, "the wait was not cut into pieces ({pieces})");
-    drop((third, fourth));
+    drop(held);
     slots.drain().unwrap();
 }
 

@@ -14,7 +14,7 @@ use pyo3::exceptions::{PyBufferError, PyKeyError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use stokehold::cuda::{DeviceSlots, LentBatch, StreamHandle, LEGACY_STREAM};
+use stokehold::cuda::{DeviceSlots, LentBatch, Reserved, StreamHandle, LEGACY_STREAM};
 use stokehold::{Column, DType};
 
 use crate::error;
@@ -63,7 +63,10 @@ struct DLManagedTensor {
 struct Managed {
     tensor: DLManagedTensor,
     shape: Vec<i64>,
-    _batch: Arc<LentBatch>,
+    batch: Arc<LentBatch>,
+    /// The process the tensor was made in: deleted in a forked child, where CUDA
+    /// cannot be used, it leaks its batch.
+    pid: u32,
 }
 
 /// DLPack's deleter: frees the tensor and lets go of its batch.
@@ -71,7 +74,10 @@ unsafe extern "C" fn delete(tensor: *mut DLManagedTensor) {
     if !tensor.is_null() {
         // SAFETY: every tensor with this deleter is the first field of a `Managed`
         // leaked from a Box in `__dlpack__`, and the deleter is called once.
-        drop(unsafe { Box::from_raw(tensor.cast::<Managed>()) });
+        let managed = unsafe { Box::from_raw(tensor.cast::<Managed>()) };
+        if std::process::id() != managed.pid {
+            std::mem::forget(managed.batch);
+        }
     }
 }
 
@@ -115,13 +121,13 @@ fn dl_dtype(d: DType) -> DLDataType {
 /// The device side of a loader: its slots, lent one batch at a time.
 pub(crate) type Slots = Arc<Mutex<DeviceSlots>>;
 
-/// Waits for a free device slot and keeps it for the next `lend`, with the GIL
+/// Waits for a free device slot and keeps it for this call's `lend`, with the GIL
 /// released: called before a batch is taken from the epoch, so that a loop holding
-/// every slot gets its error with the batch still in the epoch. The wait stops every
-/// 20 ms (the slots' interrupt check) to run Python's signal handlers, with the slots'
-/// lock let go; what they raise (Ctrl-C's `KeyboardInterrupt`) leaves the batch in
-/// the epoch.
-pub(crate) fn reserve(py: Python<'_>, slots: &Slots) -> PyResult<()> {
+/// every slot gets its error with the batch still in the epoch (each thread that takes
+/// batches keeps its own slot). The wait stops every 20 ms (the slots' interrupt check)
+/// to run Python's signal handlers, with the slots' lock let go; what they raise
+/// (Ctrl-C's `KeyboardInterrupt`) leaves the batch in the epoch.
+pub(crate) fn reserve(py: Python<'_>, slots: &Slots) -> PyResult<Reserved> {
     loop {
         let slots = Arc::clone(slots);
         match py.detach(move || slots.lock().unwrap_or_else(|e| e.into_inner()).reserve()) {
@@ -131,24 +137,78 @@ pub(crate) fn reserve(py: Python<'_>, slots: &Slots) -> PyResult<()> {
     }
 }
 
-/// Copies `batch` into a device slot of `slots` (without the GIL: it may wait for one).
+/// Copies `batch` into the slot `reserved` keeps, or else a free slot of `slots`
+/// (without the GIL: it may wait for one).
 pub(crate) fn lend(
     py: Python<'_>,
     slots: &Slots,
+    reserved: Option<Reserved>,
     batch: stokehold::HostBatch,
 ) -> PyResult<Arc<LentBatch>> {
     let slots = Arc::clone(slots);
     let lent = py.detach(move || {
         let mut s = slots.lock().unwrap_or_else(|e| e.into_inner());
-        s.lend(batch)
+        match reserved {
+            Some(r) => s.lend_reserved(r, batch),
+            None => s.lend(batch),
+        }
     });
     lent.map(Arc::new).map_err(error)
+}
+
+/// A device batch held by a Python object, let go without the GIL: the last handle of
+/// the slots (the loader already gone) waits for the consumers' streams, whose work may
+/// need the GIL (a host callback).
+/// In a forked child (a DataLoader worker), where CUDA cannot be used, it is leaked
+/// instead.
+pub(crate) struct Held {
+    batch: Option<Arc<LentBatch>>,
+    /// The process the batch was lent in.
+    pid: u32,
+}
+
+impl Held {
+    pub(crate) fn new(batch: Arc<LentBatch>) -> Held {
+        Held {
+            batch: Some(batch),
+            pid: std::process::id(),
+        }
+    }
+
+    /// Fails in a forked child of the process the batch was lent in.
+    fn here(&self) -> PyResult<()> {
+        crate::forked(self.pid)
+    }
+}
+
+impl std::ops::Deref for Held {
+    type Target = Arc<LentBatch>;
+
+    fn deref(&self) -> &Arc<LentBatch> {
+        self.batch
+            .as_ref()
+            .expect("a held batch is let go only when dropped")
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut batch = self.batch.take();
+        if std::process::id() != self.pid {
+            std::mem::forget(batch);
+            return;
+        }
+        if batch.as_ref().is_some_and(|b| Arc::strong_count(b) == 1) {
+            Python::try_attach(|py| py.detach(|| drop(batch.take())));
+        }
+        drop(batch);
+    }
 }
 
 /// One batch on the device: a DLPack column per name, and the samples on the host.
 #[pyclass(module = "stokehold._stokehold", name = "_DeviceBatch")]
 pub(crate) struct DeviceBatch {
-    pub(crate) batch: Arc<LentBatch>,
+    pub(crate) batch: Held,
     pub(crate) columns: Arc<[Column]>,
 }
 
@@ -168,7 +228,7 @@ impl DeviceBatch {
         let mut shape = vec![self.batch.len() as i64];
         shape.extend(col.shape.iter().map(|&d| d as i64));
         Ok(DeviceArray {
-            batch: Arc::clone(&self.batch),
+            batch: Held::new(Arc::clone(&self.batch)),
             ptr: self.batch.column_ptr(c),
             dtype: col.dtype,
             shape,
@@ -206,6 +266,7 @@ impl DeviceBatch {
     /// Waits on the host until the batch's copy is done (for code that reads the
     /// memory without naming a stream).
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        self.batch.here()?;
         let batch = Arc::clone(&self.batch);
         py.detach(move || batch.synchronize()).map_err(error)
     }
@@ -215,7 +276,7 @@ impl DeviceBatch {
 /// `jax.dlpack.from_dlpack` and CuPy, and `__cuda_array_interface__`.
 #[pyclass(module = "stokehold._stokehold", name = "_DeviceArray")]
 pub(crate) struct DeviceArray {
-    batch: Arc<LentBatch>,
+    batch: Held,
     ptr: u64,
     dtype: DType,
     shape: Vec<i64>,
@@ -237,6 +298,7 @@ impl DeviceArray {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        self.batch.here()?;
         // A producer may answer any `max_version` with the unversioned capsule.
         let _ = max_version;
         let device = (KDL_CUDA, self.batch.device() as i32);
@@ -280,7 +342,8 @@ impl DeviceArray {
                 deleter: Some(delete),
             },
             shape: self.shape.clone(),
-            _batch: Arc::clone(&self.batch),
+            batch: Arc::clone(&self.batch),
+            pid: std::process::id(),
         });
         managed.tensor.dl_tensor.shape = managed.shape.as_mut_ptr();
         let tensor = Box::into_raw(managed).cast::<c_void>();
@@ -309,6 +372,7 @@ impl DeviceArray {
     /// device).
     #[getter]
     fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.batch.here()?;
         self.batch.used_on(LEGACY_STREAM);
         let d = PyDict::new(py);
         let shape: Vec<i64> = self.shape.clone();

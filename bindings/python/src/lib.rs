@@ -542,6 +542,7 @@ impl Drop for Loader {
         }
         let slot = Arc::clone(&self.slot);
         let loader = SendPtr(self.loader.as_ptr());
+        let device = self.shape.device.take();
         let end = move || {
             // The epoch borrows the loader: it goes first.
             lock(&slot).epoch = None;
@@ -549,6 +550,9 @@ impl Drop for Loader {
             // the loader any more (the slot is empty and every epoch object is gone,
             // since each holds a reference to this one).
             drop(unsafe { Box::from_raw(loader.get()) });
+            // The device slots wait for their copies, which wait for the consumers'
+            // streams (whose work may need the GIL: a host callback).
+            drop(device);
         };
         // Ending an epoch and joining the threads wait for the workers: without the
         // GIL, so that other Python threads run meanwhile (with it while the
@@ -1139,6 +1143,21 @@ impl Epoch {
         }
     }
 
+    /// Moves the state the loader reports on to `after`, this epoch's state once a
+    /// batch for the device was lent; unless the epoch was ended meanwhile, or another
+    /// thread's later batch of it was lent first.
+    fn note_lent(&self, py: Python<'_>, after: LoaderState) {
+        let (seen, generation) = (Arc::clone(&self.seen), self.generation);
+        py.detach(move || {
+            let mut glance = lock(&seen);
+            let (now, then) = (&glance.state, &after);
+            if glance.ended != Some(generation) && (now.epoch, now.batch) < (then.epoch, then.batch)
+            {
+                glance.state = after;
+            }
+        });
+    }
+
     /// Ends the progress bar, if any.
     fn end_progress(&self) {
         let bar = self
@@ -1166,6 +1185,7 @@ impl Epoch {
         forked(self.pid)?;
         let (slot, seen) = (Arc::clone(&self.slot), Arc::clone(&self.seen));
         let generation = self.generation;
+        let mut reserved = None;
         if let Some(slots) = &self.device {
             // A slot first, where a batch is still to come: a loop holding every slot
             // gets its error with the batch still in the epoch (taken, it would be lost,
@@ -1177,9 +1197,11 @@ impl Epoch {
                 (r.generation == generation).then(|| r.epoch.as_ref().map_or(0, |e| e.len()))
             });
             if left.is_some_and(|n| n > 0) {
-                device::reserve(py, slots).inspect_err(|_| self.end_progress())?;
+                // Its errors (every slot held, Ctrl-C) leave the epoch as it was.
+                reserved = Some(device::reserve(py, slots)?);
             }
         }
+        let device = self.device.is_some();
         let next = loop {
             let (slot, seen) = (Arc::clone(&slot), Arc::clone(&seen));
             let next = py.detach(move || {
@@ -1195,12 +1217,16 @@ impl Epoch {
                     return Err(());
                 }
                 if let Some(e) = &running.epoch {
-                    glance.state = e.state();
+                    // A batch for the device counts once it is lent (`note_lent`).
+                    if !(device && matches!(next, Some(Ok(_)))) {
+                        glance.state = e.state();
+                    }
                     glance.shown = Some(Shown::of(generation, e));
                 }
-                Ok(next.map(|n| (n, before)))
+                let after = running.epoch.as_ref().map(|e| e.state());
+                Ok(next.map(|n| (n, before, after)))
             });
-            if let Ok(Some((Err(stokehold::Error::Interrupted), _))) = next {
+            if let Ok(Some((Err(stokehold::Error::Interrupted), ..))) = next {
                 // The wait stops every 50 ms: Python's signal handlers run here, with
                 // the epoch's lock let go (a handler may end the epoch or ask for its
                 // row); what they raise (Ctrl-C's KeyboardInterrupt) leaves the batch
@@ -1216,11 +1242,11 @@ impl Epoch {
                 self.exhaust(py);
                 Ok(None)
             }
-            Ok(Some((Err(e), _))) => {
+            Ok(Some((Err(e), ..))) => {
                 self.end_progress();
                 Err(error(e))
             }
-            Ok(Some((Ok(batch), before))) => {
+            Ok(Some((Ok(batch), before, after))) => {
                 if let Some(bar) = &*self.progress.lock().unwrap_or_else(|e| e.into_inner()) {
                     let mut bar = bar.lock().unwrap_or_else(|e| e.into_inner());
                     bar.advance(batch.len() as u64, 0.0);
@@ -1229,12 +1255,16 @@ impl Epoch {
                 let batch = match &self.device {
                     None => Py::new(py, Batch { batch, columns })?.into_any(),
                     Some(slots) => {
-                        let batch = device::lend(py, slots, batch).inspect_err(|_| {
+                        let batch = device::lend(py, slots, reserved, batch).inspect_err(|_| {
                             self.end_progress();
                             if let Some(before) = before {
                                 self.rewind(py, before);
                             }
                         })?;
+                        if let Some(after) = after {
+                            self.note_lent(py, after);
+                        }
+                        let batch = device::Held::new(batch);
                         Py::new(py, device::DeviceBatch { batch, columns })?.into_any()
                     }
                 };

@@ -273,6 +273,39 @@ def test_a_batch_whose_copy_failed_comes_again_after_a_resume(emulator: Path) ->
     """, extra={"STOKEHOLD_EMU_FAIL_HTOD": "3"})
 
 
+def test_a_forked_child_refuses_device_batches_and_lets_them_go(emulator: Path) -> None:
+    # CUDA cannot be used in a forked child (a DataLoader worker): a device batch the
+    # child inherited raises there instead of calling the driver, and dropping it (and
+    # a tensor made from it) calls nothing; the parent's batch and slots are unharmed.
+    run_child(emulator, """
+        import os
+        loader = stokehold.Loader(sys.argv[1], batch_size=100, device="cuda", held=1)
+        it = loader.epoch(0)
+        batch = next(it)
+        capsule = batch["x"].__dlpack__(stream=1)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                raises(lambda: batch["x"].__dlpack__(stream=1), "forked child")
+                raises(lambda: batch["x"].__cuda_array_interface__, "forked child")
+                raises(batch.synchronize, "forked child")
+                del batch, capsule
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+        n = len(batch) * 64
+        back = (ctypes.c_uint8 * n)()
+        ok(cuda.cuMemcpyDtoH_v2(back, batch["x"].data_ptr, n), "cuMemcpyDtoH")
+        assert np.array_equal(np.frombuffer(back, np.uint8), x_file[batch.indices].reshape(-1))
+        del batch, capsule
+        assert sum(len(b) for b in it) == 1797 - 100
+        print("child passed")
+    """)
+
+
 def test_a_device_epoch_ends_at_once_and_a_small_pool_keeps_going(emulator: Path) -> None:
     run_child(emulator, """
         # Four batches, four slots (held=2): a loop that keeps them all ends its epoch
