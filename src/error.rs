@@ -96,6 +96,17 @@ pub enum Error {
         /// The slots.
         slots: usize,
     },
+    /// The copy of an earlier batch to the device failed; a later lend found it (and
+    /// took no slot, its own batch going back to the pool).
+    #[error("copying batch {batch} of epoch {epoch} to the device: {message}")]
+    CopyFailed {
+        /// The epoch of the batch whose copy failed.
+        epoch: u64,
+        /// Its number in the epoch.
+        batch: u64,
+        /// The driver's error.
+        message: String,
+    },
     /// An [`Epoch`](crate::Epoch) iterator was leaked (`mem::forget`) instead of
     /// dropped: the buffers it held never come back, so the loader refuses new epochs
     /// rather than wait for them forever.

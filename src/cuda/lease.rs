@@ -38,8 +38,9 @@ pub const LEGACY_STREAM: StreamHandle = 1;
 /// `CU_STREAM_PER_THREAD`: the calling thread's default stream.
 pub const PER_THREAD_STREAM: StreamHandle = 2;
 
-/// How long [`DeviceSlots::lend`] waits for a slot while every one is lent to batches
-/// used on the asking thread only, before it reports that waiting would never end.
+/// How long [`DeviceSlots::lend`] waits for a slot while every one is lent and none comes
+/// back, before it reports that waiting would never end (where no batch of the slots was
+/// ever used or dropped on another thread).
 const EXHAUSTED_GRACE: Duration = Duration::from_secs(1);
 
 /// Host batches whose copies may still be running, at most.
@@ -152,7 +153,7 @@ pub struct DeviceSlots {
 }
 
 /// A check that [`DeviceSlots::reserve`] makes while it waits: `true` stops the wait.
-type Interrupt = Box<dyn FnMut() -> bool + Send>;
+type Interrupt = Box<dyn FnMut() -> bool + Send + Sync>;
 
 impl DeviceSlots {
     /// The most host batches the slots keep from their loader's pool at once: the
@@ -252,10 +253,11 @@ impl DeviceSlots {
     /// waits for the consumers' work, only the copy stream does.
     ///
     /// # Errors
-    /// [`Error::SlotsExhausted`] when every slot stays lent to batches used only on the
-    /// calling thread (waiting would never end); [`Error::Cuda`] on a driver error,
-    /// naming the earlier batch whose copy failed where it was that one. On an error the
-    /// batch goes back to its pool, but its epoch has counted it: a loop that goes on
+    /// [`Error::SlotsExhausted`] when every slot stays lent and none comes back, no batch
+    /// of the slots ever having been used on another thread (waiting would never end);
+    /// [`Error::CopyFailed`] when an earlier batch's copy failed (the copies in flight
+    /// are then waited for and let go: the next lend starts afresh); [`Error::Cuda`] on
+    /// a driver error. On an error the batch goes back to its pool, but its epoch has counted it: a loop that goes on
     /// (or saves a checkpoint) resumes its loader from the epoch's
     /// [`state`](crate::Epoch::state) taken before the batch (Python's loader does so
     /// itself). A slot [`reserve`](DeviceSlots::reserve)d before the batch is taken
@@ -355,7 +357,8 @@ impl DeviceSlots {
     /// more than `keep` remain.
     ///
     /// # Errors
-    /// [`Error::Cuda`] naming the batch whose copy failed (it stays in flight).
+    /// [`Error::CopyFailed`] naming the batch whose copy failed, once every copy in
+    /// flight is done (or failed) and their host batches are let go.
     fn retire(&mut self, keep: usize) -> Result<()> {
         while let Some((batch, k)) = self.in_flight.front() {
             let event = &self.shared.copied[*k];
@@ -369,13 +372,21 @@ impl DeviceSlots {
             match done {
                 Ok(false) => break,
                 Ok(true) => drop(self.in_flight.pop_front()),
-                Err(Error::Cuda(e)) => {
-                    let (n, epoch) = (batch.number(), batch.epoch());
-                    return Err(Error::Cuda(format!(
-                        "the copy of batch {n} of epoch {epoch} to the device: {e}"
-                    )));
+                Err(e) => {
+                    let (batch, epoch) = (batch.number(), batch.epoch());
+                    // No host buffer goes back while a copy may still read it.
+                    let _ = self.shared.ctx.synchronize();
+                    self.in_flight.clear();
+                    let message = match e {
+                        Error::Cuda(m) => m,
+                        other => other.to_string(),
+                    };
+                    return Err(Error::CopyFailed {
+                        epoch,
+                        batch,
+                        message,
+                    });
                 }
-                Err(e) => return Err(e),
             }
         }
         Ok(())
@@ -407,7 +418,7 @@ impl DeviceSlots {
     /// same grace; time between the pieces does not count). The wait of a
     /// [`lend`](DeviceSlots::lend) is not interrupted: its batch is in hand. For a host
     /// that must stay responsive (Python's Ctrl-C).
-    pub fn interrupt_with(&mut self, check: impl FnMut() -> bool + Send + 'static) {
+    pub fn interrupt_with(&mut self, check: impl FnMut() -> bool + Send + Sync + 'static) {
         self.interrupt = Some(Box::new(check));
     }
 

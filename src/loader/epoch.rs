@@ -14,9 +14,9 @@ use crate::error::{Error, Result};
 /// How long `next()` waits before checking whether progress is still possible.
 const STALL_CHECK: Duration = Duration::from_millis(50);
 
-/// How long the consumer may hold every buffer, releasing none and reading none on
-/// another thread, before `next()` calls it a deadlock. Long enough for a thread that
-/// was handed a batch to start reading it.
+/// How long the consumer may hold every buffer, releasing none, before `next()` calls it
+/// a deadlock (where no batch of the loader was ever read or dropped on another
+/// thread). Long enough for a thread that was handed a batch to start reading it.
 const EXHAUSTED_GRACE: Duration = Duration::from_secs(1);
 
 /// What the consumer side of an epoch measured.

@@ -632,16 +632,17 @@ pub fn a_slot_wait_stops_for_its_interrupt_check(c: Cuda) {
 
     let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(DIGITS).unwrap());
     let mut loader = pinned_loader(&c, &ds, 100).build().unwrap();
-    let checks = Arc::new(AtomicUsize::new(0));
     let layout = loader.layout().clone();
+    // Two slots, and the count of their interrupt checks.
     let two_slots = || {
         let mut slots = DeviceSlots::new(&c.ctx, &layout, 2).unwrap();
-        let checks = Arc::clone(&checks);
+        let checks = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&checks);
         // Every fifth check (about 100 ms of waiting) stops the wait.
-        slots.interrupt_with(move || checks.fetch_add(1, Ordering::AcqRel) % 5 == 4);
-        slots
+        slots.interrupt_with(move || counted.fetch_add(1, Ordering::AcqRel) % 5 == 4);
+        (slots, checks)
     };
-    let mut slots = two_slots();
+    let (mut slots, checks) = two_slots();
     let mut epoch = loader.epoch(0).unwrap();
     let a = slots.lend(epoch.next().unwrap().unwrap()).unwrap();
     let b = slots.lend(epoch.next().unwrap().unwrap()).unwrap();
@@ -689,7 +690,7 @@ pub fn a_slot_wait_stops_for_its_interrupt_check(c: Cuda) {
     // 100 ms still end in the error after the grace, instead of each starting it anew.
     // Each reservation is its own (two threads taking batches keep one each), and
     // one dropped unused frees its slot.
-    let mut slots = two_slots();
+    let (mut slots, _) = two_slots();
     let mut epoch = loader.epoch(1).unwrap();
     let (first, second) = (slots.reserve().unwrap(), slots.reserve().unwrap());
     drop(first);

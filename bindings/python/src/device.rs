@@ -144,7 +144,7 @@ pub(crate) fn lend(
     slots: &Slots,
     reserved: Option<Reserved>,
     batch: stokehold::HostBatch,
-) -> PyResult<Arc<LentBatch>> {
+) -> stokehold::Result<Arc<LentBatch>> {
     let slots = Arc::clone(slots);
     let lent = py.detach(move || {
         let mut s = slots.lock().unwrap_or_else(|e| e.into_inner());
@@ -153,7 +153,7 @@ pub(crate) fn lend(
             None => s.lend(batch),
         }
     });
-    lent.map(Arc::new).map_err(error)
+    lent.map(Arc::new)
 }
 
 /// A device batch held by a Python object, let go without the GIL: the last handle of
@@ -178,6 +178,14 @@ impl Held {
     /// Fails in a forked child of the process the batch was lent in.
     fn here(&self) -> PyResult<()> {
         crate::forked(self.pid)
+    }
+
+    /// Another handle of the batch, of the process it was lent in.
+    fn share(&self) -> Held {
+        Held {
+            batch: Some(Arc::clone(self)),
+            pid: self.pid,
+        }
     }
 }
 
@@ -216,6 +224,7 @@ pub(crate) struct DeviceBatch {
 impl DeviceBatch {
     /// Column `key` in device memory, shaped `(samples, *sample_shape)`.
     fn column(&self, key: &str) -> PyResult<DeviceArray> {
+        self.batch.here()?;
         let c = self
             .columns
             .iter()
@@ -228,7 +237,7 @@ impl DeviceBatch {
         let mut shape = vec![self.batch.len() as i64];
         shape.extend(col.shape.iter().map(|&d| d as i64));
         Ok(DeviceArray {
-            batch: Held::new(Arc::clone(&self.batch)),
+            batch: self.batch.share(),
             ptr: self.batch.column_ptr(c),
             dtype: col.dtype,
             shape,
@@ -343,7 +352,7 @@ impl DeviceArray {
             },
             shape: self.shape.clone(),
             batch: Arc::clone(&self.batch),
-            pid: std::process::id(),
+            pid: self.batch.pid,
         });
         managed.tensor.dl_tensor.shape = managed.shape.as_mut_ptr();
         let tensor = Box::into_raw(managed).cast::<c_void>();

@@ -1071,10 +1071,12 @@ impl Loader {
 /// One epoch's batches, in order.
 #[pyclass(module = "stokehold._stokehold", name = "_Epoch")]
 struct Epoch {
+    /// The device slots batches are copied into, with `device="cuda"`. Before the
+    /// loader: dropped first, so that the loader's drop lets go of the slots' last
+    /// handle, without the GIL.
+    device: Option<device::Slots>,
     _loader: Py<Loader>,
     dataset: Arc<dyn Dataset>,
-    /// The device slots batches are copied into, with `device="cuda"`.
-    device: Option<device::Slots>,
     slot: Slot,
     seen: Seen,
     generation: u64,
@@ -1128,16 +1130,42 @@ impl Epoch {
     /// as a failed read on the host leaves it, so that a resume (or the next
     /// `epoch(e)`) yields the lost batch again. Nothing happens once the loader has
     /// moved on to another epoch.
-    fn rewind(&self, py: Python<'_>, before: LoaderState) {
+    ///
+    /// Where `failed` says the copy of an earlier batch of this epoch failed, the state
+    /// goes back to that batch instead (the batches after it come again).
+    fn rewind(&self, py: Python<'_>, before: LoaderState, failed: &stokehold::Error) {
         let loader = self._loader.borrow(py);
         let mut turn = loader.control.take(py);
         let (slot, generation) = (Arc::clone(&self.slot), self.generation);
+        let earlier = match *failed {
+            stokehold::Error::CopyFailed { epoch, batch, .. }
+                if epoch == before.epoch && batch < before.batch =>
+            {
+                Some(batch)
+            }
+            _ => None,
+        };
         // Epochs start holding the turn, which this thread holds now.
-        if !py.detach(move || lock(&slot).generation == generation) {
+        let state = py.detach(move || {
+            let running = lock(&slot);
+            if running.generation != generation {
+                return None;
+            }
+            let taken = |n| running.epoch.as_ref().map(|e| e.order().taken(n));
+            Some(match earlier.and_then(|n| Some((n, taken(n)?))) {
+                Some((batch, taken)) => LoaderState {
+                    batch,
+                    taken,
+                    ..before
+                },
+                None => before,
+            })
+        });
+        let Some(state) = state else {
             return;
-        }
+        };
         if let Ok(l) = loader.idle(py, &mut turn) {
-            if l.resume(before).is_ok() {
+            if l.resume(state).is_ok() {
                 loader.note_state(l.state());
             }
         }
@@ -1150,9 +1178,10 @@ impl Epoch {
         let (seen, generation) = (Arc::clone(&self.seen), self.generation);
         py.detach(move || {
             let mut glance = lock(&seen);
+            // Still the running epoch (a new one, or a resume, takes or replaces its stop).
+            let running = matches!(glance.stop, Some((g, _)) if g == generation);
             let (now, then) = (&glance.state, &after);
-            if glance.ended != Some(generation) && (now.epoch, now.batch) < (then.epoch, then.batch)
-            {
+            if running && (now.epoch, now.batch) < (then.epoch, then.batch) {
                 glance.state = after;
             }
         });
@@ -1255,12 +1284,16 @@ impl Epoch {
                 let batch = match &self.device {
                     None => Py::new(py, Batch { batch, columns })?.into_any(),
                     Some(slots) => {
-                        let batch = device::lend(py, slots, reserved, batch).inspect_err(|_| {
-                            self.end_progress();
-                            if let Some(before) = before {
-                                self.rewind(py, before);
+                        let batch = match device::lend(py, slots, reserved, batch) {
+                            Ok(batch) => batch,
+                            Err(e) => {
+                                self.end_progress();
+                                if let Some(before) = before {
+                                    self.rewind(py, before, &e);
+                                }
+                                return Err(error(e));
                             }
-                        })?;
+                        };
                         if let Some(after) = after {
                             self.note_lent(py, after);
                         }

@@ -216,6 +216,8 @@ def test_holding_every_slot_is_an_error_not_a_hang(emulator: Path) -> None:
 def test_ctrl_c_stops_a_wait_for_a_device_slot(emulator: Path) -> None:
     run_child(emulator, """
         import os, signal, threading
+        # Python's own handler, whatever the parent left (a background job ignores SIGINT).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         # Every slot lent to batches used on another thread, which keeps them until
         # told: the loop's wait for a slot lasts as long, and Ctrl-C must stop it.
         loader = stokehold.Loader(sys.argv[1], batch_size=100, device="cuda", held=1)
@@ -288,6 +290,7 @@ def test_a_forked_child_refuses_device_batches_and_lets_them_go(emulator: Path) 
             code = 1
             try:
                 raises(lambda: batch["x"].__dlpack__(stream=1), "forked child")
+                raises(lambda: batch["y"], "forked child")  # a column not read before
                 raises(lambda: batch["x"].__cuda_array_interface__, "forked child")
                 raises(batch.synchronize, "forked child")
                 del batch, capsule

@@ -417,9 +417,14 @@ def test_ctrl_c_stops_a_wait_that_would_not_end(cols):
     import signal
 
     loader, it, release, keeper = waiting_for_ever(cols)
-    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-    with pytest.raises(KeyboardInterrupt):
-        next(it)
+    # Python's own handler, whatever the parent left (a background job ignores SIGINT).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     release.set()
     keeper.join(10)
     # Nothing was lost: the batch the wait was for comes next.
