@@ -14,7 +14,7 @@
 //! Pinned host batches stay alive until their copies are done, at most two at a time.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
@@ -66,12 +66,10 @@ struct Shared {
     release: Vec<Mutex<Release>>,
     free: Mutex<Vec<usize>>,
     available: Condvar,
-    /// Lent slots whose batch was used on a thread other than the one it was lent to:
-    /// such a batch is released however long the asking thread waits.
-    away: AtomicUsize,
     /// Set once a batch was used or dropped on a thread other than the one it was lent
-    /// to: its consumer hands batches on, so batches lent and not yet used there are no
-    /// proof that waiting for a slot would never end.
+    /// to: its consumer hands batches on, so batches lent there (used or not yet) are
+    /// released however long the asking thread waits, and slots all lent are no proof
+    /// that waiting for one would never end.
     handed_on: AtomicBool,
 }
 
@@ -147,8 +145,8 @@ pub struct DeviceSlots {
     /// Asked while [`reserve`](DeviceSlots::reserve) waits
     /// ([`interrupt_with`](DeviceSlots::interrupt_with)).
     interrupt: Option<Interrupt>,
-    /// How long an interrupted wait had waited with every slot lent to batches used on
-    /// the asking thread only, for the next wait to go on from.
+    /// How long an interrupted wait had waited with every slot lent and none ever handed
+    /// on, for the next wait to go on from.
     stuck: Duration,
 }
 
@@ -190,7 +188,6 @@ impl DeviceSlots {
             release: (0..k).map(|_| Mutex::default()).collect(),
             free: Mutex::new((0..k).rev().collect()),
             available: Condvar::new(),
-            away: AtomicUsize::new(0),
             handed_on: AtomicBool::new(false),
         };
         Ok(DeviceSlots {
@@ -257,11 +254,11 @@ impl DeviceSlots {
     /// of the slots ever having been used on another thread (waiting would never end);
     /// [`Error::CopyFailed`] when an earlier batch's copy failed (the copies in flight
     /// are then waited for and let go: the next lend starts afresh); [`Error::Cuda`] on
-    /// a driver error. On an error the batch goes back to its pool, but its epoch has counted it: a loop that goes on
-    /// (or saves a checkpoint) resumes its loader from the epoch's
-    /// [`state`](crate::Epoch::state) taken before the batch (Python's loader does so
-    /// itself). A slot [`reserve`](DeviceSlots::reserve)d before the batch is taken
-    /// keeps the first error from happening with the batch in hand.
+    /// a driver error. On an error the batch goes back to its pool, but its epoch has
+    /// counted it: a loop that goes on (or saves a checkpoint) resumes its loader from
+    /// the epoch's [`state`](crate::Epoch::state) taken before the batch (Python's
+    /// loader does so itself). A slot [`reserve`](DeviceSlots::reserve)d before the
+    /// batch is taken keeps the first error from happening with the batch in hand.
     pub fn lend(&mut self, batch: HostBatch) -> Result<LentBatch> {
         let _current = KeepCurrent::new();
         // The copies still running first: a failed one is no slot's business.
@@ -310,7 +307,6 @@ impl DeviceSlots {
             number: batch.number(),
             indices: batch.indices().to_vec(),
             owner: std::thread::current().id(),
-            away: AtomicBool::new(false),
             streams: Mutex::new(Vec::new()),
         };
         self.in_flight.push_back((batch, k));
@@ -427,7 +423,7 @@ impl DeviceSlots {
     fn take_slot(&mut self, interruptible: bool) -> Result<usize> {
         let slots = self.slots();
         let shared = Arc::clone(&self.shared);
-        // Waited with every slot lent to batches used on this thread only.
+        // Waited with every slot lent and none ever handed on.
         let mut stuck = std::mem::take(&mut self.stuck);
         loop {
             let started = Instant::now();
@@ -435,11 +431,9 @@ impl DeviceSlots {
             if let Some(k) = free.pop() {
                 return Ok(k);
             }
-            let alone = shared.away.load(Ordering::Acquire) == 0
-                && !shared.handed_on.load(Ordering::Acquire);
-            if !alone {
-                stuck = Duration::ZERO;
-            } else if stuck >= EXHAUSTED_GRACE {
+            // Sticky: once set, the wait never ends in an error.
+            let alone = !shared.handed_on.load(Ordering::Acquire);
+            if alone && stuck >= EXHAUSTED_GRACE {
                 return Err(Error::SlotsExhausted { slots });
             }
             free = shared
@@ -534,7 +528,6 @@ pub struct LentBatch {
     number: u64,
     indices: Vec<u64>,
     owner: ThreadId,
-    away: AtomicBool,
     /// The streams named to `wait_on`, each once.
     streams: Mutex<Vec<StreamHandle>>,
 }
@@ -651,12 +644,12 @@ impl LentBatch {
         Ok(self.shared.copied[self.slot].synchronize()?)
     }
 
-    /// Notes a use on a thread other than the one the batch was lent to: the ring then
-    /// waits for its release however long that takes.
+    /// Notes a use or a drop on a thread other than the one the batch was lent to: the
+    /// ring then waits for slots however long that takes (see `Shared::handed_on`).
     fn touch(&self) {
-        if std::thread::current().id() != self.owner && !self.away.swap(true, Ordering::AcqRel) {
-            self.shared.handed_on.store(true, Ordering::Release);
-            self.shared.away.fetch_add(1, Ordering::AcqRel);
+        let handed_on = &self.shared.handed_on;
+        if !handed_on.load(Ordering::Relaxed) && std::thread::current().id() != self.owner {
+            handed_on.store(true, Ordering::Release);
         }
     }
 }
@@ -668,11 +661,7 @@ impl Drop for LentBatch {
             true => vec![LEGACY_STREAM],
             false => streams,
         };
-        if self.away.load(Ordering::Acquire) {
-            self.shared.away.fetch_sub(1, Ordering::AcqRel);
-        } else if std::thread::current().id() != self.owner {
-            self.shared.handed_on.store(true, Ordering::Release);
-        }
+        self.touch();
         self.shared.release(self.slot, &streams);
     }
 }

@@ -1,7 +1,7 @@
 //! Batches as the consumer sees them.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -195,9 +195,6 @@ pub struct HostBatch {
     pub(crate) timing: BatchTiming,
     /// The thread the epoch delivered it to.
     home: Option<u64>,
-    /// Whether another thread has read it: the consumer hands batches on, so a pool
-    /// that is all held is not proof of a deadlock.
-    away: AtomicBool,
 }
 
 impl HostBatch {
@@ -218,19 +215,15 @@ impl HostBatch {
             number,
             timing,
             home: thread_number(),
-            away: AtomicBool::new(false),
         }
     }
 
-    /// Notes a read on a thread other than the one it was delivered to.
+    /// Notes a read or a drop on a thread other than the one it was delivered to: the
+    /// consumer hands batches on (see `Pool::handed_on`).
     fn touch(&self) {
-        if !self.away.load(Ordering::Relaxed)
-            && thread_number() != self.home
-            && !self.away.swap(true, Ordering::AcqRel)
-        {
-            let pool = self.lease.pool();
+        let pool = self.lease.pool();
+        if !pool.handed_on.load(Ordering::Relaxed) && thread_number() != self.home {
             pool.handed_on.store(true, Ordering::Release);
-            pool.held_away.fetch_add(1, Ordering::AcqRel);
         }
     }
 
@@ -349,12 +342,8 @@ impl std::fmt::Debug for HostBatch {
 
 impl Drop for HostBatch {
     fn drop(&mut self) {
+        self.touch();
         let pool = self.lease.pool();
-        if self.away.load(Ordering::Acquire) {
-            pool.held_away.fetch_sub(1, Ordering::AcqRel);
-        } else if thread_number() != self.home {
-            pool.handed_on.store(true, Ordering::Release);
-        }
         pool.released.fetch_add(1, Ordering::AcqRel);
         pool.held.fetch_sub(1, Ordering::AcqRel);
     }

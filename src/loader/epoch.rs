@@ -271,14 +271,12 @@ impl Iterator for Epoch<'_> {
                 }
                 Err(RecvTimeoutError::Timeout) => {
                     let pool = &self.job.pool;
-                    // Every buffer held, none of them by another thread that has read
-                    // its batch: only this thread can release one, and it waits here.
-                    // A batch read elsewhere (a training thread fed through a queue)
-                    // will be released however slow its step is; and once one was read
-                    // or dropped elsewhere, batches still in such a queue, unread, will
-                    // be too (the thread may have dropped its batch before its step).
+                    // Every buffer held, and no batch ever read or dropped on another
+                    // thread: only this thread can release one, and it waits here. Once
+                    // one was (a training thread fed through a queue), batches held
+                    // there, or still queued unread for it, will be released however
+                    // slow its step is (it may drop its batch before its step).
                     if pool.held.load(Ordering::Acquire) >= pool.size()
-                        && pool.held_away.load(Ordering::Acquire) == 0
                         && !pool.handed_on.load(Ordering::Acquire)
                     {
                         let released = pool.released.load(Ordering::Acquire);

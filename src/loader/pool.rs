@@ -142,9 +142,6 @@ pub(crate) struct Pool {
     bytes: usize,
     /// Slots currently inside a `HostBatch` handed to the consumer.
     pub(crate) held: AtomicUsize,
-    /// Of those, slots whose batch has been read on a thread other than the one it was
-    /// delivered to.
-    pub(crate) held_away: AtomicUsize,
     /// `HostBatch`es dropped so far (on any thread).
     pub(crate) released: AtomicU64,
     /// Set once a batch of this pool was read or dropped on a thread other than the one
@@ -200,7 +197,6 @@ impl Pool {
             size,
             bytes,
             held: AtomicUsize::new(0),
-            held_away: AtomicUsize::new(0),
             released: AtomicU64::new(0),
             handed_on: AtomicBool::new(false),
             allocator: alloc.name(),

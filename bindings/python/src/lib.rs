@@ -1151,14 +1151,13 @@ impl Epoch {
             if running.generation != generation {
                 return None;
             }
-            let taken = |n| running.epoch.as_ref().map(|e| e.order().taken(n));
-            Some(match earlier.and_then(|n| Some((n, taken(n)?))) {
-                Some((batch, taken)) => LoaderState {
+            Some(match (earlier, &running.epoch) {
+                (Some(batch), Some(e)) => LoaderState {
                     batch,
-                    taken,
+                    taken: e.order().taken(batch),
                     ..before
                 },
-                None => before,
+                _ => before,
             })
         });
         let Some(state) = state else {
@@ -1238,8 +1237,11 @@ impl Epoch {
                 if running.generation != generation {
                     return Err(());
                 }
-                let before = running.epoch.as_ref().map(|e| e.state());
-                let next = running.epoch.as_mut().and_then(|e| e.next());
+                // With the states before and after it.
+                let next = running.epoch.as_mut().and_then(|e| {
+                    let before = e.state();
+                    e.next().map(|n| (n, before, e.state()))
+                });
                 let mut glance = lock(&seen);
                 if glance.ended == Some(generation) {
                     // Ended while this thread waited (its batch, if any, goes back).
@@ -1247,13 +1249,12 @@ impl Epoch {
                 }
                 if let Some(e) = &running.epoch {
                     // A batch for the device counts once it is lent (`note_lent`).
-                    if !(device && matches!(next, Some(Ok(_)))) {
+                    if !(device && matches!(next, Some((Ok(_), ..)))) {
                         glance.state = e.state();
                     }
                     glance.shown = Some(Shown::of(generation, e));
                 }
-                let after = running.epoch.as_ref().map(|e| e.state());
-                Ok(next.map(|n| (n, before, after)))
+                Ok(next)
             });
             if let Ok(Some((Err(stokehold::Error::Interrupted), ..))) = next {
                 // The wait stops every 50 ms: Python's signal handlers run here, with
@@ -1288,15 +1289,11 @@ impl Epoch {
                             Ok(batch) => batch,
                             Err(e) => {
                                 self.end_progress();
-                                if let Some(before) = before {
-                                    self.rewind(py, before, &e);
-                                }
+                                self.rewind(py, before, &e);
                                 return Err(error(e));
                             }
                         };
-                        if let Some(after) = after {
-                            self.note_lent(py, after);
-                        }
+                        self.note_lent(py, after);
                         let batch = device::Held::new(batch);
                         Py::new(py, device::DeviceBatch { batch, columns })?.into_any()
                     }

@@ -107,6 +107,10 @@ CONSUMER = textwrap.dedent(
         else:
             raise AssertionError(f"no error saying {text!r}")
 
+    def host_order(**kw):
+        # The samples of each batch of epoch 0 of a host loader over the set.
+        return [b.indices.copy() for b in stokehold.Loader(sys.argv[1], **kw).epoch(0)]
+
     def pinned(n):
         p = ctypes.c_void_p()
         ok(cuda.cuMemHostAlloc(ctypes.byref(p), n, 0), "cuMemHostAlloc")
@@ -192,7 +196,7 @@ def test_holding_every_slot_is_an_error_not_a_hang(emulator: Path) -> None:
         assert loader.state_dict()["batch"] == 3, "a batch was taken, then refused a slot"
         del held[0]
         fourth = next(epoch)
-        want = [b.indices.copy() for b in stokehold.Loader(sys.argv[1], batch_size=100).epoch(0)]
+        want = host_order(batch_size=100)
         assert np.array_equal(fourth.indices, want[3])
         # Dropping them frees the slots: the next epoch runs whole.
         del held, epoch, fourth
@@ -246,7 +250,7 @@ def test_ctrl_c_stops_a_wait_for_a_device_slot(emulator: Path) -> None:
         assert loader.state_dict()["batch"] == 3, loader.state_dict()
         release.set()
         keeper.join(10)
-        want = [b.indices.copy() for b in stokehold.Loader(sys.argv[1], batch_size=100).epoch(0)]
+        want = host_order(batch_size=100)
         assert np.array_equal(next(epoch).indices, want[3])
         print("child passed")
     """)
@@ -258,8 +262,7 @@ def test_a_batch_whose_copy_failed_comes_again_after_a_resume(emulator: Path) ->
     # saved in the handler would skip it.
     run_child(emulator, """
         loader = stokehold.Loader(sys.argv[1], batch_size=100, seed=5, device="cuda")
-        want = [b.indices.copy() for b in stokehold.Loader(sys.argv[1], batch_size=100,
-                                                           seed=5).epoch(0)]
+        want = host_order(batch_size=100, seed=5)
         it = loader.epoch(0)
         assert np.array_equal(next(it).indices, want[0])
         assert np.array_equal(next(it).indices, want[1])
