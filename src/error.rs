@@ -96,9 +96,13 @@ pub enum Error {
         /// The slots.
         slots: usize,
     },
-    /// The copy of an earlier batch to the device failed; a later lend found it (and
-    /// took no slot, its own batch going back to the pool).
-    #[error("copying batch {batch} of epoch {epoch} to the device: {message}")]
+    /// The copy of an earlier batch to the device was not seen to complete: a later
+    /// lend (or a drain) found the wait for it failing, and took no slot, its own batch
+    /// going back to the pool. A fault on the device, in a copy or in any other work of
+    /// the context, leaves every later call failing (CUDA's sticky errors): the batch
+    /// named is the oldest whose copy was still in flight, so that a resume from it
+    /// repeats at most one batch whose copy was done, and loses none.
+    #[error("waiting for the copy of batch {batch} of epoch {epoch} to the device: {message}")]
     CopyFailed {
         /// The epoch of the batch whose copy failed.
         epoch: u64,

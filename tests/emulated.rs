@@ -164,12 +164,14 @@ fn asan_runtime() -> Option<PathBuf> {
     }
 }
 
-/// How a child runs: its stream jitter, and whether the kernels are built with the
-/// address sanitizer (every device allocation is then bounds-checked).
+/// How a child runs: its stream jitter, whether the kernels are built with the address
+/// sanitizer (every device allocation is then bounds-checked), and which host-to-device
+/// copy, if any, faults on the device (from 1; 0 for none).
 #[derive(Clone, Copy, Default)]
 struct Mode {
     jitter_us: u32,
     asan: bool,
+    faulting_copy: u32,
 }
 
 /// Runs `check` on the emulated device: in the child, directly; in the parent, by
@@ -177,7 +179,7 @@ struct Mode {
 fn emulated(name: &str, jitter_us: u32, check: impl FnOnce(Cuda)) {
     let mode = Mode {
         jitter_us,
-        asan: false,
+        ..Mode::default()
     };
     passes_in_child(name, mode, check);
 }
@@ -227,6 +229,12 @@ fn in_child(name: &str, mode: Mode, check: impl FnOnce(Cuda)) -> Option<Output> 
     cmd.args([name, "--exact", "--nocapture", "--test-threads=1"])
         .env(CHILD, "1");
     with_emulator(&mut cmd, dir, mode.jitter_us);
+    if mode.faulting_copy > 0 {
+        cmd.env(
+            "STOKEHOLD_EMU_FAIL_HTOD_LATE",
+            mode.faulting_copy.to_string(),
+        );
+    }
     if mode.asan {
         let runtime = asan_runtime()?;
         cmd.env("LD_PRELOAD", runtime)
@@ -249,6 +257,7 @@ fn the_kernels_stay_inside_their_buffers() {
     let mode = Mode {
         jitter_us: 20,
         asan: true,
+        ..Mode::default()
     };
     passes_in_child(name, mode, |c| {
         gpu_checks::odd_shapes_match_the_cpu_backend(c.clone());
@@ -265,6 +274,7 @@ fn the_address_sanitizer_catches_a_kernel_writing_past_its_buffer() {
     let mode = Mode {
         jitter_us: 0,
         asan: true,
+        ..Mode::default()
     };
     fails_in_child(name, mode, "heap-buffer-overflow", |c| {
         let src = "extern \"C\" __global__ void past(float* x, int n) {\n\
@@ -408,6 +418,98 @@ fn a_bad_label_is_an_error() {
     emulated("a_bad_label_is_an_error", 0, |c| {
         gpu_checks::a_bad_label_is_an_error(c)
     });
+}
+
+/// Batch `faulting` (from 0) of a loader's first epoch faults on the device while it is
+/// copied into a device slot (the emulator's `STOKEHOLD_EMU_FAIL_HTOD_LATE`): the copy
+/// was enqueued, and the context then fails every call, as after a fault on a GPU. The
+/// error comes from a later lend, or from the drain at the end of the epoch, and names
+/// the batch a resume must start from: the faulting one or the one before it (its copy
+/// done, but the failure seen while waiting for it), never a later one, which would lose
+/// the faulting batch. Nothing panics or hangs as the lost context's batches, slots and
+/// loader are let go.
+fn a_faulting_copy_loses_no_batch(c: Cuda, faulting: u64) {
+    use std::collections::VecDeque;
+    use stokehold::cuda::{DeviceSlots, PinnedAlloc, PinnedKind};
+    use stokehold::{Error, Loader, NpyDataset, Shuffle};
+
+    let alloc = PinnedAlloc::new(std::sync::Arc::clone(&c.ctx), PinnedKind::Plain);
+    let mut loader = Loader::builder(NpyDataset::open(DIGITS).unwrap())
+        .batch_size(100)
+        .workers(2)
+        .shuffle(Shuffle::Full { seed: 6 })
+        .allocator(std::sync::Arc::new(alloc))
+        .build()
+        .unwrap();
+    let layout = loader.layout().clone();
+    let mut slots = DeviceSlots::new(&c.ctx, &layout, 4).unwrap();
+    let mut epoch = loader.epoch(0).unwrap();
+    // The two last batches stay lent, as a loop that overlaps its steps keeps them.
+    let mut lent = VecDeque::new();
+    let (err, given) = loop {
+        let Some(batch) = epoch.next() else {
+            break (slots.drain().unwrap_err(), None);
+        };
+        let batch = batch.unwrap();
+        let number = batch.number();
+        match slots.lend(batch) {
+            Ok(b) => lent.push_back(b),
+            Err(e) => break (e, Some(number)),
+        }
+        if lent.len() > 2 {
+            lent.pop_front();
+        }
+    };
+    // A lend's own failure loses the batch it was given; a CopyFailed, the one it names.
+    let lost = match (&err, given) {
+        (
+            Error::CopyFailed {
+                epoch: 0, batch, ..
+            },
+            _,
+        ) => *batch,
+        (Error::Cuda(_), Some(given)) => given,
+        _ => panic!("not the fault's error: {err:?}"),
+    };
+    assert!(
+        err.to_string().contains("CUDA_ERROR_ILLEGAL_ADDRESS"),
+        "{err}"
+    );
+    assert!(
+        lost <= faulting && lost + 1 >= faulting,
+        "batch {faulting} faulted, the error names {lost}: {err}"
+    );
+    // The context is lost for good: later calls are errors, not panics.
+    if let Some(batch) = epoch.next() {
+        assert!(slots.lend(batch.unwrap()).is_err());
+    }
+    assert!(slots.drain().is_err());
+    drop((lent, epoch, slots));
+    drop(loader);
+}
+
+/// [`a_faulting_copy_loses_no_batch`] in the child for test `name`, copy `copy` (from 1)
+/// faulting.
+fn with_a_faulting_copy(name: &str, copy: u32) {
+    let mode = Mode {
+        jitter_us: 200,
+        faulting_copy: copy,
+        ..Mode::default()
+    };
+    passes_in_child(name, mode, |c| {
+        a_faulting_copy_loses_no_batch(c, u64::from(copy) - 1)
+    });
+}
+
+#[test]
+fn a_copy_that_faults_is_named_by_a_later_lend() {
+    with_a_faulting_copy("a_copy_that_faults_is_named_by_a_later_lend", 3);
+}
+
+#[test]
+fn a_copy_that_faults_last_is_named_by_the_drain() {
+    // Digits in batches of 100: the 18th batch is the epoch's last.
+    with_a_faulting_copy("a_copy_that_faults_last_is_named_by_the_drain", 18);
 }
 
 fn stokehold(dir: &Path, args: &[&str]) -> Output {

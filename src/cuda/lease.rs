@@ -252,9 +252,9 @@ impl DeviceSlots {
     /// # Errors
     /// [`Error::SlotsExhausted`] when every slot stays lent and none comes back, no batch
     /// of the slots ever having been used on another thread (waiting would never end);
-    /// [`Error::CopyFailed`] when an earlier batch's copy failed (the copies in flight
-    /// are then waited for and let go: the next lend starts afresh); [`Error::Cuda`] on
-    /// a driver error. On an error the batch goes back to its pool, but its epoch has
+    /// [`Error::CopyFailed`] when an earlier batch's copy failed, naming it or a batch
+    /// before it (the copies in flight are then waited for and let go: the next lend
+    /// starts afresh; see the error); [`Error::Cuda`] on a driver error. On an error the batch goes back to its pool, but its epoch has
     /// counted it: a loop that goes on (or saves a checkpoint) resumes its loader from
     /// the epoch's [`state`](crate::Epoch::state) taken before the batch (Python's
     /// loader does so itself). A slot [`reserve`](DeviceSlots::reserve)d before the
@@ -288,16 +288,18 @@ impl DeviceSlots {
 
     /// Copies `batch` into slot `k`, which this call now owns, and lends it.
     fn lend_into(&mut self, k: usize, batch: HostBatch) -> Result<LentBatch> {
-        let copied = self.enqueue_copy(k, &batch);
-        if copied.is_err() {
+        if let Err(e) = self.enqueue_copy(k, &batch) {
             // Some of the copies may be enqueued (several with an augmentation): they
             // must be done before the batch's buffer and the slot are used again, and
             // so must the consumers' work whose release events a failed wait dropped.
             let _ = self.shared.ctx.synchronize();
             // Nothing of this slot is lent: it goes back as it was.
             self.shared.release(k, &[]);
+            // A fault in an earlier copy, still in flight, leaves the context failing
+            // every call (a sticky error): the earlier batch is the one lost.
+            self.retire(0)?;
+            return Err(e);
         }
-        copied?;
         let lent = LentBatch {
             shared: Arc::clone(&self.shared),
             layout: Arc::clone(&self.layout),
@@ -353,8 +355,11 @@ impl DeviceSlots {
     /// more than `keep` remain.
     ///
     /// # Errors
-    /// [`Error::CopyFailed`] naming the batch whose copy failed, once every copy in
-    /// flight is done (or failed) and their host batches are let go.
+    /// [`Error::CopyFailed`] naming the oldest batch whose copy was not seen complete
+    /// when a wait failed, once every copy in flight is done (or failed) and their host
+    /// batches are let go. A fault on the device (a sticky error) fails every wait after
+    /// it, that batch's included, however early its own copy completed: the batch named
+    /// is the one that failed or one before it (of the two still in flight).
     fn retire(&mut self, keep: usize) -> Result<()> {
         while let Some((batch, k)) = self.in_flight.front() {
             let event = &self.shared.copied[*k];
@@ -459,14 +464,17 @@ impl DeviceSlots {
         }
     }
 
-    /// Waits for every copy enqueued so far and releases the host batches.
+    /// Waits for every copy enqueued so far and releases the host batches. Called at
+    /// the end of an epoch, it finds a failed copy of the epoch's last batches there,
+    /// not at the next epoch's first lend.
     ///
     /// # Errors
-    /// [`Error::Cuda`] on a driver error.
+    /// [`Error::CopyFailed`], as [`lend`](DeviceSlots::lend); [`Error::Cuda`] on a
+    /// driver error.
     pub fn drain(&mut self) -> Result<()> {
         let _current = KeepCurrent::new();
+        self.retire(0)?;
         self.copy.synchronize()?;
-        self.in_flight.clear();
         Ok(())
     }
 }

@@ -14,6 +14,10 @@
 //   STOKEHOLD_EMU_JITTER_US=N sleeps up to N us before each operation to shake out races.
 // - STOKEHOLD_EMU_FAIL_HTOD=N makes the Nth asynchronous host-to-device copy (from 1)
 //   fail with CUDA_ERROR_ILLEGAL_ADDRESS, for the callers' error paths.
+//   STOKEHOLD_EMU_FAIL_HTOD_LATE=N enqueues it, and it faults when it runs on its stream,
+//   as a copy from a bad address does on a GPU: the context is then unusable, and every
+//   later call that does CUDA work (the synchronisations once the work before them has
+//   run) returns CUDA_ERROR_ILLEGAL_ADDRESS, as the driver's sticky errors do.
 // - Kernels come from the emulated NVRTC (nvrtc.cpp) as shared objects; a launch copies
 //   its parameters (their sizes come from the kernel's C++ signature) and checks its
 //   configuration against the limits of a real device.
@@ -95,6 +99,8 @@ struct Alloc {
 std::map<uintptr_t, Alloc>& g_device = *new std::map<uintptr_t, Alloc>;  // by start
 std::map<uintptr_t, size_t>& g_host = *new std::map<uintptr_t, size_t>;  // pinned: start -> bytes
 size_t g_used = 0;
+// The sticky error of a fault in work run on a stream (STOKEHOLD_EMU_FAIL_HTOD_LATE).
+std::atomic<int> g_sticky{0};
 
 size_t total_memory() {
     const char* mb = getenv("STOKEHOLD_EMU_MEM_MB");
@@ -112,6 +118,13 @@ bool logging() {
             fprintf(stderr, "stokehold-emu: " __VA_ARGS__); \
             fputc('\n', stderr);                    \
         }                                           \
+    } while (0)
+
+// Returns the context's sticky error, once a fault left one, from a call that does CUDA
+// work.
+#define STICKY()                                             \
+    do {                                                     \
+        if (int sticky_ = g_sticky.load()) return sticky_; \
     } while (0)
 
 // The allocation holding [p, p + n), if one does (call with g_mu held).
@@ -406,6 +419,7 @@ CUresult cuCtxGetDevice(CUdevice* d) {
 CUresult cuCtxSynchronize() {
     if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
     sync_all();
+    STICKY();
     return CUDA_SUCCESS;
 }
 
@@ -418,6 +432,7 @@ CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
 // ---- memory ------------------------------------------------------------------------
 
 CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
+    STICKY();
     if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
     std::lock_guard<std::mutex> g(g_mu);
     *total = total_memory();
@@ -426,6 +441,7 @@ CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
 }
 
 CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
+    STICKY();
     if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
     if (n == 0) return CUDA_ERROR_INVALID_VALUE;
     size_t rounded = (n + 255) / 256 * 256;
@@ -443,6 +459,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
 }
 
 CUresult cuMemFree_v2(CUdeviceptr p) {
+    STICKY();
     std::lock_guard<std::mutex> g(g_mu);
     auto it = g_device.find((uintptr_t)p);
     if (it == g_device.end()) return CUDA_ERROR_INVALID_VALUE;
@@ -453,6 +470,7 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
 }
 
 CUresult cuMemAllocAsync(CUdeviceptr* p, size_t n, CUstream s) {
+    STICKY();
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     CUresult r = cuMemAlloc_v2(p, n);
@@ -471,6 +489,7 @@ CUresult cuMemAllocAsync(CUdeviceptr* p, size_t n, CUstream s) {
 }
 
 CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
+    STICKY();
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     {
@@ -482,6 +501,7 @@ CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
 }
 
 CUresult cuMemHostAlloc(void** pp, size_t n, unsigned) {
+    STICKY();
     if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
     size_t rounded = (n + 4095) / 4096 * 4096;
     void* m = nullptr;
@@ -493,25 +513,41 @@ CUresult cuMemHostAlloc(void** pp, size_t n, unsigned) {
 }
 
 CUresult cuMemFreeHost(void* p) {
+    STICKY();
     std::lock_guard<std::mutex> g(g_mu);
     if (!g_host.erase((uintptr_t)p)) return CUDA_ERROR_INVALID_VALUE;
     free(p);
     return CUDA_SUCCESS;
 }
 
-// Whether this call is the one STOKEHOLD_EMU_FAIL_HTOD names.
-bool htod_fails() {
-    static const char* n = getenv("STOKEHOLD_EMU_FAIL_HTOD");
+// How the host-to-device copy at hand fails: as STOKEHOLD_EMU_FAIL_HTOD (at once) or
+// STOKEHOLD_EMU_FAIL_HTOD_LATE (when it runs) names it, or not at all.
+enum class Fails { no, now, late };
+Fails htod_fails() {
+    static const char* now = getenv("STOKEHOLD_EMU_FAIL_HTOD");
+    static const char* late = getenv("STOKEHOLD_EMU_FAIL_HTOD_LATE");
     static std::atomic<unsigned long long> calls{0};
-    return n && ++calls == strtoull(n, nullptr, 10);
+    unsigned long long call = ++calls;
+    if (now && call == strtoull(now, nullptr, 10)) return Fails::now;
+    if (late && call == strtoull(late, nullptr, 10)) return Fails::late;
+    return Fails::no;
 }
 
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
+    STICKY();
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
-    if (htod_fails()) {
+    Fails fails = htod_fails();
+    if (fails == Fails::now) {
         LOG("cuMemcpyHtoDAsync: failing as STOKEHOLD_EMU_FAIL_HTOD asks");
         return CUDA_ERROR_ILLEGAL_ADDRESS;
+    }
+    if (fails == Fails::late) {
+        st->push([] {
+            LOG("cuMemcpyHtoDAsync: faulting as STOKEHOLD_EMU_FAIL_HTOD_LATE asks");
+            g_sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
+        });
+        return CUDA_SUCCESS;
     }
     if (!in_device(dst, n)) {
         LOG("cuMemcpyHtoDAsync: %zu bytes at %llx outside any allocation", n, dst);
@@ -536,6 +572,7 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstre
 }
 
 CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream s) {
+    STICKY();
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     if (!in_device(src, n)) return CUDA_ERROR_INVALID_VALUE;
@@ -549,6 +586,7 @@ CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream s) 
 }
 
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+    STICKY();
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     if (!in_device(src, n) || !in_device(dst, n)) return CUDA_ERROR_INVALID_VALUE;
@@ -561,6 +599,7 @@ CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstre
 }
 
 CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream s) {
+    STICKY();
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     if (!in_device(dst, n)) return CUDA_ERROR_INVALID_VALUE;
@@ -599,6 +638,7 @@ CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
 // ---- streams and events ------------------------------------------------------------
 
 CUresult cuStreamCreate(CUstream* s, unsigned) {
+    STICKY();
     if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
     Stream* st = new Stream();
     std::lock_guard<std::mutex> g(g_mu);
@@ -610,6 +650,7 @@ CUresult cuStreamCreate(CUstream* s, unsigned) {
 CUresult cuStreamCreateWithPriority(CUstream* s, unsigned flags, int) { return cuStreamCreate(s, flags); }
 
 CUresult cuStreamDestroy_v2(CUstream s) {
+    STICKY();
     {
         std::lock_guard<std::mutex> g(g_mu);
         if ((uintptr_t)s <= 2 || !g_streams.erase(s)) return CUDA_ERROR_INVALID_HANDLE;
@@ -624,10 +665,12 @@ CUresult cuStreamSynchronize(CUstream s) {
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     if (st->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     st->sync();
+    STICKY();
     return CUDA_SUCCESS;
 }
 
 CUresult cuStreamQuery(CUstream s) {
+    STICKY();
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     if (st->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
@@ -635,6 +678,7 @@ CUresult cuStreamQuery(CUstream s) {
 }
 
 CUresult cuEventCreate(CUevent* e, unsigned flags) {
+    STICKY();
     if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
     *e = new Event{flags};
     return CUDA_SUCCESS;
@@ -642,9 +686,13 @@ CUresult cuEventCreate(CUevent* e, unsigned flags) {
 
 // Returns at once, as the driver's does. The event is never freed: records and waits
 // still queued on streams refer to it (an event is a few dozen bytes).
-CUresult cuEventDestroy_v2(CUevent e) { return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE; }
+CUresult cuEventDestroy_v2(CUevent e) {
+    STICKY();
+    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
 
 CUresult cuEventRecord(CUevent e, CUstream s) {
+    STICKY();
     Stream* st = stream_of(s);
     if (!st || !e) return CUDA_ERROR_INVALID_HANDLE;
     if (st->capture) {
@@ -672,6 +720,7 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
 }
 
 CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
+    STICKY();
     Stream* st = stream_of(s);
     if (!st || !e) return CUDA_ERROR_INVALID_HANDLE;
     if (st->capture) {
@@ -692,6 +741,7 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
 }
 
 CUresult cuEventQuery(CUevent e) {
+    STICKY();
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
     std::lock_guard<std::mutex> g(g_ev_mu);
     return e->completed >= e->recorded ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
@@ -702,10 +752,12 @@ CUresult cuEventSynchronize(CUevent e) {
     std::unique_lock<std::mutex> g(g_ev_mu);
     uint64_t target = e->recorded;
     g_ev_cv.wait(g, [&] { return e->completed >= target; });
+    STICKY();
     return CUDA_SUCCESS;
 }
 
 CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
+    STICKY();
     if (!a || !b) return CUDA_ERROR_INVALID_HANDLE;
     std::lock_guard<std::mutex> g(g_ev_mu);
     if ((a->flags | b->flags) & 2) return CUDA_ERROR_INVALID_HANDLE;  // timing disabled
@@ -737,6 +789,7 @@ static CUresult load_so(CUmodule* m, const std::string& path) {
 }
 
 CUresult cuModuleLoadData(CUmodule* m, const void* image) {
+    STICKY();
     if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
     const char* p = (const char*)image;
     static const char kPtx[] = "// stokehold-emu .entry ";
@@ -774,6 +827,7 @@ CUresult cuModuleLoadData(CUmodule* m, const void* image) {
 CUresult cuModuleUnload(CUmodule m) { return m ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE; }
 
 CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
+    STICKY();
     if (!m) return CUDA_ERROR_INVALID_HANDLE;
     int id = m->find(name);
     if (id < 0) return CUDA_ERROR_NOT_FOUND;
@@ -791,6 +845,7 @@ CUresult cuFuncSetAttribute(CUfunction f, int, int) { return f ? CUDA_SUCCESS : 
 
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                         unsigned bz, unsigned shared, CUstream s, void** params, void** extra) {
+    STICKY();
     Stream* st = stream_of(s);
     if (!st || !f) return CUDA_ERROR_INVALID_HANDLE;
     if (extra) return CUDA_ERROR_NOT_SUPPORTED;
@@ -846,6 +901,7 @@ typedef Graph* CUgraph;
 typedef Graph* CUgraphExec;
 
 CUresult cuStreamBeginCapture_v2(CUstream s, int mode) {
+    STICKY();
     Stream* st = stream_of(s);
     if (!st || (uintptr_t)s <= 2) return CUDA_ERROR_INVALID_HANDLE;  // not the default stream
     if (mode < 0 || mode > 2) return CUDA_ERROR_INVALID_VALUE;
@@ -856,6 +912,7 @@ CUresult cuStreamBeginCapture_v2(CUstream s, int mode) {
 }
 
 CUresult cuStreamEndCapture(CUstream s, CUgraph* g) {
+    STICKY();
     Stream* st = stream_of(s);
     if (!st || !g) return CUDA_ERROR_INVALID_HANDLE;
     if (!st->capture) return CUDA_ERROR_ILLEGAL_STATE;
@@ -874,12 +931,14 @@ CUresult cuStreamIsCapturing(CUstream s, int* status) {
 }
 
 CUresult cuGraphInstantiateWithFlags(CUgraphExec* e, CUgraph g, unsigned long long) {
+    STICKY();
     if (!e || !g) return CUDA_ERROR_INVALID_VALUE;
     *e = new Graph{g->ops};
     return CUDA_SUCCESS;
 }
 
 CUresult cuGraphLaunch(CUgraphExec e, CUstream s) {
+    STICKY();
     Stream* st = stream_of(s);
     if (!st || !e) return CUDA_ERROR_INVALID_HANDLE;
     if (st->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
@@ -888,6 +947,7 @@ CUresult cuGraphLaunch(CUgraphExec e, CUstream s) {
 }
 
 CUresult cuGraphUpload(CUgraphExec e, CUstream s) {
+    STICKY();
     return e && stream_of(s) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
 
@@ -906,6 +966,7 @@ CUresult cuGraphDestroy(CUgraph g) {
 
 typedef void (*CUhostFn)(void*);
 CUresult cuLaunchHostFunc(CUstream s, CUhostFn fn, void* data) {
+    STICKY();
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     st->push([fn, data] { fn(data); });

@@ -137,6 +137,13 @@ pub(crate) fn reserve(py: Python<'_>, slots: &Slots) -> PyResult<Reserved> {
     }
 }
 
+/// Waits for the copies still in flight (without the GIL): at an epoch's end, so that
+/// a fault in its last copies is found in it.
+pub(crate) fn drain(py: Python<'_>, slots: &Slots) -> stokehold::Result<()> {
+    let slots = Arc::clone(slots);
+    py.detach(move || slots.lock().unwrap_or_else(|e| e.into_inner()).drain())
+}
+
 /// Copies `batch` into the slot `reserved` keeps, or else a free slot of `slots`
 /// (without the GIL: it may wait for one).
 pub(crate) fn lend(

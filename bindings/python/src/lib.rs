@@ -1131,8 +1131,9 @@ impl Epoch {
     /// `epoch(e)`) yields the lost batch again. Nothing happens once the loader has
     /// moved on to another epoch.
     ///
-    /// Where `failed` says the copy of an earlier batch of this epoch failed, the state
-    /// goes back to that batch instead (the batches after it come again).
+    /// Where `failed` says the copy of an earlier batch of this epoch failed (found by
+    /// a later lend, or by the drain at the epoch's end, `before` being its end), the
+    /// state goes back to that batch instead (the batches after it come again).
     fn rewind(&self, py: Python<'_>, before: LoaderState, failed: &stokehold::Error) {
         let loader = self._loader.borrow(py);
         let mut turn = loader.control.take(py);
@@ -1222,11 +1223,22 @@ impl Epoch {
             let running = Arc::clone(&slot);
             let left = py.detach(move || {
                 let r = lock(&running);
-                (r.generation == generation).then(|| r.epoch.as_ref().map_or(0, |e| e.len()))
+                let e = r.epoch.as_ref().filter(|_| r.generation == generation)?;
+                Some((e.len(), e.state()))
             });
-            if left.is_some_and(|n| n > 0) {
+            match left {
                 // Its errors (every slot held, Ctrl-C) leave the epoch as it was.
-                reserved = Some(device::reserve(py, slots)?);
+                Some((n, _)) if n > 0 => reserved = Some(device::reserve(py, slots)?),
+                // The epoch's last copies before its end: a fault in one of them loses
+                // a batch of this epoch, which a resume must yield again.
+                Some((_, end)) => {
+                    if let Err(e) = device::drain(py, slots) {
+                        self.end_progress();
+                        self.rewind(py, end, &e);
+                        return Err(error(e));
+                    }
+                }
+                None => {}
             }
         }
         let device = self.device.is_some();

@@ -12,6 +12,7 @@ wrong rows.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -276,6 +277,50 @@ def test_a_batch_whose_copy_failed_comes_again_after_a_resume(emulator: Path) ->
         assert all(np.array_equal(a, b) for a, b in zip(rest, want[2:]))
         print("child passed")
     """, extra={"STOKEHOLD_EMU_FAIL_HTOD": "3"})
+
+
+@pytest.mark.parametrize("faulting", [3, 18])
+def test_a_copy_that_faults_on_the_device_loses_no_batch(emulator: Path, faulting: int) -> None:
+    # Copy `faulting` (from 1) faults on the device once it runs (the emulator's
+    # STOKEHOLD_EMU_FAIL_HTOD_LATE): the context then fails every call, as after a fault
+    # on a GPU. A later batch's lend finds it, or, for the epoch's last batch (18 of
+    # 100 samples), the epoch's end. The state must go back at least to the faulting
+    # batch (its copy was lost): a resume in a new process yields the rest. Nothing
+    # crashes or hangs as the batches and the loader of the lost context are let go.
+    out = run_child(emulator, """
+        import json
+        loader = stokehold.Loader(sys.argv[1], batch_size=100, seed=7, device="cuda")
+        want = host_order(batch_size=100, seed=7)
+        got, kept = [], []
+        try:
+            for b in loader.epoch(0):
+                got.append(b.indices.copy())
+                kept = (kept + [b])[-2:]  # a loop that overlaps its steps keeps two
+        except stokehold.Error as e:
+            assert "CUDA_ERROR_ILLEGAL_ADDRESS" in str(e), e
+        else:
+            raise AssertionError("the fault went unreported")
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+        state = loader.state_dict()
+        print("state", json.dumps(state))
+        del kept, loader
+        print("child passed")
+    """, extra={"STOKEHOLD_EMU_FAIL_HTOD_LATE": str(faulting)})
+    line = next(x for x in out.stdout.splitlines() if x.startswith("state "))
+    state = line.split(" ", 1)[1]
+    batch = json.loads(state)["batch"]
+    assert json.loads(state)["epoch"] == 0, state
+    assert batch in (faulting - 2, faulting - 1), f"copy {faulting} faulted, the state is {state}"
+    run_child(emulator, f"""
+        import json
+        want = host_order(batch_size=100, seed=7)
+        loader = stokehold.Loader(sys.argv[1], batch_size=100, seed=7, device="cuda")
+        loader.load_state_dict(json.loads({state!r}))
+        rest = [b.indices.copy() for b in loader.epoch(0)]
+        assert len(rest) == len(want) - {batch}, len(rest)
+        assert all(np.array_equal(a, b) for a, b in zip(rest, want[{batch}:]))
+        print("child passed")
+    """)
 
 
 def test_a_forked_child_refuses_device_batches_and_lets_them_go(emulator: Path) -> None:
