@@ -203,9 +203,18 @@ pub enum NpyProblem {
 }
 
 impl From<cudarc::driver::DriverError> for Error {
-    /// A failed CUDA driver call, as [`Error::Cuda`] with the driver's message.
+    /// A failed CUDA driver call, as [`Error::Cuda`] with the driver's name for the error
+    /// and its description (`CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was
+    /// encountered`).
     fn from(e: cudarc::driver::DriverError) -> Self {
-        Error::Cuda(e.to_string())
+        let said = match (e.error_name(), e.error_string()) {
+            (Ok(name), Ok(text)) if name != text => {
+                format!("{}: {}", name.to_string_lossy(), text.to_string_lossy())
+            }
+            (Ok(name), _) => name.to_string_lossy().into_owned(),
+            _ => format!("CUresult {}", e.0 as u32),
+        };
+        Error::Cuda(said)
     }
 }
 

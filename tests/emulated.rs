@@ -744,6 +744,32 @@ fn the_cuda_example_runs_a_users_kernel() {
 }
 
 #[test]
+fn train_stops_at_a_fault_on_the_device_with_its_error() {
+    // A copy that faults on the device (at the first batch's, and later ones'): the
+    // context is lost, and `stokehold train` exits 1 with the driver's error, without a
+    // panic, a hang or a report of the half-run training.
+    let Some(dir) = emulator() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    for copy in ["1", "3", "7"] {
+        let json = tmp.path().join(format!("run-{copy}.json"));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_stokehold"));
+        cmd.args([
+            "train", "--data", DIGITS, "--epochs", "2", "--device", "cuda",
+        ])
+        .arg("--json")
+        .arg(&json);
+        with_emulator(&mut cmd, dir, 100).env("STOKEHOLD_EMU_FAIL_HTOD_LATE", copy);
+        let out = output_within(&mut cmd);
+        let text = shown(&out);
+        assert_eq!(out.status.code(), Some(1), "copy {copy}: {text}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("CUDA_ERROR_ILLEGAL_ADDRESS"), "{text}");
+        assert!(!err.contains("panicked"), "{text}");
+        assert!(!json.exists(), "copy {copy}: a report was written\n{text}");
+    }
+}
+
+#[test]
 fn a_driver_without_nvrtc_falls_back_to_the_cpu_or_says_why() {
     // The common machine with a driver but no toolkit: libcuda and a device, no NVRTC.
     let Some(dir) = emulator() else { return };
