@@ -1128,13 +1128,16 @@ impl Epoch {
     /// After a batch taken from this epoch was lost (its copy to the device failed):
     /// ends the epoch with the loader's state at `before`, the state before that batch,
     /// as a failed read on the host leaves it, so that a resume (or the next
-    /// `epoch(e)`) yields the lost batch again. Nothing happens once the loader has
-    /// moved on to another epoch.
+    /// `epoch(e)`) yields the lost batch again; iterating this epoch again stops, and
+    /// its figures stay. Nothing happens once the loader has moved on to another epoch.
     ///
     /// Where `failed` says the copy of an earlier batch of this epoch failed (found by
     /// a later lend, or by the drain at the epoch's end, `before` being its end), the
     /// state goes back to that batch instead (the batches after it come again).
     fn rewind(&self, py: Python<'_>, before: LoaderState, failed: &stokehold::Error) {
+        // Its figures stay readable, as at its end (`exhaust`).
+        let last = self.loader_stats(py);
+        *lock(&self.last) = last;
         let loader = self._loader.borrow(py);
         let mut turn = loader.control.take(py);
         let (slot, generation) = (Arc::clone(&self.slot), self.generation);
@@ -1164,6 +1167,8 @@ impl Epoch {
         let Some(state) = state else {
             return;
         };
+        // Ended by its own error, as a failed read ends it: iterating it again stops.
+        self.exhausted.store(true, Ordering::Release);
         if let Ok(l) = loader.idle(py, &mut turn) {
             if l.resume(state).is_ok() {
                 loader.note_state(l.state());

@@ -270,6 +270,9 @@ def test_a_batch_whose_copy_failed_comes_again_after_a_resume(emulator: Path) ->
         raises(lambda: next(it), "CUDA_ERROR_ILLEGAL_ADDRESS")
         state = loader.state_dict()
         assert (state["epoch"], state["batch"]) == (0, 2), state
+        # The epoch ended there; its figures are still there to read.
+        assert it.stats()["batches"] == 3, it.stats()
+        assert next(it, None) is None
         fresh = stokehold.Loader(sys.argv[1], batch_size=100, seed=5, device="cuda")
         fresh.load_state_dict(state)
         rest = [b.indices.copy() for b in fresh.epoch(0)]
