@@ -745,27 +745,35 @@ fn the_cuda_example_runs_a_users_kernel() {
 
 #[test]
 fn train_stops_at_a_fault_on_the_device_with_its_error() {
-    // A copy that faults on the device (at the first batch's, and later ones'): the
+    // A copy or a kernel that faults on the device (the first, and later ones): the
     // context is lost, and `stokehold train` exits 1 with the driver's error, without a
     // panic, a hang or a report of the half-run training.
     let Some(dir) = emulator() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    for copy in ["1", "3", "7"] {
-        let json = tmp.path().join(format!("run-{copy}.json"));
+    let faults = [
+        ("STOKEHOLD_EMU_FAIL_HTOD_LATE", "1"),
+        ("STOKEHOLD_EMU_FAIL_HTOD_LATE", "3"),
+        ("STOKEHOLD_EMU_FAIL_HTOD_LATE", "7"),
+        ("STOKEHOLD_EMU_FAULT_LAUNCH", "1"),
+        ("STOKEHOLD_EMU_FAULT_LAUNCH", "5"),
+        ("STOKEHOLD_EMU_FAULT_LAUNCH", "20"),
+    ];
+    for (fault, n) in faults {
+        let json = tmp.path().join(format!("run-{fault}-{n}.json"));
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_stokehold"));
         cmd.args([
             "train", "--data", DIGITS, "--epochs", "2", "--device", "cuda",
         ])
         .arg("--json")
         .arg(&json);
-        with_emulator(&mut cmd, dir, 100).env("STOKEHOLD_EMU_FAIL_HTOD_LATE", copy);
+        with_emulator(&mut cmd, dir, 100).env(fault, n);
         let out = output_within(&mut cmd);
         let text = shown(&out);
-        assert_eq!(out.status.code(), Some(1), "copy {copy}: {text}");
+        assert_eq!(out.status.code(), Some(1), "{fault}={n}: {text}");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("CUDA_ERROR_ILLEGAL_ADDRESS"), "{text}");
         assert!(!err.contains("panicked"), "{text}");
-        assert!(!json.exists(), "copy {copy}: a report was written\n{text}");
+        assert!(!json.exists(), "{fault}={n}: a report was written\n{text}");
     }
 }
 

@@ -18,6 +18,8 @@
 //   as a copy from a bad address does on a GPU: the context is then unusable, and every
 //   later call that does CUDA work (the synchronisations once the work before them has
 //   run) returns CUDA_ERROR_ILLEGAL_ADDRESS, as the driver's sticky errors do.
+//   STOKEHOLD_EMU_FAULT_LAUNCH=N does the same with the Nth kernel launch (a training
+//   step reading out of bounds), in place of running the kernel.
 // - Kernels come from the emulated NVRTC (nvrtc.cpp) as shared objects; a launch copies
 //   its parameters (their sizes come from the kernel's C++ signature) and checks its
 //   configuration against the limits of a real device.
@@ -869,6 +871,15 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
     dim3 grid{gx, gy, gz}, block{bx, by, bz};
     LOG("launch %s <<<(%u,%u,%u), (%u,%u,%u)>>>", f->name.c_str(), gx, gy, gz, bx, by, bz);
     std::string name = f->name;
+    static const char* fault = getenv("STOKEHOLD_EMU_FAULT_LAUNCH");
+    static std::atomic<unsigned long long> launches{0};
+    if (++launches == (fault ? strtoull(fault, nullptr, 10) : 0)) {
+        st->push([name] {
+            LOG("launch %s: faulting as STOKEHOLD_EMU_FAULT_LAUNCH asks", name.c_str());
+            g_sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
+        });
+        return CUDA_SUCCESS;
+    }
     st->push([mod, id, grid, block, storage, name] {
         std::vector<void*> ptrs;
         for (auto& a : *storage) {
