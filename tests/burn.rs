@@ -181,7 +181,17 @@ fn a_resumed_loader_is_not_split_and_its_state_follows_set_epoch() {
     // Once the resumed epoch has run, the loader splits.
     assert_eq!(loader.iter().count(), 18 - 3);
     let parts = split_dataloader(shared, &[Device::flex(), Device::flex()]);
-    assert!(parts.iter().all(|p| p.iter().all(|b| b.is_ok())));
+    // Each part serves its own range of the set whole (its indices count from the
+    // range's start), and the ranges cover it.
+    let mut served = 0;
+    for part in &parts {
+        let mut indices: Vec<u64> = part.iter().flat_map(|b| b.unwrap().0).collect();
+        indices.sort_unstable();
+        assert!(!indices.is_empty(), "a part of the split yields nothing");
+        assert_eq!(indices, (0..indices.len() as u64).collect::<Vec<_>>());
+        served += indices.len();
+    }
+    assert_eq!(served, 1797, "the parts serve every sample");
     // An epoch dropped part-way and asked for again runs from its start: so says the
     // state.
     loader.set_epoch(2);

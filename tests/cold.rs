@@ -228,7 +228,7 @@ fn direct_reads_deliver_the_rows_read_no_more_and_leave_nothing_behind() {
         return;
     };
     let Some((same, amplification)) = streamed_directly(&ds, Shuffle::Full { seed: 3 }) else {
-        eprintln!("skipped: no io_uring here (may be turned off by the kernel)");
+        skip_cold("no io_uring here (may be turned off by the kernel)");
         return;
     };
     assert!(same, "direct reads changed the batches");
@@ -391,7 +391,7 @@ fn random_token_windows_in_file_order_are_read_row_by_row() {
     }
     // In 4 KiB sectors a window costs one or two of them whichever way it is read.
     if stokehold::testing::direct_align(&path).is_none_or(|a| a > 512) {
-        eprintln!("skipped: direct reads here are not in 512-byte sectors");
+        skip_cold("direct reads here are not in 512-byte sectors");
         return;
     }
     let build = |plan: bool| {
@@ -406,7 +406,7 @@ fn random_token_windows_in_file_order_are_read_row_by_row() {
     };
     let mut planned = build(true);
     if !planned.direct_reads() {
-        eprintln!("skipped: no io_uring here (may be turned off by the kernel)");
+        skip_cold("no io_uring here (may be turned off by the kernel)");
         return;
     }
     let want: Vec<Vec<u8>> = build(false)

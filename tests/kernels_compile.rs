@@ -41,6 +41,10 @@ fn nvrtc() -> Option<Nvrtc> {
             Some(n)
         }
         Err(reason) => {
+            // CI names the NVRTC it fetched: one that then fails to load is a failure.
+            if let Some(named) = std::env::var_os("STOKEHOLD_NVRTC") {
+                panic!("STOKEHOLD_NVRTC={named:?} did not load: {reason}");
+            }
             common::skip_gpu(&format!("the NVRTC compile check: {reason}"));
             None
         }

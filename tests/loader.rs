@@ -299,7 +299,11 @@ fn a_worker_panic_is_an_error_not_a_hang() {
         .unwrap()
         .map(|b| b.map(|b| b.len()))
         .collect();
-    assert!(again.last().unwrap().is_err());
+    let again = again.last().unwrap().as_ref().unwrap_err();
+    assert!(
+        matches!(again, Error::WorkerPanic { message, .. } if message.contains("sample 3")),
+        "{again}"
+    );
 }
 
 /// A loader of `n` samples in batches of 10 with a pool of two buffers and one worker.
@@ -612,15 +616,21 @@ fn dropping_the_loader_releases_everything() {
 #[test]
 fn bad_configurations_are_errors() {
     let b = || Loader::builder(Synth::new(10));
-    assert!(matches!(b().batch_size(0).build(), Err(Error::Config(_))));
-    assert!(matches!(b().workers(0).build(), Err(Error::Config(_))));
-    assert!(matches!(b().prefetch(0).build(), Err(Error::Config(_))));
-    assert!(matches!(
+    // Each refused with a message that names what is wrong.
+    let refused = |built: stokehold::Result<Loader>, says: &str| match built {
+        Err(Error::Config(m)) => assert!(m.contains(says), "{m:?} does not say {says:?}"),
+        Err(other) => panic!("not a configuration error: {other}"),
+        Ok(_) => panic!("built, though {says:?}"),
+    };
+    refused(b().batch_size(0).build(), "batch size must be at least 1");
+    refused(b().workers(0).build(), "workers must be at least 1");
+    refused(b().prefetch(0).build(), "prefetch must be at least 1");
+    refused(
         b().batch_size(11).drop_last(true).build(),
-        Err(Error::Config(_))
-    ));
+        "gets 10 of 10 samples: no full batch of 11",
+    );
     let past = LoaderState::new(0, 99);
-    assert!(matches!(b().resume(past).build(), Err(Error::Config(_))));
+    refused(b().resume(past).build(), "batch 99 of epoch 0");
 }
 
 #[test]
@@ -935,9 +945,10 @@ fn the_roofline_keeps_its_threads_from_pass_to_pass() {
     failing.fail_at = Some(42);
     let failing: Arc<dyn Dataset> = Arc::new(failing);
     let roofline = stokehold::bench::Roofline::new(failing, loader.layout(), 2).unwrap();
-    assert!(roofline
+    let err = roofline
         .pass(0, (0..100).collect::<Vec<u64>>().into())
-        .is_err());
+        .unwrap_err();
+    assert!(matches!(err, Error::OutOfRange { index: 42, .. }), "{err}");
 }
 
 /// Global positions `from..to` of `epoch`'s order under `shuffle`: the samples there.

@@ -558,7 +558,7 @@ mod tests {
         w.finish().unwrap();
         let ds = NpyDataset::open(&path).unwrap();
         let (Ok(file), Ok(mut reader)) = (open_direct(&path), Reader::new()) else {
-            eprintln!("skipped: no O_DIRECT or no io_uring here");
+            crate::testing::skip_cold("no O_DIRECT or no io_uring here");
             return;
         };
         // A file opened with O_DIRECT whose reads are refused: the alignment the reader

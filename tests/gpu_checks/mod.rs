@@ -263,7 +263,14 @@ pub fn the_device_cache_gives_the_same_epochs(c: Cuda) {
     };
     loader.resume(later).unwrap();
     let pending = loader.state();
-    assert!(t.train(&mut loader, 4, &mut |_, _| {}).is_err());
+    let err = t
+        .train(&mut loader, 4, &mut |_, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("resumes epoch 6 at batch 2: epoch 4 cannot be served whole"),
+        "{err}"
+    );
     assert_eq!(
         t.weights().unwrap().w1,
         before.w1,

@@ -92,8 +92,9 @@ def test_uint8_and_channels_last(tmp_path):
 def test_same_rows_on_any_worker_count_and_after_a_resume(images):
     aug = stokehold.Augment("x", crop=4, flip=True, mean=(0.5,), std=(0.25,))
     make = lambda w: stokehold.Loader(images, batch_size=16, seed=3, workers=w, augment=aug)
-    whole = rows(make(1), 2)
-    assert all(np.array_equal(a[1], b[1]) and a[0] == b[0] for a, b in zip(whole, rows(make(3), 2)))
+    whole, three = rows(make(1), 2), rows(make(3), 2)
+    assert len(whole) == len(three) == N
+    assert all(np.array_equal(a[1], b[1]) and a[0] == b[0] for a, b in zip(whole, three))
     first = make(2)
     head = rows(first, 2, stop=4)
     state = json.loads(json.dumps(first.state_dict()))
