@@ -123,32 +123,21 @@ fn a_bad_label_is_an_error_naming_the_sample_and_nothing_hangs() {
         .build()
         .unwrap();
     let mut trainer = trainer_for(&ds, &loader, 8, 0.1);
-    let err = trainer.train_epoch(loader.epoch(0).unwrap()).unwrap_err();
-    assert!(
-        matches!(
-            err,
+    let the_bad_label = |e: Error| {
+        let bad = matches!(
+            e,
             Error::Label {
                 label: 42,
                 sample: Some(123),
                 ..
             }
-        ),
-        "{err}"
-    );
+        );
+        assert!(bad, "{e}");
+    };
+    the_bad_label(trainer.train_epoch(loader.epoch(0).unwrap()).unwrap_err());
     // Buffers came back and the next epoch starts (and fails the same way).
     assert_eq!(loader.free_buffers(), loader.buffers());
-    let again = trainer.train_epoch(loader.epoch(1).unwrap()).unwrap_err();
-    assert!(
-        matches!(
-            again,
-            Error::Label {
-                label: 42,
-                sample: Some(123),
-                ..
-            }
-        ),
-        "{again}"
-    );
+    the_bad_label(trainer.train_epoch(loader.epoch(1).unwrap()).unwrap_err());
 }
 
 #[test]
