@@ -113,17 +113,24 @@ fn copy_loop(cuda: &Cuda, src: &[u8], reps: usize) -> Result<f64> {
         use cudarc::driver::DevicePtr;
         dst.device_ptr(&stream).0
     };
-    // One untimed copy first.
-    // SAFETY: `dst` holds `src.len()` bytes; `src` outlives the synchronisation below.
-    unsafe { result::memcpy_htod_async(ptr, src, stream.cu_stream()) }?;
-    a.record(&stream)?;
-    for _ in 0..reps {
-        // SAFETY: as above.
+    let timed = (|| -> Result<f64> {
+        // One untimed copy first.
+        // SAFETY: `dst` holds `src.len()` bytes; `src` outlives the synchronisation
+        // below, which runs whatever happens here.
         unsafe { result::memcpy_htod_async(ptr, src, stream.cu_stream()) }?;
-    }
-    b.record(&stream)?;
-    b.synchronize()?;
-    let ms = a.elapsed_ms(&b)? as f64;
+        a.record(&stream)?;
+        for _ in 0..reps {
+            // SAFETY: as above.
+            unsafe { result::memcpy_htod_async(ptr, src, stream.cu_stream()) }?;
+        }
+        b.record(&stream)?;
+        b.synchronize()?;
+        Ok(a.elapsed_ms(&b)? as f64)
+    })();
+    // `src` may be freed on return: no copy may still read it.
+    let settled = crate::cuda::settle_stream(&stream);
+    let ms = timed?;
+    settled?;
     Ok((src.len() * reps) as f64 / (ms / 1e3) / 1e9)
 }
 

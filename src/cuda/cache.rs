@@ -35,7 +35,7 @@ pub struct DeviceCache {
 impl Drop for DeviceCache {
     fn drop(&mut self) {
         // An index upload may still read the pinned host buffer freed below.
-        let _ = self.stream.synchronize();
+        let _ = super::settle_stream(&self.stream);
     }
 }
 

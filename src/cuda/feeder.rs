@@ -414,7 +414,7 @@ impl Feeder {
                 // Pinned buffers go back once their copies are done; at most K - 1 stay
                 // in flight, so a slot's previous batch is always released first.
                 while let Some(&(_, k0)) = inflight.front() {
-                    if inflight.len() < k_slots && !self.copied[k0].is_complete() {
+                    if inflight.len() < k_slots && !self.copied[k0].try_is_complete()? {
                         break;
                     }
                     let t = Instant::now();
@@ -429,12 +429,16 @@ impl Feeder {
         // Whatever happened, no pinned buffer goes back, and no slot is freed, before
         // every copy enqueued so far is done.
         let drained = (|| -> Result<()> {
-            self.copy.synchronize()?;
+            // Both streams waited for, whatever the first says: the slots are freed on
+            // the compute stream, not after the copy stream's writes.
+            let copies = super::settle_stream(&self.copy);
+            let steps = super::settle_stream(&self.compute);
+            copies?;
+            steps?;
             for (_, k0) in inflight.drain(..) {
                 self.copied[k0].synchronize()?;
                 copy_ms += self.copy_done(k0, (t0, epoch_no))?;
             }
-            self.compute.synchronize()?;
             for j in i.saturating_sub(k_slots)..i {
                 let k = j % k_slots;
                 work_ms += self.work_done(k, (t0, epoch_no))?;

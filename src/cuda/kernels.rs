@@ -209,6 +209,8 @@ pub(crate) fn load_program<T>(
             };
             match load(cuda, image, origin.clone()) {
                 Ok(k) => return Ok(k),
+                // Another image would fail the same way, and the cache is not to blame.
+                Err(e) if the_context_failed(&e) => return Err(e),
                 Err(e) => {
                     last = Some(e);
                     if attempt == 0 && matches!(origin, KernelOrigin::Cached { .. }) {
@@ -221,6 +223,28 @@ pub(crate) fn load_program<T>(
         }
     }
     Err(last.unwrap_or_else(|| Error::Cuda("no kernel image could be built".into())))
+}
+
+/// Whether loading an image failed for the context, not the image: a fault's sticky
+/// error, or a context that is gone. Another image would fail the same way, and the
+/// cache is not to blame. (Any other failure may be the image's: damaged, for another
+/// architecture, PTX too new for the driver.)
+fn the_context_failed(e: &Error) -> bool {
+    const CONTEXT: [&str; 12] = [
+        "CUDA_ERROR_ILLEGAL_ADDRESS",
+        "CUDA_ERROR_LAUNCH_FAILED",
+        "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+        "CUDA_ERROR_MISALIGNED_ADDRESS",
+        "CUDA_ERROR_INVALID_ADDRESS_SPACE",
+        "CUDA_ERROR_INVALID_PC",
+        "CUDA_ERROR_HARDWARE_STACK_ERROR",
+        "CUDA_ERROR_ECC_UNCORRECTABLE",
+        "CUDA_ERROR_LAUNCH_TIMEOUT",
+        "CUDA_ERROR_CONTEXT_IS_DESTROYED",
+        "CUDA_ERROR_DEINITIALIZED",
+        "CUDA_ERROR_OUT_OF_MEMORY",
+    ];
+    matches!(e, Error::Cuda(m) if CONTEXT.iter().any(|code| m.contains(code)))
 }
 
 /// The compiled image (a cubin for the device's own architecture, or PTX), from the

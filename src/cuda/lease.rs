@@ -115,7 +115,7 @@ impl Shared {
             Ok(())
         })();
         if recorded.is_err() {
-            let _ = self.ctx.synchronize();
+            let _ = super::settle(&self.ctx);
         }
         lock(&self.free).push(k);
         self.available.notify_all();
@@ -124,7 +124,9 @@ impl Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        // The memory is freed after the consumers' last work on it has run.
+        // The memory is freed after the consumers' last work on it has run (an error a
+        // drop left in the context would make the first wait return at once).
+        let _ = self.ctx.check_err();
         for r in &self.release {
             for e in &lock(r).events {
                 let _ = e.synchronize();
@@ -292,7 +294,7 @@ impl DeviceSlots {
             // Some of the copies may be enqueued (several with an augmentation): they
             // must be done before the batch's buffer and the slot are used again, and
             // so must the consumers' work whose release events a failed wait dropped.
-            let _ = self.shared.ctx.synchronize();
+            let _ = super::settle(&self.shared.ctx);
             // Nothing of this slot is lent: it goes back as it was.
             self.shared.release(k, &[]);
             // A fault in an earlier copy, still in flight, leaves the context failing
@@ -376,7 +378,7 @@ impl DeviceSlots {
                 Err(e) => {
                     let (batch, epoch) = (batch.number(), batch.epoch());
                     // No host buffer goes back while a copy may still read it.
-                    let _ = self.shared.ctx.synchronize();
+                    let _ = super::settle(&self.shared.ctx);
                     self.in_flight.clear();
                     let message = match e {
                         Error::Cuda(m) => m,
@@ -484,7 +486,7 @@ impl Drop for DeviceSlots {
         let _current = KeepCurrent::new();
         // No pinned buffer goes back to the loader while a copy may still read it.
         if self.copy.synchronize().is_err() {
-            let _ = self.shared.ctx.synchronize();
+            let _ = super::settle(&self.shared.ctx);
         }
         self.in_flight.clear();
     }

@@ -14,6 +14,8 @@ mod trainer;
 
 use std::sync::Arc;
 
+use cudarc::driver::{CudaStream, DriverError};
+
 pub use augment::{packed, AUGMENT};
 pub use cudarc::driver::CudaContext;
 pub use feeder::{DeviceBatch, FeedStats, Feeder};
@@ -70,6 +72,27 @@ fn quietly<R>(f: impl FnOnce() -> R + std::panic::UnwindSafe) -> Result<R, Strin
             .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
             .unwrap_or_else(|| "a panic without a message".into())
     })
+}
+
+/// Waits until the work enqueued in `ctx` so far has run or failed: before host memory
+/// it may read is reused or freed. An error a drop left in the context (cudarc keeps it
+/// for the next call, which returns it without doing its work) is taken first, so that
+/// the wait is not skipped.
+///
+/// # Errors
+/// The driver's error, once the wait is done (a fault's sticky error, say).
+pub(crate) fn settle(ctx: &CudaContext) -> std::result::Result<(), DriverError> {
+    let _ = ctx.check_err();
+    ctx.synchronize()
+}
+
+/// [`settle`] for one stream's work.
+///
+/// # Errors
+/// The driver's error, once the wait is done.
+pub(crate) fn settle_stream(stream: &CudaStream) -> std::result::Result<(), DriverError> {
+    let _ = stream.context().check_err();
+    stream.synchronize()
 }
 
 /// Puts the calling thread's current CUDA context back when dropped. stokehold's calls

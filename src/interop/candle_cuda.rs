@@ -137,14 +137,25 @@ impl CudaTensors {
                 Err(e) => {
                     // The batch goes back to the pool on return: the copies enqueued
                     // from its buffer must be done first.
-                    let _ = self.copy.synchronize();
+                    let _ = crate::cuda::settle_stream(&self.copy);
                     return Err(e);
                 }
             }
         }
-        let copied = self.copy.record_event(None)?;
-        // Before any of candle's kernels (the widening below included) is enqueued.
-        self.device.cuda_stream().wait(&copied)?;
+        let ordered = (|| -> Result<CudaEvent> {
+            let copied = self.copy.record_event(None)?;
+            // Before any of candle's kernels (the widening below included) is enqueued.
+            self.device.cuda_stream().wait(&copied)?;
+            Ok(copied)
+        })();
+        let copied = match ordered {
+            Ok(copied) => copied,
+            Err(e) => {
+                // As above: every copy is enqueued, and the batch goes back on return.
+                let _ = crate::cuda::settle_stream(&self.copy);
+                return Err(e);
+            }
+        };
         self.in_flight.push_back((batch, copied));
         self.retire()?;
         copies.into_iter().map(Column::tensor).collect()
@@ -237,7 +248,9 @@ impl CudaTensors {
 
 impl Drop for CudaTensors {
     fn drop(&mut self) {
-        // The host batches go back to the pool only once no copy reads them.
+        // The host batches go back to the pool only once no copy reads them (an error a
+        // drop left in the context would make the first wait return at once).
+        let _ = self.copy.context().check_err();
         for (_, event) in self.in_flight.drain(..) {
             let _ = event.synchronize();
         }

@@ -63,10 +63,9 @@ struct DLManagedTensor {
 struct Managed {
     tensor: DLManagedTensor,
     shape: Vec<i64>,
-    batch: Arc<LentBatch>,
-    /// The process the tensor was made in: deleted in a forked child, where CUDA
-    /// cannot be used, it leaks its batch.
-    pid: u32,
+    /// Let go as any other handle (`Held`): without the GIL if it is the last one, and
+    /// leaked in a forked child, where CUDA cannot be used.
+    batch: Held,
 }
 
 /// DLPack's deleter: frees the tensor and lets go of its batch.
@@ -74,10 +73,7 @@ unsafe extern "C" fn delete(tensor: *mut DLManagedTensor) {
     if !tensor.is_null() {
         // SAFETY: every tensor with this deleter is the first field of a `Managed`
         // leaked from a Box in `__dlpack__`, and the deleter is called once.
-        let managed = unsafe { Box::from_raw(tensor.cast::<Managed>()) };
-        if std::process::id() != managed.pid {
-            std::mem::forget(managed.batch);
-        }
+        drop(unsafe { Box::from_raw(tensor.cast::<Managed>()) });
     }
 }
 
@@ -358,8 +354,7 @@ impl DeviceArray {
                 deleter: Some(delete),
             },
             shape: self.shape.clone(),
-            batch: Arc::clone(&self.batch),
-            pid: self.batch.pid,
+            batch: self.batch.share(),
         });
         managed.tensor.dl_tensor.shape = managed.shape.as_mut_ptr();
         let tensor = Box::into_raw(managed).cast::<c_void>();

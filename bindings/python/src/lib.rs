@@ -1192,6 +1192,17 @@ impl Epoch {
         });
     }
 
+    /// Waits for the copies of the epoch's last batches, at its end (`end`, its state
+    /// there): a fault in one of them loses a batch of this epoch, which a resume must
+    /// yield again, so the state goes back to it and the error is raised.
+    fn settle(&self, py: Python<'_>, slots: &device::Slots, end: LoaderState) -> PyResult<()> {
+        device::drain(py, slots).map_err(|e| {
+            self.end_progress();
+            self.rewind(py, end, &e);
+            error(e)
+        })
+    }
+
     /// Ends the progress bar, if any.
     fn end_progress(&self) {
         let bar = self
@@ -1234,15 +1245,9 @@ impl Epoch {
             match left {
                 // Its errors (every slot held, Ctrl-C) leave the epoch as it was.
                 Some((n, _)) if n > 0 => reserved = Some(device::reserve(py, slots)?),
-                // The epoch's last copies before its end: a fault in one of them loses
-                // a batch of this epoch, which a resume must yield again.
-                Some((_, end)) => {
-                    if let Err(e) = device::drain(py, slots) {
-                        self.end_progress();
-                        self.rewind(py, end, &e);
-                        return Err(error(e));
-                    }
-                }
+                // The epoch's last copies before its end (again below, for a batch
+                // another thread took meanwhile).
+                Some((_, end)) => self.settle(py, slots, end)?,
                 None => {}
             }
         }
@@ -1254,10 +1259,13 @@ impl Epoch {
                 if running.generation != generation {
                     return Err(());
                 }
-                // With the states before and after it.
+                // With the states before and after it; at the end, the state there.
+                let mut end = None;
                 let next = running.epoch.as_mut().and_then(|e| {
                     let before = e.state();
-                    e.next().map(|n| (n, before, e.state()))
+                    let next = e.next().map(|n| (n, before, e.state()));
+                    end = next.is_none().then_some(before);
+                    next
                 });
                 let mut glance = lock(&seen);
                 if glance.ended == Some(generation) {
@@ -1271,9 +1279,9 @@ impl Epoch {
                     }
                     glance.shown = Some(Shown::of(generation, e));
                 }
-                Ok(next)
+                Ok((next, end))
             });
-            if let Ok(Some((Err(stokehold::Error::Interrupted), ..))) = next {
+            if let Ok((Some((Err(stokehold::Error::Interrupted), ..)), _)) = next {
                 // The wait stops every 50 ms: Python's signal handlers run here, with
                 // the epoch's lock let go (a handler may end the epoch or ask for its
                 // row); what they raise (Ctrl-C's KeyboardInterrupt) leaves the batch
@@ -1285,15 +1293,18 @@ impl Epoch {
         };
         match next {
             Err(()) => Err(ended()),
-            Ok(None) => {
+            Ok((None, end)) => {
+                if let (Some(slots), Some(end)) = (&self.device, end) {
+                    self.settle(py, slots, end)?;
+                }
                 self.exhaust(py);
                 Ok(None)
             }
-            Ok(Some((Err(e), ..))) => {
+            Ok((Some((Err(e), ..)), _)) => {
                 self.end_progress();
                 Err(error(e))
             }
-            Ok(Some((Ok(batch), before, after))) => {
+            Ok((Some((Ok(batch), before, after)), _)) => {
                 if let Some(bar) = &*self.progress.lock().unwrap_or_else(|e| e.into_inner()) {
                     let mut bar = bar.lock().unwrap_or_else(|e| e.into_inner());
                     bar.advance(batch.len() as u64, 0.0);
