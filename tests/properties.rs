@@ -1,7 +1,7 @@
 //! Property tests of the parsers and permutations on arbitrary input.
 
 use proptest::prelude::*;
-use stokehold::{NpyHeader, Order, Permutation, Shard, Shuffle};
+use stokehold::{DType, NpyHeader, Order, Permutation, Shard, Shuffle};
 
 fn valid_header() -> Vec<u8> {
     stokehold::gen::npy_header(stokehold::DType::F32, &[5, 3])
@@ -30,6 +30,50 @@ proptest! {
             prop_assert!(!parsed.shape.is_empty());
             prop_assert!(parsed.data_offset as usize <= h.len());
         }
+    }
+
+    #[test]
+    fn headers_as_numpy_writes_them_parse_back(
+        d in 0usize..DType::ALL.len(),
+        shape in proptest::collection::vec(1u64..1000, 1..6),
+        keys in 0usize..6,
+        version2: bool,
+    ) {
+        // Any order of the three keys, format 1.0 or 2.0 (a four-byte length), padded
+        // to 64 bytes with a newline, as NumPy pads.
+        let dtype = DType::ALL[d];
+        let dims: Vec<String> = shape.iter().map(u64::to_string).collect();
+        let tuple = match dims.len() {
+            1 => format!("({},)", dims[0]),
+            _ => format!("({})", dims.join(", ")),
+        };
+        let mut entries = vec![
+            format!("'descr': '{}'", dtype.descr()),
+            "'fortran_order': False".to_string(),
+            format!("'shape': {tuple}"),
+        ];
+        entries.rotate_left(keys % 3);
+        if keys >= 3 {
+            entries.swap(0, 1);
+        }
+        let dict = format!("{{{}, }}", entries.join(", "));
+        let prefix = if version2 { 12 } else { 10 };
+        let total = (prefix + dict.len() + 1).next_multiple_of(64);
+        let mut h = b"\x93NUMPY".to_vec();
+        h.extend_from_slice(if version2 { &[2, 0] } else { &[1, 0] });
+        let len = total - prefix;
+        match version2 {
+            true => h.extend_from_slice(&(len as u32).to_le_bytes()),
+            false => h.extend_from_slice(&(len as u16).to_le_bytes()),
+        }
+        h.extend_from_slice(dict.as_bytes());
+        h.resize(total - 1, b' ');
+        h.push(b'\n');
+        let parsed = NpyHeader::parse(&h).map_err(|e| TestCaseError::fail(format!("{dict}: {e}")))?;
+        prop_assert_eq!(parsed.dtype, dtype);
+        prop_assert_eq!(&parsed.shape, &shape);
+        prop_assert_eq!(parsed.data_offset, total as u64);
+        prop_assert_eq!(parsed.version, (if version2 { 2 } else { 1 }, 0));
     }
 
     #[test]
