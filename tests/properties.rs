@@ -47,7 +47,7 @@ proptest! {
             1 => format!("({},)", dims[0]),
             _ => format!("({})", dims.join(", ")),
         };
-        let mut entries = vec![
+        let mut entries = [
             format!("'descr': '{}'", dtype.descr()),
             "'fortran_order': False".to_string(),
             format!("'shape': {tuple}"),
