@@ -1177,8 +1177,9 @@ impl Epoch {
     }
 
     /// Moves the state the loader reports on to `after`, this epoch's state once a
-    /// batch for the device was lent; unless the epoch was ended meanwhile, or another
-    /// thread's later batch of it was lent first.
+    /// batch for the device was lent (or, at its end, once its last copies are done);
+    /// unless the epoch was ended meanwhile, or another thread's later batch of it was
+    /// lent first.
     fn note_lent(&self, py: Python<'_>, after: LoaderState) {
         let (seen, generation) = (Arc::clone(&self.seen), self.generation);
         py.detach(move || {
@@ -1239,16 +1240,11 @@ impl Epoch {
             let running = Arc::clone(&slot);
             let left = py.detach(move || {
                 let r = lock(&running);
-                let e = r.epoch.as_ref().filter(|_| r.generation == generation)?;
-                Some((e.len(), e.state()))
+                (r.generation == generation).then(|| r.epoch.as_ref().map_or(0, |e| e.len()))
             });
-            match left {
+            if left.is_some_and(|n| n > 0) {
                 // Its errors (every slot held, Ctrl-C) leave the epoch as it was.
-                Some((n, _)) if n > 0 => reserved = Some(device::reserve(py, slots)?),
-                // The epoch's last copies before its end (again below, for a batch
-                // another thread took meanwhile).
-                Some((_, end)) => self.settle(py, slots, end)?,
-                None => {}
+                reserved = Some(device::reserve(py, slots)?);
             }
         }
         let device = self.device.is_some();
@@ -1259,12 +1255,13 @@ impl Epoch {
                 if running.generation != generation {
                     return Err(());
                 }
-                // With the states before and after it; at the end, the state there.
+                // With the states before and after it; at the end, the states there
+                // and past it.
                 let mut end = None;
                 let next = running.epoch.as_mut().and_then(|e| {
                     let before = e.state();
                     let next = e.next().map(|n| (n, before, e.state()));
-                    end = next.is_none().then_some(before);
+                    end = next.is_none().then(|| (before, e.state()));
                     next
                 });
                 let mut glance = lock(&seen);
@@ -1273,8 +1270,9 @@ impl Epoch {
                     return Err(());
                 }
                 if let Some(e) = &running.epoch {
-                    // A batch for the device counts once it is lent (`note_lent`).
-                    if !(device && matches!(next, Some((Ok(_), ..)))) {
+                    // A batch for the device counts once it is lent, and its end once
+                    // its last copies are done (`note_lent`).
+                    if !(device && (matches!(next, Some((Ok(_), ..))) || end.is_some())) {
                         glance.state = e.state();
                     }
                     glance.shown = Some(Shown::of(generation, e));
@@ -1294,8 +1292,9 @@ impl Epoch {
         match next {
             Err(()) => Err(ended()),
             Ok((None, end)) => {
-                if let (Some(slots), Some(end)) = (&self.device, end) {
-                    self.settle(py, slots, end)?;
+                if let (Some(slots), Some((at, past))) = (&self.device, end) {
+                    self.settle(py, slots, at)?;
+                    self.note_lent(py, past);
                 }
                 self.exhaust(py);
                 Ok(None)
