@@ -101,7 +101,8 @@ struct Alloc {
 std::map<uintptr_t, Alloc>& g_device = *new std::map<uintptr_t, Alloc>;  // by start
 std::map<uintptr_t, size_t>& g_host = *new std::map<uintptr_t, size_t>;  // pinned: start -> bytes
 size_t g_used = 0;
-// The sticky error of a fault in work run on a stream (STOKEHOLD_EMU_FAIL_HTOD_LATE).
+// The sticky error of a fault in work run on a stream (STOKEHOLD_EMU_FAIL_HTOD_LATE,
+// STOKEHOLD_EMU_FAULT_LAUNCH).
 std::atomic<int> g_sticky{0};
 
 size_t total_memory() {
@@ -522,6 +523,15 @@ CUresult cuMemFreeHost(void* p) {
     return CUDA_SUCCESS;
 }
 
+// Enqueues, in place of `what`, a fault on `st`: when it runs, the context's sticky
+// error is set, as `why` (the variable that asked) says in the log.
+void fault_when_run(Stream* st, std::string what, const char* why) {
+    st->push([what, why] {
+        LOG("%s: faulting as %s asks", what.c_str(), why);
+        g_sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
+    });
+}
+
 // How the host-to-device copy at hand fails: as STOKEHOLD_EMU_FAIL_HTOD (at once) or
 // STOKEHOLD_EMU_FAIL_HTOD_LATE (when it runs) names it, or not at all.
 enum class Fails { no, now, late };
@@ -545,10 +555,7 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstre
         return CUDA_ERROR_ILLEGAL_ADDRESS;
     }
     if (fails == Fails::late) {
-        st->push([] {
-            LOG("cuMemcpyHtoDAsync: faulting as STOKEHOLD_EMU_FAIL_HTOD_LATE asks");
-            g_sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
-        });
+        fault_when_run(st, "cuMemcpyHtoDAsync", "STOKEHOLD_EMU_FAIL_HTOD_LATE");
         return CUDA_SUCCESS;
     }
     if (!in_device(dst, n)) {
@@ -874,10 +881,7 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
     static const char* fault = getenv("STOKEHOLD_EMU_FAULT_LAUNCH");
     static std::atomic<unsigned long long> launches{0};
     if (++launches == (fault ? strtoull(fault, nullptr, 10) : 0)) {
-        st->push([name] {
-            LOG("launch %s: faulting as STOKEHOLD_EMU_FAULT_LAUNCH asks", name.c_str());
-            g_sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
-        });
+        fault_when_run(st, "launch " + name, "STOKEHOLD_EMU_FAULT_LAUNCH");
         return CUDA_SUCCESS;
     }
     st->push([mod, id, grid, block, storage, name] {
