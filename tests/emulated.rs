@@ -437,15 +437,13 @@ fn a_bad_label_is_an_error() {
 /// loader are let go.
 fn a_faulting_copy_loses_no_batch(c: Cuda, faulting: u64) {
     use std::collections::VecDeque;
-    use stokehold::cuda::{DeviceSlots, PinnedAlloc, PinnedKind};
-    use stokehold::{Error, Loader, NpyDataset, Shuffle};
+    use std::sync::Arc;
+    use stokehold::cuda::DeviceSlots;
+    use stokehold::{Dataset, Error, NpyDataset, Shuffle};
 
-    let alloc = PinnedAlloc::new(std::sync::Arc::clone(&c.ctx), PinnedKind::Plain);
-    let mut loader = Loader::builder(NpyDataset::open(DIGITS).unwrap())
-        .batch_size(100)
-        .workers(2)
+    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(DIGITS).unwrap());
+    let mut loader = gpu_checks::pinned_loader(&c, &ds, 100)
         .shuffle(Shuffle::Full { seed: 6 })
-        .allocator(std::sync::Arc::new(alloc))
         .build()
         .unwrap();
     let layout = loader.layout().clone();

@@ -14,7 +14,7 @@ use crate::common::DIGITS;
 
 /// A loader of `batch`-sample batches over `ds` with 2 workers, gathering into pinned
 /// memory of `c`'s context, as the CUDA trainer's loader does.
-fn pinned_loader(c: &Cuda, ds: &Arc<dyn Dataset>, batch: usize) -> stokehold::LoaderBuilder {
+pub fn pinned_loader(c: &Cuda, ds: &Arc<dyn Dataset>, batch: usize) -> stokehold::LoaderBuilder {
     Loader::builder_shared(Arc::clone(ds))
         .batch_size(batch)
         .workers(2)
