@@ -4,11 +4,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::dataset::{DType, Dataset};
+use crate::dataset::DType;
 use crate::error::{Error, Result};
 use crate::loader::{BatchLayout, Loader};
 use crate::model::Mlp;
-use crate::sampler::Order;
 use crate::telemetry::{EpochOutcome, Progress, Trace};
 
 /// The training step of a backend, fed epoch by epoch.
@@ -51,28 +50,27 @@ pub trait Trainer {
     /// [`Error::Cuda`] if a launch fails.
     fn warm_up(&mut self) -> Result<Duration>;
 
-    /// Keeps the dataset of `order` in device memory if it fits under `share` of the
-    /// free device memory and one epoch covers every row; returns its size in bytes, or
-    /// `None` where that does not apply (always, on the CPU).
+    /// Keeps the dataset of `loader` in device memory if it fits under `share` of the
+    /// free device memory, one epoch covers every row and the loader does not augment
+    /// (an augmented epoch differs from the last: a cache would replay epoch 0's draws);
+    /// returns its size in bytes, or `None` where that does not apply (always, on the
+    /// CPU).
     ///
     /// # Errors
     /// [`Error::Cuda`] if the allocation fails.
-    fn enable_device_cache(&mut self, order: &Order, share: f64) -> Result<Option<u64>> {
-        let _ = (order, share);
+    fn enable_device_cache(&mut self, loader: &Loader, share: f64) -> Result<Option<u64>> {
+        let _ = (loader, share);
         Ok(None)
     }
 
-    /// Fills the device cache from `dataset` before the first epoch, in large copies;
+    /// Fills the device cache from `loader`'s dataset before the first epoch, in large
+    /// copies;
     /// returns how long it took, or `None` when there is no device cache.
     ///
     /// # Errors
     /// The dataset's error or a device error.
-    fn fill_device_cache(
-        &mut self,
-        dataset: &dyn Dataset,
-        order: &Order,
-    ) -> Result<Option<Duration>> {
-        let _ = (dataset, order);
+    fn fill_device_cache(&mut self, loader: &Loader) -> Result<Option<Duration>> {
+        let _ = loader;
         Ok(None)
     }
 }

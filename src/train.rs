@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::augment::Augment;
 use crate::cuda::PinnedKind;
 use crate::dataset::{Dataset, NpyDataset};
 use crate::device::{Backend, DeviceChoice};
@@ -75,6 +76,21 @@ pub struct TrainConfig {
     pub device_cache: bool,
     /// On CUDA, the kind of page-locked memory the loader's buffers are.
     pub pinned: PinnedKind,
+    /// Pixels of padding of a random crop of `x`, drawn per sample (0: no crop), in the
+    /// loader's workers. Augmenting turns the device cache off.
+    pub crop: u32,
+    /// Flip `x` left to right, for half the samples, in the loader's workers.
+    pub flip: bool,
+}
+
+impl TrainConfig {
+    /// The augmentation of column `x` that [`crop`](Self::crop) and
+    /// [`flip`](Self::flip) ask for (its images stay `uint8`), drawn from
+    /// [`seed`](Self::seed); `None` for neither.
+    pub fn augment(&self) -> Option<Augment> {
+        (self.crop > 0 || self.flip)
+            .then(|| Augment::new("x", self.seed).crop(self.crop).flip(self.flip))
+    }
 }
 
 /// Trains as `config` says and reports every figure.
@@ -120,6 +136,9 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
     if let Some(alloc) = backend.allocator(config.pinned) {
         builder = builder.allocator(alloc);
     }
+    if let Some(a) = config.augment() {
+        builder = builder.augment(a);
+    }
     let mut loader = builder.build()?;
     setup.pool_alloc_s = loader.startup().pool_alloc.as_secs_f64();
     setup.worker_start_s = loader.startup().threads.as_secs_f64();
@@ -144,11 +163,11 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
     }
     let mut device_cache = None;
     if config.device_cache {
-        device_cache = trainer.enable_device_cache(loader.order(), 0.5)?;
+        device_cache = trainer.enable_device_cache(&loader, 0.5)?;
         if config.warmup {
             // The device cache filled up front, in large sequential copies: epoch 0 then
             // reads the device like the later ones.
-            if let Some(d) = trainer.fill_device_cache(ds.as_ref(), loader.order())? {
+            if let Some(d) = trainer.fill_device_cache(&loader)? {
                 setup.device_cache_fill_s = d.as_secs_f64();
             }
         }
@@ -202,7 +221,7 @@ pub fn summary(report: &TrainReport, config: &TrainConfig) -> String {
         );
     }
     s += &format!(
-        "data: {} ({} samples of {} bytes), batch {}, {} workers, {:?} shuffle, hidden {}\n\n",
+        "data: {} ({} samples of {} bytes), batch {}, {} workers, {:?} shuffle, hidden {}\n",
         report.data,
         report.samples,
         report.bytes_per_sample,
@@ -211,6 +230,20 @@ pub fn summary(report: &TrainReport, config: &TrainConfig) -> String {
         config.shuffle,
         config.hidden
     );
+    if config.augment().is_some() {
+        let crop = match config.crop {
+            0 => "no crop".to_string(),
+            pad => format!("a random crop (padding {pad})"),
+        };
+        let flip = if config.flip { "a flip" } else { "no flip" };
+        s += &format!("augment: x, {crop}, {flip}, drawn per sample in the loader's workers");
+        let cuda = config.device != DeviceChoice::Cpu && report.fallback_reason.is_none();
+        if cuda && config.device_cache {
+            s += " (no device cache: each epoch's images differ)";
+        }
+        s.push('\n');
+    }
+    s.push('\n');
     s += &report.table();
     s.push('\n');
     s += &report.warmup_text();

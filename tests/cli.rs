@@ -243,3 +243,53 @@ fn digits_reach_90_percent_within_10_epochs_with_default_flags() {
         .fold(0.0, f64::max);
     assert!(best >= 0.90, "best training accuracy {best} in 10 epochs");
 }
+
+#[test]
+fn train_augments_x_when_asked_and_refuses_a_crop_too_large() {
+    // The same seed with and without `--crop --flip`: the same order and weights, other
+    // images, so other losses from the first batch on; the JSON and the summary say what
+    // ran.
+    let tmp = tempfile::tempdir().unwrap();
+    let digits = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
+    let run = |name: &str, extra: &[&str]| {
+        let json = tmp.path().join(name);
+        let args = [
+            &[
+                "train", "--data", digits, "--epochs", "2", "--device", "cpu",
+            ][..],
+            &["--json", json.to_str().unwrap()],
+            extra,
+        ]
+        .concat();
+        let out = stokehold(&args);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let report: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        (text, report)
+    };
+    let (plain_text, plain) = run("plain.json", &[]);
+    let (text, augmented) = run("augmented.json", &["--crop", "1", "--flip"]);
+    assert!(!plain_text.contains("augment:"), "{plain_text}");
+    assert!(
+        text.contains("augment: x, a random crop (padding 1), a flip, drawn per sample"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("no device cache"),
+        "the CPU has none: {text}"
+    );
+    assert_eq!(augmented["config"]["crop"], 1);
+    assert_eq!(augmented["config"]["flip"], true);
+    assert_eq!(plain["config"]["crop"], 0);
+    let loss = |r: &serde_json::Value| r["epochs"][0]["loss"].as_f64().unwrap();
+    assert_ne!(loss(&plain), loss(&augmented));
+
+    let out = stokehold(&["train", "--data", digits, "--crop", "4097"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("4097"));
+}

@@ -671,6 +671,56 @@ fn train_on_the_cuda_backend_matches_the_cpu_backend() {
 }
 
 #[test]
+fn train_augments_on_the_cuda_backend_as_on_the_cpu_without_a_device_cache() {
+    // `--crop`/`--flip` augment in the loader's workers on either backend: the same
+    // batches, so the same losses. A device cache would replay epoch 0's crops and
+    // flips in later epochs: it stays off, and the summary says why.
+    let Some(dir) = emulator() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let (gpu, cpu) = (tmp.path().join("gpu.json"), tmp.path().join("cpu.json"));
+    let common = [
+        "train", "--data", DIGITS, "--epochs", "3", "--batch", "128", "--crop", "2", "--flip",
+    ];
+    let g = stokehold(
+        dir,
+        &[
+            &common[..],
+            &["--device", "cuda", "--json", gpu.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    stokehold(
+        dir,
+        &[
+            &common[..],
+            &["--device", "cpu", "--json", cpu.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    let text = String::from_utf8_lossy(&g.stdout);
+    assert!(
+        text.contains("a random crop (padding 2), a flip")
+            && text.contains("no device cache: each epoch's images differ"),
+        "{text}"
+    );
+    let (g, c) = (json(&gpu), json(&cpu));
+    assert!(g["device"].as_str().unwrap().contains("emulator"));
+    assert_eq!(g["device_cache_bytes"], serde_json::Value::Null, "{g}");
+    assert_eq!(
+        (&g["config"]["crop"], &g["config"]["flip"]),
+        (&2.into(), &true.into())
+    );
+    let epochs = |v: &serde_json::Value| v["epochs"].as_array().unwrap().clone();
+    for (a, b) in epochs(&g).into_iter().zip(epochs(&c)) {
+        let (la, lb) = (a["loss"].as_f64().unwrap(), b["loss"].as_f64().unwrap());
+        assert!(
+            (la - lb).abs() <= 1e-3 * lb.abs(),
+            "loss {la} on CUDA vs {lb} on the CPU"
+        );
+    }
+}
+
+#[test]
 fn bench_measures_its_gpu_figures_on_the_cuda_backend() {
     let Some(dir) = emulator() else { return };
     let tmp = tempfile::tempdir().unwrap();

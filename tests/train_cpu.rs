@@ -163,6 +163,8 @@ fn the_main_job_reports_every_epoch_and_the_warmup_split() {
         trace: Some(trace_path.clone()),
         device_cache: true,
         pinned: stokehold::cuda::PinnedKind::Plain,
+        crop: 0,
+        flip: false,
     };
     let report = stokehold::train::run(&config).unwrap();
     assert_eq!(report.epochs.len(), 3);

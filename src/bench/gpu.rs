@@ -313,7 +313,7 @@ pub fn run(
         let mut lc = loader(PinnedKind::Plain, w)?;
         lc.warmup()?;
         let mut t = make(64)?;
-        if t.enable_device_cache(lc.order(), 0.5)?.is_none() {
+        if t.enable_device_cache(&lc, 0.5)?.is_none() {
             break;
         }
         t.train_epoch_with(lc.epoch(4)?, &mut |_, _| {})?;
@@ -331,10 +331,10 @@ pub fn run(
         lw.warmup()?;
         let mut t = make(64)?;
         if device_cache {
-            if t.enable_device_cache(lw.order(), 0.5)?.is_none() {
+            if t.enable_device_cache(&lw, 0.5)?.is_none() {
                 continue;
             }
-            t.fill_device_cache(dataset.as_ref(), lw.order())?;
+            t.fill_device_cache(&lw)?;
         }
         let mut walls = Vec::new();
         for e in 0..4 {

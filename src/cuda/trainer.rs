@@ -12,11 +12,10 @@ use super::kernels::Kernels;
 use super::step::Step;
 use super::Cuda;
 use crate::backend::{check_columns, Trainer};
-use crate::dataset::Dataset;
 use crate::error::{Error, Result};
 use crate::loader::{BatchLayout, Epoch, HostBatch, Loader};
 use crate::model::{Metrics, Mlp, Normalize};
-use crate::sampler::{EpochOrder, Order};
+use crate::sampler::EpochOrder;
 use crate::telemetry::{EpochOutcome, Progress, Stage, Trace, Track};
 
 /// Training state on the GPU: a feeder and the step it drives.
@@ -324,10 +323,16 @@ impl Trainer for CudaTrainer {
 
     /// The cache is filled by the next whole epoch from the loader, or by
     /// [`fill_device_cache`](Trainer::fill_device_cache).
-    fn enable_device_cache(&mut self, order: &Order, share: f64) -> Result<Option<u64>> {
+    fn enable_device_cache(&mut self, loader: &Loader, share: f64) -> Result<Option<u64>> {
         // The graph reads the cache's buffers, which go with it: captured again for the
         // new one.
         self.graph = None;
+        // Epoch 0's batches are what the cache keeps: augmented, they would be replayed.
+        if loader.augmenter().is_some() {
+            self.cache = None;
+            return Ok(None);
+        }
+        let order = loader.order();
         // One epoch must scatter every row, or later epochs would gather rows never
         // written: one shard, and no sample dropped by the tail rule or drop_last.
         let rows = order.len();
@@ -344,16 +349,12 @@ impl Trainer for CudaTrainer {
         Ok(self.cache.as_ref().map(DeviceCache::bytes))
     }
 
-    fn fill_device_cache(
-        &mut self,
-        dataset: &dyn Dataset,
-        order: &Order,
-    ) -> Result<Option<Duration>> {
+    fn fill_device_cache(&mut self, loader: &Loader) -> Result<Option<Duration>> {
         let t = Instant::now();
         match &mut self.cache {
             Some(c) => {
-                c.fill_from(self.feeder.cuda(), dataset)?;
-                self.capture_cached_epoch(&order.epoch(0))?;
+                c.fill_from(self.feeder.cuda(), loader.dataset().as_ref())?;
+                self.capture_cached_epoch(&loader.order().epoch(0))?;
                 Ok(Some(t.elapsed()))
             }
             None => Ok(None),

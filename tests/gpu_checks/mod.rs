@@ -169,7 +169,7 @@ pub fn the_device_cache_gives_the_same_epochs(c: Cuda) {
         let layout = loader.layout().clone();
         let mut t = CudaTrainer::new(c.clone(), kernels, &mlp, norm, &layout, (0, 1), 3).unwrap();
         if cached {
-            let bytes = t.enable_device_cache(loader.order(), 0.5).unwrap();
+            let bytes = t.enable_device_cache(&loader, 0.5).unwrap();
             assert!(bytes.is_some(), "digits fit on any GPU");
         }
         let first = t
@@ -188,7 +188,7 @@ pub fn the_device_cache_gives_the_same_epochs(c: Cuda) {
         // A cache enabled again replaces the first, with the graph captured for it
         // (the first's graph read buffers freed with it).
         if cached {
-            t.enable_device_cache(loader.order(), 0.5).unwrap();
+            t.enable_device_cache(&loader, 0.5).unwrap();
         }
         t.train_epoch_with(loader.epoch(2).unwrap(), &mut |_, _| {})
             .unwrap();
@@ -221,7 +221,7 @@ pub fn the_device_cache_gives_the_same_epochs(c: Cuda) {
     let (mut loader, mlp, norm, kernels) = setup(&c, DIGITS.as_ref(), 64, 32, 0.1);
     let layout = loader.layout().clone();
     let mut t = CudaTrainer::new(c, kernels, &mlp, norm, &layout, (0, 1), 3).unwrap();
-    t.enable_device_cache(loader.order(), 0.5).unwrap();
+    t.enable_device_cache(&loader, 0.5).unwrap();
     let saved = {
         let mut it = loader.epoch(0).unwrap();
         for _ in 0..5 {
@@ -429,10 +429,7 @@ pub fn partial_and_failing_epochs(c: Cuda) {
     let (mut loader, mlp, norm, kernels) = setup(&c, DIGITS.as_ref(), 64, 16, 0.1);
     let layout = loader.layout().clone();
     let mut t = CudaTrainer::new(c.clone(), kernels, &mlp, norm, &layout, (0, 1), 3).unwrap();
-    assert!(t
-        .enable_device_cache(loader.order(), 0.5)
-        .unwrap()
-        .is_some());
+    assert!(t.enable_device_cache(&loader, 0.5).unwrap().is_some());
     {
         let mut it = loader.epoch(0).unwrap();
         for _ in 0..5 {
@@ -511,7 +508,7 @@ pub fn partial_and_failing_epochs(c: Cuda) {
         .shard(Shard::new(1, 2).unwrap())
         .build()
         .unwrap();
-    assert_eq!(t.enable_device_cache(sharded.order(), 0.5).unwrap(), None);
+    assert_eq!(t.enable_device_cache(&sharded, 0.5).unwrap(), None);
     assert!(!t.cache_filled());
 }
 

@@ -76,6 +76,15 @@ pub(crate) struct TrainArgs {
     /// for the host to write and for some PCIe copies, very slow to read back).
     #[arg(long, default_value = "plain", value_parser = choice::<PinnedKind>(&PinnedKind::NAMES))]
     pub(crate) pinned: PinnedKind,
+    /// Augment x with a random crop: pad each image by this many pixels, then cut it back
+    /// to size at an offset drawn per sample and epoch (torchvision's `RandomCrop(32,
+    /// padding=4)` is `--crop 4`). Done in the loader's workers; turns the device cache
+    /// off.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=stokehold::augment::MAX_PAD as i64))]
+    pub(crate) crop: u32,
+    /// Augment x with a horizontal flip of half the images, drawn per sample and epoch.
+    #[arg(long)]
+    pub(crate) flip: bool,
 }
 
 /// `stokehold gen`'s flags.

@@ -77,6 +77,8 @@ fn run(command: Command) -> stokehold::Result<ExitCode> {
                 trace: a.trace,
                 device_cache: !a.no_device_cache,
                 pinned: a.pinned,
+                crop: a.crop,
+                flip: a.flip,
             };
             let report = train::run(&config)?;
             let written = a.json.map_or(Ok(()), |path| write_json(&path, &report));
