@@ -124,6 +124,31 @@ def test_streamed_batches_are_the_same_with_or_without_direct_reads(cols, shuffl
     assert n == N
 
 
+def test_iterating_the_loader_walks_the_epochs_in_turn(cols):
+    # `for batch in loader` in a loop over epochs (a framework calling iter(loader)
+    # each epoch): epoch 0, 1, ...; an epoch left early is not begun again; a loaded
+    # state's epoch resumes; set_epoch picks the next one.
+    loader = stokehold.Loader(cols, batch_size=64, seed=3)
+    want = [all_indices(stokehold.Loader(cols, batch_size=64, seed=3), e) for e in range(4)]
+    got = [np.concatenate([b.indices.copy() for b in loader]) for _ in range(2)]
+    assert all((g == w).all() for g, w in zip(got, want[:2])) and len(got) == 2
+    it = iter(loader)
+    assert next(it).epoch == 2
+    state = loader.state_dict()
+    del it
+    # Epoch 2 was left after one batch: the next epoch is 3, not 2 again.
+    assert (np.concatenate([b.indices.copy() for b in loader]) == want[3]).all()
+    # Resumed after epoch 2's first batch: its rest, then epoch 3.
+    loader.load_state_dict(state)
+    rest = np.concatenate([b.indices.copy() for b in loader])
+    assert (rest == want[2][64:]).all()
+    assert [b.epoch for b in loader][0] == 3
+    loader.set_epoch(1)
+    assert (np.concatenate([b.indices.copy() for b in loader]) == want[1]).all()
+    with pytest.raises(ValueError, match="-1"):
+        loader.set_epoch(-1)
+
+
 def test_resume_exactly_through_json(cols):
     whole = all_indices(stokehold.Loader(cols, batch_size=40, seed=9), 2)
     loader = stokehold.Loader(cols, batch_size=40, seed=9)

@@ -311,6 +311,7 @@ class Loader:
             dataset, *options, direct_reads=direct_reads, group=group, augment=args)
         self._running: Any = self._start()
         self._used = False
+        self._next = 0
         device = options[-1]
         self._device = None if device in (None, "cpu") else device
         self._columns = {
@@ -346,7 +347,25 @@ class Loader:
         and the shard. After ``load_state_dict``, the saved epoch yields only the batches
         after the saved one."""
         self._used = True
-        return Epoch(self._raw.epoch(epoch), self)
+        running = Epoch(self._raw.epoch(epoch), self)
+        self._next = epoch + 1
+        return running
+
+    def __iter__(self) -> Epoch:
+        """The next epoch, so that ``for batch in loader`` inside a loop over epochs
+        (or a framework that calls ``iter(loader)`` once an epoch, as PyTorch Lightning
+        does) walks them in turn: epoch 0 first, then the one after the last epoch
+        started (an epoch left early is not begun again), or the epoch a loaded state
+        resumes, or the one given to ``set_epoch``."""
+        return self.epoch(self._next)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Makes ``epoch`` the one ``iter(loader)`` runs next (as
+        ``DistributedSampler.set_epoch`` does for a ``DataLoader``)."""
+        epoch = operator.index(epoch)
+        if epoch < 0:
+            raise ValueError(f"an epoch is 0 or more, not {epoch}")
+        self._next = epoch
 
     def state_dict(self) -> Dict[str, int]:
         """Where the loader is, as a plain JSON-serialisable dict: ``epoch``, ``batch``
@@ -381,6 +400,7 @@ class Loader:
             raise Error(f"a loader state holds integers only: {e}") from None
         self._used = True
         self._raw.resume_json(json.dumps(state), elastic)
+        self._next = state.get("epoch", 0)
 
     def info(self) -> Dict[str, Any]:
         """What the loader runs with: workers, prefetch, buffers, pool_bytes,
