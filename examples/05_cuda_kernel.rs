@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
-use stokehold::cuda::{Feeder, PinnedAlloc, PinnedKind};
+use stokehold::cuda::{build_arch, Feeder, PinnedAlloc, PinnedKind};
 use stokehold::device::Device;
 use stokehold::{Dataset, Loader, NpyDataset, Shuffle};
 
@@ -49,18 +49,32 @@ fn main() -> stokehold::Result<()> {
         )))
         .build()?;
 
-    // Compile the kernel with the NVRTC stokehold found, to a cubin for this GPU (a cubin
-    // needs no JIT, so it loads even where NVRTC is newer than the driver), and load it.
-    let arch = stokehold::cuda::build_arch(cuda.arch, &cuda.nvrtc.supported_archs());
-    let image = if arch == cuda.arch {
-        let sm = format!("--gpu-architecture=sm_{}{}", arch.0, arch.1);
-        let cubin = cuda.nvrtc.compile_cubin(KERNEL, "count.cu", &[sm]);
-        Ptx::from_binary(cubin.map_err(stokehold::Error::Cuda)?)
-    } else {
-        // A GPU newer than this NVRTC knows: PTX for the newest architecture it knows.
-        let compute = format!("--gpu-architecture=compute_{}{}", arch.0, arch.1);
-        let ptx = cuda.nvrtc.compile(KERNEL, "count.cu", &[compute]);
-        Ptx::from_src(ptx.map_err(stokehold::Error::Cuda)?)
+    // Compile the kernel with the NVRTC stokehold found, to a cubin that runs on this GPU
+    // (a cubin needs no JIT, so it loads even where NVRTC is newer than the driver), or,
+    // for a GPU newer than this NVRTC knows, to PTX the driver compiles forward.
+    let archs = cuda.nvrtc.supported_archs();
+    let option = |kind: &str, (major, minor): (i32, i32)| {
+        vec![format!("--gpu-architecture={kind}_{major}{minor}")]
+    };
+    let image = match build_arch(cuda.arch, &archs, true) {
+        Some(arch) => {
+            let cubin = cuda
+                .nvrtc
+                .compile_cubin(KERNEL, "count.cu", &option("sm", arch));
+            Ptx::from_binary(cubin.map_err(stokehold::Error::Cuda)?)
+        }
+        None => {
+            let arch = build_arch(cuda.arch, &archs, false).ok_or_else(|| {
+                stokehold::Error::Cuda(format!(
+                    "NVRTC builds for nothing as old as {:?}",
+                    cuda.arch
+                ))
+            })?;
+            let ptx = cuda
+                .nvrtc
+                .compile(KERNEL, "count.cu", &option("compute", arch));
+            Ptx::from_src(ptx.map_err(stokehold::Error::Cuda)?)
+        }
     };
     let module = cuda.ctx.load_module(image)?;
     let count = module.load_function("count_labels")?;

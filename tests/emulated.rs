@@ -287,17 +287,13 @@ fn the_address_sanitizer_catches_a_kernel_writing_past_its_buffer() {
         let src = "extern \"C\" __global__ void past(float* x, int n) {\n\
                    int i = blockIdx.x * blockDim.x + threadIdx.x;\n\
                    if (i <= n) x[i] = 1.0f;\n}\n";
-        let ptx = c
+        let cubin = c
             .nvrtc
-            .compile(
-                src,
-                "past.cu",
-                &["--gpu-architecture=compute_90".to_string()],
-            )
+            .compile_cubin(src, "past.cu", &["--gpu-architecture=sm_90".to_string()])
             .unwrap();
         let module = c
             .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
             .unwrap();
         let f = module.load_function("past").unwrap();
         let stream = c.ctx.new_stream().unwrap();
@@ -871,6 +867,46 @@ fn a_driver_without_nvrtc_falls_back_to_the_cpu_or_says_why() {
         "{text}"
     );
     assert!(!err.contains("panicked"), "{text}");
+}
+
+#[test]
+fn kernels_build_for_any_device_nvrtc_can_serve() {
+    // The emulated device's compute capability and the architectures its NVRTC knows are
+    // set per run; the driver loads a cubin for sm_XY on X.Z (Z >= Y) only, and PTX for
+    // compute_XY on X.Y or newer, as a GPU's does.
+    let Some(dir) = emulator() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let archs = "75,80,86,89,90,100,120";
+    let run = |cc: &str, nvrtc: &str| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_stokehold"));
+        cmd.args([
+            "train", "--data", DIGITS, "--epochs", "1", "--device", "cuda",
+        ]);
+        with_emulator(&mut cmd, dir, 0)
+            .env("STOKEHOLD_CACHE", tmp.path().join(format!("cache-{cc}")))
+            .env("STOKEHOLD_EMU_CC", cc)
+            .env("STOKEHOLD_EMU_NVRTC_ARCHS", archs)
+            .env("STOKEHOLD_EMU_NVRTC_VERSION", nvrtc);
+        let out = output_within(&mut cmd);
+        (out.status.code(), shown(&out))
+    };
+    // sm_103 (B300) and sm_121 with an NVRTC that knows neither: a cubin for sm_100 and
+    // sm_120, which run there. (Asking NVRTC for the device's own fails both ways.)
+    for cc in ["10.3", "12.1", "8.7"] {
+        let (code, text) = run(cc, "12.8");
+        assert_eq!(code, Some(0), "compute capability {cc}: {text}");
+    }
+    // A major this NVRTC does not know: PTX for the newest it knows, compiled forward.
+    let (code, text) = run("13.0", "12.8");
+    assert_eq!(code, Some(0), "{text}");
+    // Older than every architecture it builds for: an error that says so.
+    let (code, text) = run("7.0", "12.8");
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("is sm_70, but NVRTC 12.8") && text.contains("builds for sm_75 and newer"),
+        "{text}"
+    );
+    assert!(!text.contains("panicked"), "{text}");
 }
 
 #[test]

@@ -120,14 +120,28 @@ pub fn compile_options(arch: (i32, i32), cubin: bool) -> Vec<String> {
     vec![arch, "--use_fast_math".to_string(), "-lineinfo".to_string()]
 }
 
-/// The architecture to build for: the device's own when NVRTC knows it (or cannot say);
-/// for a device newer than every architecture NVRTC knows, the newest it knows, as PTX
-/// the driver compiles forward.
-pub fn build_arch(device: (i32, i32), supported: &[(i32, i32)]) -> (i32, i32) {
-    match supported.iter().max() {
-        Some(&newest) if device > newest => newest,
-        _ => device,
+/// The architecture NVRTC builds for a device of compute capability `device`, given the
+/// real architectures it `supported` (empty: it cannot say; the device's own is tried):
+/// - a cubin (`cubin`): the newest of them with the device's major and a minor no
+///   higher, since a cubin for `sm_XY` runs on `X.Z` for any `Z >= Y` (an `sm_100` cubin
+///   on an `sm_103` device whose NVRTC does not know `sm_103`);
+/// - PTX: the newest no newer than the device, which the driver compiles forward (for a
+///   device newer than every architecture NVRTC knows).
+///
+/// `None` when there is none: the device is older than every architecture NVRTC builds
+/// for, or (for a cubin) of a major it knows nothing of.
+pub fn build_arch(device: (i32, i32), supported: &[(i32, i32)], cubin: bool) -> Option<(i32, i32)> {
+    if supported.is_empty() {
+        return Some(device);
     }
+    supported
+        .iter()
+        .copied()
+        .filter(|&(major, minor)| match cubin {
+            true => major == device.0 && minor <= device.1,
+            false => (major, minor) <= device,
+        })
+        .max()
 }
 
 impl Kernels {
@@ -142,7 +156,7 @@ impl Kernels {
 
     /// [`load`](Kernels::load) with the compiled images cached in `dir`.
     ///
-    /// A cubin for the device's own architecture first, PTX if that cannot be built or
+    /// A cubin that runs on the device first ([`build_arch`]), PTX if that cannot be built or
     /// loaded. A cached image the driver rejects (damaged, or from another driver) is
     /// deleted and compiled afresh, once.
     ///
@@ -185,7 +199,7 @@ pub const MLP: Program = Program {
 };
 
 /// Compiles `program` (or reads it from the cache in `dir`) and hands the image to
-/// `load`: a cubin for the device's own architecture first, PTX if that cannot be built
+/// `load`: a cubin that runs on the device first ([`build_arch`]), PTX if that cannot be built
 /// or loaded. A cached image the driver rejects (damaged, or from another driver) is
 /// deleted and compiled afresh, once.
 ///
@@ -247,7 +261,7 @@ fn the_context_failed(e: &Error) -> bool {
     matches!(e, Error::Cuda(m) if CONTEXT.iter().any(|code| m.contains(code)))
 }
 
-/// The compiled image (a cubin for the device's own architecture, or PTX), from the
+/// The compiled image (a cubin that runs on the device, or PTX), from the
 /// cache or from NVRTC.
 fn compiled(
     cuda: &Cuda,
@@ -256,15 +270,17 @@ fn compiled(
     cubin: bool,
 ) -> Result<(Ptx, KernelOrigin)> {
     let archs = cuda.nvrtc.supported_archs();
-    let arch = build_arch(cuda.arch, &archs);
-    if cubin && arch != cuda.arch {
+    let Some(arch) = build_arch(cuda.arch, &archs, cubin) else {
+        let (major, minor) = cuda.nvrtc.version();
+        let known: Vec<String> = archs.iter().map(|(a, b)| format!("sm_{a}{b}")).collect();
         return Err(Error::Cuda(format!(
-            "NVRTC {:?} cannot build a cubin for sm_{}{}",
-            cuda.nvrtc.version(),
+            "NVRTC {major}.{minor} cannot build {} that runs on sm_{}{} (it builds for {})",
+            if cubin { "a cubin" } else { "PTX" },
             cuda.arch.0,
-            cuda.arch.1
+            cuda.arch.1,
+            known.join(", ")
         )));
-    }
+    };
     if !cubin && cuda.nvrtc.version() > cuda.driver {
         // PTX from a newer NVRTC names a PTX ISA the driver cannot JIT
         // (CUDA_ERROR_UNSUPPORTED_PTX_VERSION): say so instead of trying.
@@ -344,12 +360,24 @@ impl KernelOrigin {
 #[cfg(test)]
 mod tests {
     #[test]
-    fn a_device_newer_than_nvrtc_gets_ptx_for_the_newest_architecture() {
-        let known = [(7, 5), (8, 0), (9, 0)];
-        assert_eq!(super::build_arch((9, 0), &known), (9, 0));
-        assert_eq!(super::build_arch((8, 6), &known), (8, 6));
-        assert_eq!(super::build_arch((12, 0), &known), (9, 0));
-        assert_eq!(super::build_arch((12, 0), &[]), (12, 0));
+    fn the_architecture_built_for_runs_on_the_device() {
+        let known = [(7, 5), (8, 0), (8, 6), (9, 0), (10, 0), (12, 0)];
+        let cubin = |device| super::build_arch(device, &known, true);
+        let ptx = |device| super::build_arch(device, &known, false);
+        assert_eq!(cubin((9, 0)), Some((9, 0)));
+        assert_eq!(cubin((8, 6)), Some((8, 6)));
+        // A cubin runs on newer minors of its major, never on another major.
+        assert_eq!(cubin((8, 9)), Some((8, 6)));
+        assert_eq!(cubin((10, 3)), Some((10, 0)));
+        assert_eq!(cubin((12, 1)), Some((12, 0)));
+        assert_eq!(cubin((13, 0)), None);
+        // A device newer than all it knows: PTX for the newest.
+        assert_eq!(ptx((13, 0)), Some((12, 0)));
+        assert_eq!(ptx((8, 9)), Some((8, 6)));
+        // Older than all it knows: nothing.
+        assert_eq!((cubin((6, 1)), ptx((6, 1))), (None, None));
+        // NVRTC that cannot say: the device's own.
+        assert_eq!(super::build_arch((12, 0), &[], true), Some((12, 0)));
     }
 
     #[test]

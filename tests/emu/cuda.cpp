@@ -69,6 +69,8 @@ enum : int {
     CUDA_ERROR_INVALID_DEVICE = 101,
     CUDA_ERROR_INVALID_IMAGE = 200,
     CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_NO_BINARY_FOR_GPU = 209,
+    CUDA_ERROR_UNSUPPORTED_PTX_VERSION = 222,
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_NOT_FOUND = 500,
     CUDA_ERROR_ILLEGAL_STATE = 401,
@@ -322,6 +324,8 @@ CUresult cuGetErrorName(CUresult e, const char** s) {
         case CUDA_ERROR_INVALID_DEVICE: *s = "CUDA_ERROR_INVALID_DEVICE"; break;
         case CUDA_ERROR_INVALID_IMAGE: *s = "CUDA_ERROR_INVALID_IMAGE"; break;
         case CUDA_ERROR_INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; break;
+        case CUDA_ERROR_NO_BINARY_FOR_GPU: *s = "CUDA_ERROR_NO_BINARY_FOR_GPU"; break;
+        case CUDA_ERROR_UNSUPPORTED_PTX_VERSION: *s = "CUDA_ERROR_UNSUPPORTED_PTX_VERSION"; break;
         case CUDA_ERROR_INVALID_HANDLE: *s = "CUDA_ERROR_INVALID_HANDLE"; break;
         case CUDA_ERROR_NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
         case CUDA_ERROR_NOT_READY: *s = "CUDA_ERROR_NOT_READY"; break;
@@ -343,8 +347,20 @@ CUresult cuInit(unsigned) {
     return CUDA_SUCCESS;
 }
 
+// The CUDA version the emulated driver supports: 12.8.
+const int kDriverVersion = 12080;
+
+// STOKEHOLD_EMU_CC: the device's compute capability, "MAJOR.MINOR" (default 9.0), as
+// major * 10 + minor.
+static int compute_capability() {
+    const char* v = getenv("STOKEHOLD_EMU_CC");
+    int major = 9, minor = 0;
+    if (v && *v) sscanf(v, "%d.%d", &major, &minor);
+    return major * 10 + minor;
+}
+
 CUresult cuDriverGetVersion(int* v) {
-    *v = 12080;
+    *v = kDriverVersion;
     return CUDA_SUCCESS;
 }
 
@@ -385,8 +401,8 @@ CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {
         case 10: *v = 32; break;          // warp size
         case 16: *v = 4; break;           // multiprocessors
         case 41: *v = 1; break;           // unified addressing
-        case 75: *v = 9; break;           // compute capability major
-        case 76: *v = 0; break;           // minor
+        case 75: *v = compute_capability() / 10; break;  // compute capability major
+        case 76: *v = compute_capability() % 10; break;  // minor
         case 115: *v = 1; break;          // memory pools supported
         default: *v = 0;
     }
@@ -780,12 +796,28 @@ CUresult cuEventElapsedTime_v2(float* ms, CUevent a, CUevent b) { return cuEvent
 
 // ---- modules and launches ----------------------------------------------------------
 
-static CUresult load_so(CUmodule* m, const std::string& path) {
+// Loads the image at `path`, given as PTX or as a cubin, checked as the driver checks
+// them against the device: a cubin for sm_XY runs on compute capability X.Z for Z >= Y
+// only, PTX for compute_XY on any device of X.Y or newer, and PTX from an NVRTC newer
+// than the driver does not load (its PTX ISA is unknown to the driver's JIT).
+static CUresult load_so(CUmodule* m, const std::string& path, bool ptx) {
     void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!h) {
         LOG("dlopen %s: %s", path.c_str(), dlerror());
         return CUDA_ERROR_INVALID_IMAGE;
     }
+    const int* target = (const int*)dlsym(h, "emu_target");
+    const int* nvrtc = (const int*)dlsym(h, "emu_nvrtc");
+    int cc = compute_capability();
+    if (target) {
+        bool runs = ptx ? *target <= cc : *target / 10 == cc / 10 && *target % 10 <= cc % 10;
+        if (!runs) {
+            LOG("an image for %s_%d on a device of compute capability %d.%d", ptx ? "compute" : "sm",
+                *target, cc / 10, cc % 10);
+            return CUDA_ERROR_NO_BINARY_FOR_GPU;
+        }
+    }
+    if (ptx && nvrtc && *nvrtc > kDriverVersion) return CUDA_ERROR_UNSUPPORTED_PTX_VERSION;
     Module* mod = new Module{h, (int (*)(const char*))dlsym(h, "emu_find"),
                              (size_t(*)(int, const size_t**))dlsym(h, "emu_params"),
                              (void (*)(int, dim3, dim3, void**))dlsym(h, "emu_run")};
@@ -804,7 +836,7 @@ CUresult cuModuleLoadData(CUmodule* m, const void* image) {
     static const char kPtx[] = "// stokehold-emu .entry ";
     if (strncmp(p, kPtx, sizeof kPtx - 1) == 0) {
         const char* path = p + sizeof kPtx - 1;
-        return load_so(m, std::string(path, strcspn(path, "\n")));
+        return load_so(m, std::string(path, strcspn(path, "\n")), true);
     }
     if (memcmp(p, "\x7f" "ELF", 4) != 0 || p[4] != 2) return CUDA_ERROR_INVALID_IMAGE;
     // An ELF64 file ends with its section or program header table: that gives its
@@ -827,7 +859,7 @@ CUresult cuModuleLoadData(CUmodule* m, const void* image) {
     if (fd < 0) return CUDA_ERROR_INVALID_IMAGE;
     bool ok = write(fd, p, len) == (ssize_t)len;
     close(fd);
-    CUresult r = ok ? load_so(m, name.data()) : CUDA_ERROR_INVALID_IMAGE;
+    CUresult r = ok ? load_so(m, name.data(), false) : CUDA_ERROR_INVALID_IMAGE;
     unlink(name.data());
     return r;
 }

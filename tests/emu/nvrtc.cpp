@@ -7,6 +7,7 @@
 //
 // Built by tests/common/emu.rs with -DEMU_PRELUDE="<path of prelude.h>".
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -101,19 +102,40 @@ const char* nvrtcGetErrorString(nvrtcResult r) {
     }
 }
 
-nvrtcResult nvrtcVersion(int* major, int* minor) {
+// STOKEHOLD_EMU_NVRTC_VERSION: this NVRTC's version, "MAJOR.MINOR" (default 99.0, newer
+// than the emulated driver: its PTX does not load there).
+static void version(int* major, int* minor) {
+    const char* v = getenv("STOKEHOLD_EMU_NVRTC_VERSION");
     *major = 99;
     *minor = 0;
+    if (v && *v) sscanf(v, "%d.%d", major, minor);
+}
+
+// STOKEHOLD_EMU_NVRTC_ARCHS: the real architectures this NVRTC builds for, as
+// nvrtcGetSupportedArchs gives them ("75,80,90,100,120"; default "90"). `sm_N` and
+// `compute_N` for any other N are refused, as a real NVRTC refuses an architecture it
+// does not know.
+static std::vector<int> archs() {
+    const char* e = getenv("STOKEHOLD_EMU_NVRTC_ARCHS");
+    std::string s = e && *e ? e : "90";
+    std::vector<int> out;
+    std::stringstream in(s);
+    for (std::string a; std::getline(in, a, ',');) out.push_back(atoi(a.c_str()));
+    return out;
+}
+
+nvrtcResult nvrtcVersion(int* major, int* minor) {
+    version(major, minor);
     return NVRTC_SUCCESS;
 }
 
 nvrtcResult nvrtcGetNumSupportedArchs(int* n) {
-    *n = 1;
+    *n = (int)archs().size();
     return NVRTC_SUCCESS;
 }
 
-nvrtcResult nvrtcGetSupportedArchs(int* archs) {
-    archs[0] = 90;
+nvrtcResult nvrtcGetSupportedArchs(int* out) {
+    for (int a : archs()) *out++ = a;
     return NVRTC_SUCCESS;
 }
 
@@ -133,28 +155,29 @@ nvrtcResult nvrtcDestroyProgram(Program** prog) {
 
 nvrtcResult nvrtcCompileProgram(Program* p, int n, const char* const* options) {
     if (!p) return NVRTC_ERROR_INVALID_PROGRAM;
-    bool arch = false;
+    // The architecture built for (compute_52 when none is named, as NVRTC 12's default),
+    // kept in the image as `emu_target` for the driver to check against the device.
+    int target = 52;
     for (int i = 0; i < n; ++i) {
         std::string o = options[i];
         if (o.rfind("--gpu-architecture=", 0) == 0 || o.rfind("-arch=", 0) == 0) {
             std::string a = o.substr(o.find('=') + 1);
-            // STOKEHOLD_EMU_NO_CUBIN: no cubin for this device, as from an NVRTC that does
-            // not know it (only PTX would do).
-            if (a == "sm_90" && getenv("STOKEHOLD_EMU_NO_CUBIN")) {
+            bool sm = a.rfind("sm_", 0) == 0, compute = a.rfind("compute_", 0) == 0;
+            int num = sm || compute ? atoi(a.c_str() + a.find('_') + 1) : 0;
+            auto known = archs();
+            bool ok = num > 0 && std::find(known.begin(), known.end(), num) != known.end();
+            // STOKEHOLD_EMU_NO_CUBIN: no cubin at all, as from an NVRTC that knows no
+            // real architecture of this device (only PTX would do).
+            if (!ok || (sm && getenv("STOKEHOLD_EMU_NO_CUBIN"))) {
                 p->log = "nvrtc: error: invalid value for --gpu-architecture (-arch)\n";
                 return NVRTC_ERROR_INVALID_OPTION;
             }
-            if (a != "sm_90" && a != "compute_90") {
-                p->log = "nvrtc: error: invalid value for --gpu-architecture (-arch)\n";
-                return NVRTC_ERROR_INVALID_OPTION;
-            }
-            arch = true;
+            target = num;
         } else if (o != "--use_fast_math" && o != "-lineinfo" && o.rfind("-D", 0) != 0) {
             p->log = "nvrtc: error: unrecognized option " + o + "\n";
             return NVRTC_ERROR_INVALID_OPTION;
         }
     }
-    (void)arch;
     const char* tmp = getenv("TMPDIR");
     std::string dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/stokehold-emu-XXXXXX";
     std::vector<char> d(dir.begin(), dir.end());
@@ -175,6 +198,10 @@ nvrtcResult nvrtcCompileProgram(Program* p, int n, const char* const* options) {
         }
         f << "    emu::Entry{nullptr, nullptr, false, 0, nullptr}};\n";
         f << "const int emu_entry_count = " << kernels.size() << ";\n";
+        int major, minor;
+        version(&major, &minor);
+        f << "extern \"C\" const int emu_target = " << target << ";\n";
+        f << "extern \"C\" const int emu_nvrtc = " << major * 1000 + minor * 10 << ";\n";
     }
     const char* cxx = getenv("STOKEHOLD_EMU_CXX");
     const char* flags = getenv("STOKEHOLD_EMU_CXXFLAGS");
