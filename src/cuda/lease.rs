@@ -71,6 +71,9 @@ struct Shared {
     /// released however long the asking thread waits, and slots all lent are no proof
     /// that waiting for one would never end.
     handed_on: AtomicBool,
+    /// Set when dropped, and dropped last: the caller's context is current again once
+    /// the memory, the events and the context's handle (which bind theirs) are gone.
+    restore: Option<KeepCurrent>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -124,6 +127,7 @@ impl Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
+        self.restore = Some(KeepCurrent::new());
         // The memory is freed after the consumers' last work on it has run (an error a
         // drop left in the context would make the first wait return at once).
         let _ = self.ctx.check_err();
@@ -150,6 +154,10 @@ pub struct DeviceSlots {
     /// How long an interrupted wait had waited with every slot lent and none ever handed
     /// on, for the next wait to go on from.
     stuck: Duration,
+    /// Set when dropped, and dropped last: the caller's context is current again once
+    /// the stream, the augmentation's module and buffers and the slots (which bind
+    /// theirs) are gone.
+    restore: Option<KeepCurrent>,
 }
 
 /// A check that [`DeviceSlots::reserve`] makes while it waits: `true` stops the wait.
@@ -191,6 +199,7 @@ impl DeviceSlots {
             free: Mutex::new((0..k).rev().collect()),
             available: Condvar::new(),
             handed_on: AtomicBool::new(false),
+            restore: None,
         };
         Ok(DeviceSlots {
             shared: Arc::new(shared),
@@ -200,6 +209,7 @@ impl DeviceSlots {
             augment: None,
             interrupt: None,
             stuck: Duration::ZERO,
+            restore: None,
         })
     }
 
@@ -220,6 +230,7 @@ impl DeviceSlots {
         slots: usize,
         augmenter: &Augmenter,
     ) -> Result<DeviceSlots> {
+        let _current = KeepCurrent::new();
         let out = BatchLayout::new(augmenter.columns(), raw.batch_size())?;
         let mut s = DeviceSlots::new(&cuda.ctx, &out, slots)?;
         let k = s.slots();
@@ -483,7 +494,7 @@ impl DeviceSlots {
 
 impl Drop for DeviceSlots {
     fn drop(&mut self) {
-        let _current = KeepCurrent::new();
+        self.restore = Some(KeepCurrent::new());
         // No pinned buffer goes back to the loader while a copy may still read it.
         if self.copy.synchronize().is_err() {
             let _ = super::settle(&self.shared.ctx);

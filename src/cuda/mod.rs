@@ -95,24 +95,57 @@ pub(crate) fn settle_stream(stream: &CudaStream) -> std::result::Result<(), Driv
     stream.synchronize()
 }
 
-/// Puts the calling thread's current CUDA context back when dropped. stokehold's calls
-/// make their own context current (cudarc binds it before each call), and a thread that
-/// works with another device must find its own again: the CUDA runtime takes its
-/// current device from the current context (PyTorch's `torch.cuda.current_device()`,
-/// and where a bare `device="cuda"` allocates). Made at the start of each call that
-/// code of another library's thread may make: lending, releasing and waiting on device
-/// batches, and pinned allocations.
-pub(crate) struct KeepCurrent(Option<cudarc::driver::sys::CUcontext>);
+/// Puts the calling thread's current CUDA context back when dropped.
+///
+/// cudarc makes a context current (binds it) before each of its calls, and leaves it
+/// so. A thread that works with another device must find its own context again: the
+/// CUDA runtime takes its current device from the current context (PyTorch's
+/// `torch.cuda.current_device()`, and where a bare `device="cuda"` allocates).
+/// stokehold makes one at the start of each call that code of another library's thread
+/// may make (probing a device, building device slots, lending, releasing and waiting on
+/// device batches, pinned allocations) and when its device objects are dropped. Make
+/// one yourself around cudarc calls of your own, or around dropping the last handle of
+/// a context (cudarc's `CudaContext` binds itself when dropped):
+///
+/// ```no_run
+/// # fn f(ctx: std::sync::Arc<cudarc::driver::CudaContext>) {
+/// let _current = stokehold::cuda::KeepCurrent::new();
+/// drop(ctx); // the thread's context before this line is current again after it
+/// # }
+/// ```
+///
+/// # Panics
+/// [`new`](KeepCurrent::new) panics where libcuda cannot be loaded (as every cudarc
+/// call does): make one only once a device was found.
+#[derive(Debug)]
+#[must_use = "the context is put back when this is dropped"]
+pub struct KeepCurrent(Option<cudarc::driver::sys::CUcontext>);
+
+impl Default for KeepCurrent {
+    fn default() -> KeepCurrent {
+        KeepCurrent::new()
+    }
+}
 
 impl KeepCurrent {
-    /// Notes the thread's current context (`None` where the driver will not say).
-    pub(crate) fn new() -> KeepCurrent {
+    /// Notes the thread's current context (none before the driver is initialised; `None`
+    /// where the driver will not say).
+    pub fn new() -> KeepCurrent {
+        use cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_INITIALIZED;
         match cudarc::driver::result::ctx::get_current() {
             Ok(current) => KeepCurrent(Some(current.unwrap_or(std::ptr::null_mut()))),
+            Err(e) if e.0 == CUDA_ERROR_NOT_INITIALIZED => KeepCurrent(Some(std::ptr::null_mut())),
             Err(_) => KeepCurrent(None),
         }
     }
 }
+
+// SAFETY: a `CUcontext` is a process-wide handle, valid on any thread; a `KeepCurrent`
+// is only ever dropped on the thread that made it (a local, or a field set in the `drop`
+// that then drops it), so it sets back that thread's own context.
+unsafe impl Send for KeepCurrent {}
+// SAFETY: as above; a shared `KeepCurrent` offers nothing to call.
+unsafe impl Sync for KeepCurrent {}
 
 impl Drop for KeepCurrent {
     fn drop(&mut self) {
@@ -151,6 +184,9 @@ pub fn probe_driver(ordinal: usize) -> Result<Driver, String> {
     if !libcuda_present() {
         return Err("no libcuda found (looked for libcuda.so and libcuda.so.1)".into());
     }
+    // Making the context makes it current: the caller's (another library's, on another
+    // device) is put back.
+    let _current = quietly(KeepCurrent::new).ok();
     let start = std::time::Instant::now();
     let ctx = quietly(|| CudaContext::new(ordinal))
         .map_err(|m| format!("no CUDA device: loading the driver failed: {m}"))?

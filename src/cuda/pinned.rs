@@ -58,16 +58,35 @@ impl std::fmt::Display for PinnedKind {
 }
 
 /// Allocates the loader's buffers as page-locked memory of a CUDA context.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct PinnedAlloc {
     ctx: Arc<CudaContext>,
     kind: PinnedKind,
+    /// Set when dropped, and dropped last: the caller's context is current again once
+    /// the context's handle (which binds it when it is the last) is gone.
+    restore: Option<KeepCurrent>,
 }
 
 impl PinnedAlloc {
     /// An allocator of `kind` memory in `ctx`.
     pub fn new(ctx: Arc<CudaContext>, kind: PinnedKind) -> PinnedAlloc {
-        PinnedAlloc { ctx, kind }
+        PinnedAlloc {
+            ctx,
+            kind,
+            restore: None,
+        }
+    }
+}
+
+impl Clone for PinnedAlloc {
+    fn clone(&self) -> PinnedAlloc {
+        PinnedAlloc::new(Arc::clone(&self.ctx), self.kind)
+    }
+}
+
+impl Drop for PinnedAlloc {
+    fn drop(&mut self) {
+        self.restore = Some(KeepCurrent::new());
     }
 }
 
@@ -75,6 +94,9 @@ struct Pinned {
     ptr: *mut u8,
     len: usize,
     ctx: Arc<CudaContext>,
+    /// Set when dropped, and dropped last: the caller's context is current again once
+    /// the context's handle (which binds it when it is the last) is gone.
+    restore: Option<KeepCurrent>,
 }
 
 // SAFETY: the allocation is owned by this value alone; the pointer is only handed out
@@ -98,7 +120,7 @@ impl Drop for Pinned {
     fn drop(&mut self) {
         // `bind_to_thread` would also report (and clear) an error some other drop left in
         // the context, and this buffer would leak; make the context current directly.
-        let _current = KeepCurrent::new();
+        self.restore = Some(KeepCurrent::new());
         // SAFETY: the context outlives this buffer (we hold an Arc to it).
         if unsafe { result::ctx::set_current(self.ctx.cu_ctx()) }.is_ok() {
             // SAFETY: allocated by `malloc_host` in this context and freed once.
@@ -139,6 +161,7 @@ impl HostAlloc for PinnedAlloc {
             ptr,
             len,
             ctx: Arc::clone(&self.ctx),
+            restore: None,
         }))
     }
 }

@@ -132,6 +132,14 @@ bool logging() {
         if (int sticky_ = g_sticky.load()) return sticky_; \
     } while (0)
 
+// Work, frees and copies need a current context on the calling thread, as the driver's
+// do (CUDA_ERROR_INVALID_CONTEXT): a call that forgot to make its context current, or a
+// thread left with none, fails here as on a GPU.
+#define NEED_CONTEXT()                                          \
+    do {                                                        \
+        if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;      \
+    } while (0)
+
 // The allocation holding [p, p + n), if one does (call with g_mu held).
 Alloc* find_alloc(CUdeviceptr p, size_t n) {
     auto it = g_device.upper_bound((uintptr_t)p);
@@ -479,6 +487,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
 
 CUresult cuMemFree_v2(CUdeviceptr p) {
     STICKY();
+    NEED_CONTEXT();
     std::lock_guard<std::mutex> g(g_mu);
     auto it = g_device.find((uintptr_t)p);
     if (it == g_device.end()) return CUDA_ERROR_INVALID_VALUE;
@@ -490,6 +499,7 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
 
 CUresult cuMemAllocAsync(CUdeviceptr* p, size_t n, CUstream s) {
     STICKY();
+    NEED_CONTEXT();
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     CUresult r = cuMemAlloc_v2(p, n);
@@ -509,6 +519,7 @@ CUresult cuMemAllocAsync(CUdeviceptr* p, size_t n, CUstream s) {
 
 CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
     STICKY();
+    NEED_CONTEXT();
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     {
@@ -533,6 +544,7 @@ CUresult cuMemHostAlloc(void** pp, size_t n, unsigned) {
 
 CUresult cuMemFreeHost(void* p) {
     STICKY();
+    NEED_CONTEXT();
     std::lock_guard<std::mutex> g(g_mu);
     if (!g_host.erase((uintptr_t)p)) return CUDA_ERROR_INVALID_VALUE;
     free(p);
@@ -563,6 +575,7 @@ Fails htod_fails() {
 
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
     STICKY();
+    NEED_CONTEXT();
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     Fails fails = htod_fails();
@@ -598,6 +611,7 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstre
 
 CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream s) {
     STICKY();
+    NEED_CONTEXT();
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     if (!in_device(src, n)) return CUDA_ERROR_INVALID_VALUE;
@@ -612,6 +626,7 @@ CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream s) 
 
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
     STICKY();
+    NEED_CONTEXT();
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     if (!in_device(src, n) || !in_device(dst, n)) return CUDA_ERROR_INVALID_VALUE;
@@ -625,6 +640,7 @@ CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstre
 
 CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream s) {
     STICKY();
+    NEED_CONTEXT();
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     if (!in_device(dst, n)) return CUDA_ERROR_INVALID_VALUE;
@@ -718,6 +734,7 @@ CUresult cuEventDestroy_v2(CUevent e) {
 
 CUresult cuEventRecord(CUevent e, CUstream s) {
     STICKY();
+    NEED_CONTEXT();
     Stream* st = stream_of(s);
     if (!st || !e) return CUDA_ERROR_INVALID_HANDLE;
     if (st->capture) {
@@ -746,6 +763,7 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
 
 CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
     STICKY();
+    NEED_CONTEXT();
     Stream* st = stream_of(s);
     if (!st || !e) return CUDA_ERROR_INVALID_HANDLE;
     if (st->capture) {
@@ -887,6 +905,7 @@ CUresult cuFuncSetAttribute(CUfunction f, int, int) { return f ? CUDA_SUCCESS : 
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                         unsigned bz, unsigned shared, CUstream s, void** params, void** extra) {
     STICKY();
+    NEED_CONTEXT();
     Stream* st = stream_of(s);
     if (!st || !f) return CUDA_ERROR_INVALID_HANDLE;
     if (extra) return CUDA_ERROR_NOT_SUPPORTED;
@@ -1014,6 +1033,7 @@ CUresult cuGraphDestroy(CUgraph g) {
 typedef void (*CUhostFn)(void*);
 CUresult cuLaunchHostFunc(CUstream s, CUhostFn fn, void* data) {
     STICKY();
+    NEED_CONTEXT();
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     st->push([fn, data] { fn(data); });

@@ -622,6 +622,23 @@ pub fn lent_batches_wait_for_their_consumers(c: Cuda) {
     assert!(none(), "a release left its context current");
     slots.drain().unwrap();
     assert!(none(), "drain left its context current");
+    // The slots dropped before the batch they lent, then the batch (the slots' memory,
+    // events and stream go with the last of them).
+    let f = slots.lend(epoch.next().unwrap().unwrap()).unwrap();
+    drop(slots);
+    assert!(none(), "dropping the slots left their context current");
+    drop(f);
+    assert!(
+        none(),
+        "dropping their last batch left their context current"
+    );
+    let probed = stokehold::cuda::probe_driver(0).unwrap();
+    assert!(none(), "probe_driver left its context current");
+    // cudarc's context binds itself when its last handle goes: KeepCurrent undoes it.
+    let current = stokehold::cuda::KeepCurrent::new();
+    drop(probed);
+    drop(current);
+    assert!(none(), "KeepCurrent did not put the thread's context back");
 }
 
 /// `DeviceSlots::reserve`'s wait for a slot stops when its interrupt check says so
@@ -765,7 +782,15 @@ pub fn augmenting_on_the_device_matches_the_workers(c: Cuda) {
         let mut host = build(Loader::builder_shared(Arc::clone(&ds)).augment(augment.clone()));
         let mut raw = build(pinned_loader(&c, &ds, 32));
         let augmenter = augment.bind(ds.columns()).unwrap();
+        // From a thread with no current context (another device's, in PyTorch): it is
+        // put back after the kernel's build and the slots' allocations.
+        // SAFETY: unbinds this thread's context; each call binds its own.
+        unsafe { result::ctx::set_current(std::ptr::null_mut()) }.unwrap();
         let mut slots = DeviceSlots::augmented(&c, raw.layout(), 3, &augmenter).unwrap();
+        assert!(
+            result::ctx::get_current().unwrap().is_none(),
+            "DeviceSlots::augmented left its context current"
+        );
         println!("augment kernel: {:?}", slots.augment_origin());
         assert_eq!(
             slots.augmenter().unwrap().columns(),

@@ -115,6 +115,19 @@ CONSUMER = textwrap.dedent(
         # The samples of each batch of epoch 0 of a host loader over the set.
         return [b.indices.copy() for b in stokehold.Loader(sys.argv[1], **kw).epoch(0)]
 
+    def current():
+        # The thread's current context (None: none), which stokehold puts back after
+        # each call: a consumer's own (PyTorch's device) stays current.
+        c = ctypes.c_void_p()
+        ok(cuda.cuCtxGetCurrent(ctypes.byref(c)), "cuCtxGetCurrent")
+        return c.value
+
+    def bind():
+        # What a consumer does before its own CUDA work (PyTorch, on its device).
+        ctx = ctypes.c_void_p()
+        ok(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0), "cuDevicePrimaryCtxRetain")
+        ok(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
     def pinned(n):
         p = ctypes.c_void_p()
         ok(cuda.cuMemHostAlloc(ctypes.byref(p), n, 0), "cuMemHostAlloc")
@@ -148,6 +161,8 @@ def test_device_batches_wait_for_their_copy_and_their_consumer(emulator: Path) -
     run_child(emulator, """
         loader = stokehold.Loader(sys.argv[1], batch_size=100, seed=3, workers=2,
                                   device="cuda", held=1)
+        assert current() is None, "the loader left its context current"
+        bind()
         stream = ctypes.c_void_p()
         ok(cuda.cuStreamCreate(ctypes.byref(stream), 0), "cuStreamCreate")
         reads, kept = [], None
@@ -189,6 +204,25 @@ def test_device_batches_wait_for_their_copy_and_their_consumer(emulator: Path) -
     """)
 
 
+def test_the_loader_leaves_the_threads_context_as_it_found_it(emulator: Path) -> None:
+    # A thread's current context is its device for the CUDA runtime (PyTorch's
+    # current_device): none here before, none after building, iterating, holding and
+    # dropping device loaders, augmented or not.
+    run_child(emulator, """
+        assert current() is None
+        for kw in ({}, {"augment": stokehold.Augment("x", crop=1, flip=True)}):
+            loader = stokehold.Loader(sys.argv[1], batch_size=100, device="cuda", **kw)
+            assert current() is None, f"building {kw} left its context current"
+            kept = [b for b, _ in zip(loader.epoch(0), range(2))]
+            assert current() is None, "lending left its context current"
+            assert sum(len(b) for b in loader.epoch(1)) == 1797
+            assert current() is None, "an epoch left its context current"
+            del kept, loader
+            assert current() is None, "dropping the loader left its context current"
+        print("child passed")
+    """)
+
+
 def test_holding_every_slot_is_an_error_not_a_hang(emulator: Path) -> None:
     run_child(emulator, """
         loader = stokehold.Loader(sys.argv[1], batch_size=100, device="cuda", held=1)
@@ -214,6 +248,7 @@ def test_holding_every_slot_is_an_error_not_a_hang(emulator: Path) -> None:
         cai = b["tokens"].__cuda_array_interface__
         assert cai["shape"] == (4, 17) and cai["typestr"] == "<u2" and cai["version"] == 3
         back = (ctypes.c_uint16 * 68)()
+        bind()
         ok(cuda.cuMemcpyDtoH_v2(back, cai["data"][0], 136), "cuMemcpyDtoH")
         got = np.frombuffer(back, np.uint16).reshape(4, 17)
         assert (np.diff(got.astype(np.int64), axis=1) == 1).all(), got
@@ -355,6 +390,7 @@ def test_a_forked_child_refuses_device_batches_and_lets_them_go(emulator: Path) 
         assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
         n = len(batch) * 64
         back = (ctypes.c_uint8 * n)()
+        bind()
         ok(cuda.cuMemcpyDtoH_v2(back, batch["x"].data_ptr, n), "cuMemcpyDtoH")
         assert np.array_equal(np.frombuffer(back, np.uint8), x_file[batch.indices].reshape(-1))
         del batch, capsule
@@ -395,6 +431,7 @@ def test_the_device_augments_as_the_workers_do(emulator: Path) -> None:
         on_cpu = stokehold.Loader(sys.argv[1], batch_size=100, seed=3, workers=2, augment=aug)
         assert on_gpu.columns == on_cpu.columns
         assert on_gpu.columns["x"] == (np.dtype(np.float32), (8, 8))
+        bind()
         for epoch in range(2):
             compared = 0
             for batch, want in zip(on_gpu.epoch(epoch), on_cpu.epoch(epoch)):
