@@ -308,6 +308,27 @@ fn the_address_sanitizer_catches_a_kernel_writing_past_its_buffer() {
 }
 
 #[test]
+fn the_emulator_finds_only_kernels_with_c_linkage() {
+    // A real module names a kernel without `extern "C"` by its mangled name: looked up
+    // by its plain name, it is not found. The emulator's must not be kinder.
+    emulated("the_emulator_finds_only_kernels_with_c_linkage", 0, |c| {
+        let src = "__global__ void mangled(float* x) { x[0] = 1.0f; }\n\
+                   extern \"C\" {\n__global__ void in_block(float* x) { x[0] = 2.0f; }\n}\n\
+                   extern \"C\" __global__ void plain(float* x) { x[0] = 3.0f; }\n";
+        let options = ["--gpu-architecture=sm_90".to_string()];
+        let cubin = c.nvrtc.compile_cubin(src, "linkage.cu", &options).unwrap();
+        let module = c
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .unwrap();
+        assert!(module.load_function("plain").is_ok());
+        assert!(module.load_function("in_block").is_ok());
+        let err = module.load_function("mangled").unwrap_err();
+        assert!(format!("{err:?}").contains("NOT_FOUND"), "{err:?}");
+    });
+}
+
+#[test]
 fn the_emulator_catches_memory_used_before_its_stream_allocates_it() {
     // cuMemAllocAsync is ordered on its stream: another stream must wait for it. Without
     // cudarc's event tracking (the feeder turns it off), nothing makes it wait here.

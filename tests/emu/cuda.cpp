@@ -13,7 +13,8 @@
 //   enqueued: a buffer reused before its copy completes is caught by the results.
 //   STOKEHOLD_EMU_JITTER_US=N sleeps up to N us before each operation to shake out races.
 // - STOKEHOLD_EMU_FAIL_HTOD=N makes the Nth asynchronous host-to-device copy (from 1)
-//   fail with CUDA_ERROR_ILLEGAL_ADDRESS, for the callers' error paths.
+//   fail when enqueued with CUDA_ERROR_INVALID_VALUE (as a bad argument is refused; the
+//   context goes on), for the callers' error paths.
 //   STOKEHOLD_EMU_FAIL_HTOD_LATE=N enqueues it, and it faults when it runs on its stream,
 //   as a copy from a bad address does on a GPU: the context is then unusable, and every
 //   later call that does CUDA work (the synchronisations once the work before them has
@@ -580,8 +581,10 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstre
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     Fails fails = htod_fails();
     if (fails == Fails::now) {
+        // Refused when enqueued, as the driver refuses a bad argument: the context goes
+        // on (a fault on the device is STOKEHOLD_EMU_FAIL_HTOD_LATE's).
         LOG("cuMemcpyHtoDAsync: failing as STOKEHOLD_EMU_FAIL_HTOD asks");
-        return CUDA_ERROR_ILLEGAL_ADDRESS;
+        return CUDA_ERROR_INVALID_VALUE;
     }
     if (fails == Fails::late) {
         fault_when_run(st, "cuMemcpyHtoDAsync", "STOKEHOLD_EMU_FAIL_HTOD_LATE");

@@ -42,12 +42,41 @@ struct Program {
 
 namespace {
 
-// The kernels of the source: `__global__ void NAME(`, with whether the body (up to its
-// matching brace) holds `__syncthreads`.
-std::vector<std::pair<std::string, bool>> scan(const std::string& s) {
-    std::vector<std::pair<std::string, bool>> out;
+// A kernel of the source: its name, whether its body holds `__syncthreads`, and whether
+// it has C linkage (`extern "C"`): only those are found by their plain name, as a real
+// module's other kernels go by their mangled names.
+struct Kernel {
+    std::string name;
+    bool barriers, c_linkage;
+};
+
+// Whether the `__global__` at `at` is declared `extern "C"`: right before it, or inside an
+// `extern "C" { ... }` block.
+bool c_linkage(const std::string& s, size_t at) {
+    size_t end = at;
+    while (end > 0 && isspace((unsigned char)s[end - 1])) --end;
+    static const std::string kExtern = "extern \"C\"";
+    if (end >= kExtern.size() && s.compare(end - kExtern.size(), kExtern.size(), kExtern) == 0) return true;
+    for (size_t block = s.rfind(kExtern, at); block != std::string::npos && block > 0;
+         block = s.rfind(kExtern, block - 1)) {
+        size_t open = s.find_first_not_of(" \t\r\n", block + kExtern.size());
+        if (open == std::string::npos || s[open] != '{') continue;
+        int depth = 0;
+        for (size_t i = open; i < at; ++i) {
+            if (s[i] == '{') ++depth;
+            if (s[i] == '}') --depth;
+        }
+        if (depth > 0) return true;
+    }
+    return false;
+}
+
+// The kernels of the source: `__global__ void NAME(`.
+std::vector<Kernel> scan(const std::string& s) {
+    std::vector<Kernel> out;
     size_t at = 0;
     while ((at = s.find("__global__", at)) != std::string::npos) {
+        bool c = c_linkage(s, at);
         at += 10;
         // `__launch_bounds__(...)` may stand between the return type and the name.
         size_t bounds = s.find("__launch_bounds__", at);
@@ -73,7 +102,7 @@ std::vector<std::pair<std::string, bool>> scan(const std::string& s) {
             if (s[i] == '}' && --depth == 0) break;
         }
         bool barrier = s.substr(open, i - open).find("__syncthreads") != std::string::npos;
-        out.emplace_back(name, barrier);
+        out.push_back(Kernel{name, barrier, c});
         at = i;
     }
     return out;
@@ -194,7 +223,8 @@ nvrtcResult nvrtcCompileProgram(Program* p, int n, const char* const* options) {
         f << "const emu::Entry emu_entries[] = {\n";
         auto kernels = scan(p->source);
         for (auto& k : kernels) {
-            f << "    EMU_ENTRY(" << k.first << ", " << (k.second ? "true" : "false") << "),\n";
+            f << "    EMU_ENTRY(" << k.name << ", " << (k.barriers ? "true" : "false") << ", "
+              << (k.c_linkage ? "\"\"" : "\"_Z\"") << "),\n";
         }
         f << "    emu::Entry{nullptr, nullptr, false, 0, nullptr}};\n";
         f << "const int emu_entry_count = " << kernels.size() << ";\n";

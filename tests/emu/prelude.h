@@ -261,9 +261,11 @@ struct Invoker<void (*)(A...)> {
 
 }  // namespace emu
 
-#define EMU_ENTRY(name, barriers)                                                      \
+// `prefix` is "" for a kernel with C linkage, "_Z" for one without: a real module names
+// those by their C++ mangled names, which a lookup by the plain name does not find.
+#define EMU_ENTRY(name, barriers, prefix)                                              \
     emu::Entry {                                                                       \
-        #name, &emu::Invoker<decltype(&name)>::template run<&name>, barriers,          \
+        prefix #name, &emu::Invoker<decltype(&name)>::template run<&name>, barriers,   \
             emu::Invoker<decltype(&name)>::count, emu::Invoker<decltype(&name)>::sizes \
     }
 

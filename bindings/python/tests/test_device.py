@@ -305,7 +305,7 @@ def test_a_batch_whose_copy_failed_comes_again_after_a_resume(emulator: Path) ->
         it = loader.epoch(0)
         assert np.array_equal(next(it).indices, want[0])
         assert np.array_equal(next(it).indices, want[1])
-        raises(lambda: next(it), "CUDA_ERROR_ILLEGAL_ADDRESS")
+        raises(lambda: next(it), "CUDA_ERROR_INVALID_VALUE")
         state = loader.state_dict()
         assert (state["epoch"], state["batch"]) == (0, 2), state
         # The epoch ended there; its figures are still there to read.
