@@ -308,6 +308,34 @@ fn the_address_sanitizer_catches_a_kernel_writing_past_its_buffer() {
 }
 
 #[test]
+fn the_emulator_catches_a_kernel_using_freed_memory() {
+    // Freed device memory stays poisoned a while: a kernel handed a pointer into it (a
+    // stream that did not wait for another's free) is an error, not a read of stale heap.
+    use cudarc::driver::{LaunchConfig, PushKernelArg};
+    let name = "the_emulator_catches_a_kernel_using_freed_memory";
+    fails_in_child(name, Mode::default(), "after it was freed", |c| {
+        let src = "extern \"C\" __global__ void touch(float* x) { x[0] = 1.0f; }\n";
+        let options = ["--gpu-architecture=sm_90".to_string()];
+        let cubin = c.nvrtc.compile_cubin(src, "touch.cu", &options).unwrap();
+        let module = c
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .unwrap();
+        let f = module.load_function("touch").unwrap();
+        let stream = c.ctx.new_stream().unwrap();
+        // SAFETY: none: the point is the use after the free.
+        let ptr = unsafe { cudarc::driver::result::malloc_sync(4096) }.unwrap();
+        // SAFETY: as above.
+        unsafe { cudarc::driver::result::free_sync(ptr) }.unwrap();
+        let mut l = stream.launch_builder(&f);
+        l.arg(&ptr);
+        // SAFETY: none, as above.
+        unsafe { l.launch(LaunchConfig::for_num_elems(1)) }.unwrap();
+        stream.synchronize().unwrap();
+    });
+}
+
+#[test]
 fn the_emulator_finds_only_kernels_with_c_linkage() {
     // A real module names a kernel without `extern "C"` by its mangled name: looked up
     // by its plain name, it is not found. The emulator's must not be kinder.

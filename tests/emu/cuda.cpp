@@ -150,6 +150,38 @@ Alloc* find_alloc(CUdeviceptr p, size_t n) {
     return inside ? &it->second : nullptr;
 }
 
+// Freed device memory, kept poisoned (0xa5 bytes) for a while instead of given back, by
+// start, with its length, oldest first in `g_freed_order`: a kernel handed a pointer into
+// it (used after a free, by a stream that did not wait for the free) is caught at once,
+// not left reading stale heap that looks fine. Up to 256 MiB; older ranges are freed.
+std::map<uintptr_t, size_t>& g_freed = *new std::map<uintptr_t, size_t>;
+std::deque<uintptr_t>& g_freed_order = *new std::deque<uintptr_t>;
+size_t g_freed_bytes = 0;
+const size_t kQuarantine = 256u << 20;
+
+// Keeps [p, p + n) poisoned as freed (call with g_mu held).
+void quarantine(uintptr_t p, size_t n) {
+    memset((void*)p, 0xa5, n);
+    g_freed[p] = n;
+    g_freed_order.push_back(p);
+    g_freed_bytes += n;
+    while (g_freed_bytes > kQuarantine && !g_freed_order.empty()) {
+        uintptr_t old = g_freed_order.front();
+        g_freed_order.pop_front();
+        g_freed_bytes -= g_freed[old];
+        g_freed.erase(old);
+        free((void*)old);
+    }
+}
+
+// Whether `p` lies in freed memory still kept (call with g_mu held).
+bool in_freed(uintptr_t p) {
+    auto it = g_freed.upper_bound(p);
+    if (it == g_freed.begin()) return false;
+    --it;
+    return p >= it->first && p < it->first + it->second;
+}
+
 // Whether [p, p + n) lies inside one live device allocation.
 bool in_device(CUdeviceptr p, size_t n) {
     std::lock_guard<std::mutex> g(g_mu);
@@ -493,8 +525,9 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
     auto it = g_device.find((uintptr_t)p);
     if (it == g_device.end()) return CUDA_ERROR_INVALID_VALUE;
     g_used -= (it->second.bytes + 255) / 256 * 256;
+    size_t bytes = it->second.bytes;
     g_device.erase(it);
-    free((void*)(uintptr_t)p);
+    quarantine((uintptr_t)p, bytes);
     return CUDA_SUCCESS;
 }
 
@@ -951,6 +984,11 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
                 if (al && !al->ready) {
                     fprintf(stderr, "stokehold-emu: %s reads 0x%llx before its cuMemAllocAsync ran\n",
                             name.c_str(), (unsigned long long)v);
+                    abort();
+                }
+                if (!al && in_freed((uintptr_t)v)) {
+                    fprintf(stderr, "stokehold-emu: %s uses 0x%llx after it was freed\n", name.c_str(),
+                            (unsigned long long)v);
                     abort();
                 }
             }
