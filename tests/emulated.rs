@@ -336,6 +336,39 @@ fn the_emulator_catches_a_kernel_using_freed_memory() {
 }
 
 #[test]
+fn the_emulator_catches_a_pinned_buffer_written_before_its_copy_ran() {
+    // The race a loader must never have: a pinned buffer refilled while its asynchronous
+    // copy waits on the stream. Caught by the buffer's hash, whatever was written.
+    use cudarc::driver::result;
+    unsafe extern "C" fn late(_: *mut std::ffi::c_void) {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let name = "the_emulator_catches_a_pinned_buffer_written_before_its_copy_ran";
+    let report = "after their cuMemcpyHtoDAsync was enqueued and before it ran";
+    fails_in_child(name, Mode::default(), report, |c| {
+        let stream = c.ctx.new_stream().unwrap();
+        let dst = stream.alloc_zeros::<u8>(4096).unwrap();
+        // SAFETY: none needed beyond the test's: 4096 pinned bytes, written and copied
+        // below, freed never (the child ends).
+        let src = unsafe { result::malloc_host(4096, 0) }
+            .unwrap()
+            .cast::<u8>();
+        let bytes = unsafe { std::slice::from_raw_parts_mut(src, 4096) };
+        bytes.fill(1);
+        // SAFETY: the host function takes no argument; the copy's source and destination
+        // hold 4096 bytes. The write after it is the race under test.
+        unsafe {
+            result::stream::launch_host_function(stream.cu_stream(), late, std::ptr::null_mut())
+                .unwrap();
+            let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(&dst, &stream);
+            result::memcpy_htod_async(ptr, &bytes[..], stream.cu_stream()).unwrap();
+        }
+        bytes[7] = 2;
+        stream.synchronize().unwrap();
+    });
+}
+
+#[test]
 fn the_emulator_finds_only_kernels_with_c_linkage() {
     // A real module names a kernel without `extern "C"` by its mangled name: looked up
     // by its plain name, it is not found. The emulator's must not be kinder.

@@ -594,6 +594,13 @@ void fault_when_run(Stream* st, std::string what, const char* why) {
     });
 }
 
+// FNV-1a of `n` bytes at `p`.
+uint64_t fnv1a(const void* p, size_t n) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i < n; ++i) h = (h ^ ((const unsigned char*)p)[i]) * 0x100000001b3ull;
+    return h;
+}
+
 // How the host-to-device copy at hand fails: as STOKEHOLD_EMU_FAIL_HTOD (at once) or
 // STOKEHOLD_EMU_FAIL_HTOD_LATE (when it runs) names it, or not at all.
 enum class Fails { no, now, late };
@@ -628,9 +635,21 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstre
         return CUDA_ERROR_INVALID_VALUE;
     }
     if (pinned(src, n)) {
-        // Read when the copy runs: the buffer must stay untouched until then.
+        // Read when the copy runs: the buffer must stay untouched until then. A host write
+        // to it in between (a buffer refilled before its copy ran) is caught by its hash,
+        // whatever bytes were written. (Not in a capture: a graph's copy reads the buffer
+        // as it is at each replay.)
+        bool hashed = st->capture == nullptr;
+        uint64_t before = hashed ? fnv1a(src, n) : 0;
         st->push([=] {
             check_live("cuMemcpyHtoDAsync", dst, n);
+            if (hashed && fnv1a(src, n) != before) {
+                fprintf(stderr,
+                        "stokehold-emu: the host wrote the %zu pinned bytes at %p after their "
+                        "cuMemcpyHtoDAsync was enqueued and before it ran\n",
+                        n, src);
+                abort();
+            }
             memcpy((void*)(uintptr_t)dst, src, n);
         });
         return CUDA_SUCCESS;
