@@ -373,8 +373,8 @@ fn the_emulator_finds_only_kernels_with_c_linkage() {
     // A real module names a kernel without `extern "C"` by its mangled name: looked up
     // by its plain name, it is not found. The emulator's must not be kinder.
     emulated("the_emulator_finds_only_kernels_with_c_linkage", 0, |c| {
-        let src = "__global__ void mangled(float* x) { x[0] = 1.0f; }\n\
-                   extern \"C\" {\n__global__ void in_block(float* x) { x[0] = 2.0f; }\n}\n\
+        let src = "extern \"C\" {\n__global__ void in_block(float* x) { x[0] = 2.0f; }\n}\n\
+                   __global__ void mangled(float* x) { x[0] = 1.0f; }\n\
                    extern \"C\" __global__ void plain(float* x) { x[0] = 3.0f; }\n";
         let options = ["--gpu-architecture=sm_90".to_string()];
         let cubin = c.nvrtc.compile_cubin(src, "linkage.cu", &options).unwrap();
@@ -958,31 +958,54 @@ fn kernels_build_for_any_device_nvrtc_can_serve() {
     // compute_XY on X.Y or newer, as a GPU's does.
     let Some(dir) = emulator() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let archs = "75,80,86,89,90,100,120";
+    // As NVRTC 12.8 lists them, with the Tegra 87 (Orin) and 101 (Thor).
+    let archs = "75,80,86,87,89,90,100,101,120";
     let run = |cc: &str, nvrtc: &str| {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_stokehold"));
         cmd.args([
             "train", "--data", DIGITS, "--epochs", "1", "--device", "cuda",
         ]);
+        let cache = tmp.path().join(format!("cache-{cc}"));
         with_emulator(&mut cmd, dir, 0)
-            .env("STOKEHOLD_CACHE", tmp.path().join(format!("cache-{cc}")))
+            .env("STOKEHOLD_CACHE", &cache)
             .env("STOKEHOLD_EMU_CC", cc)
             .env("STOKEHOLD_EMU_NVRTC_ARCHS", archs)
             .env("STOKEHOLD_EMU_NVRTC_VERSION", nvrtc);
         let out = output_within(&mut cmd);
-        (out.status.code(), shown(&out))
+        let cached: Vec<String> = std::fs::read_dir(&cache)
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        (out.status.code(), shown(&out), cached)
     };
-    // sm_103 (B300) and sm_121 with an NVRTC that knows neither: a cubin for sm_100 and
-    // sm_120, which run there. (Asking NVRTC for the device's own fails both ways.)
-    for cc in ["10.3", "12.1", "8.7"] {
-        let (code, text) = run(cc, "12.8");
+    // sm_103 (B300), sm_121 and sm_88 with an NVRTC that lists none of them: a cubin for
+    // sm_100, sm_120 and sm_86 (not the Tegra sm_101 or sm_87), which run there. The
+    // NVRTC is newer than the driver, so no PTX could stand in: a cubin it must be.
+    // (Asking NVRTC for the device's own architecture fails both ways.)
+    for cc in ["10.3", "12.1", "8.8"] {
+        let (code, text, cached) = run(cc, "12.9");
         assert_eq!(code, Some(0), "compute capability {cc}: {text}");
+        assert!(
+            cached.iter().any(|f| f.ends_with(".cubin")),
+            "{cc}: {cached:?}"
+        );
     }
-    // A major this NVRTC does not know: PTX for the newest it knows, compiled forward.
-    let (code, text) = run("13.0", "12.8");
+    // A Tegra device NVRTC lists (Orin) gets its own cubin; one it does not (Thor, as
+    // CUDA 13's sm_110), PTX for the newest Tegra architecture below it.
+    let (code, text, _) = run("8.7", "12.9");
     assert_eq!(code, Some(0), "{text}");
+    let (code, text, cached) = run("11.0", "12.8");
+    assert_eq!(code, Some(0), "{text}");
+    assert!(cached.iter().any(|f| f.ends_with(".ptx")), "{cached:?}");
+    // A major this NVRTC does not know: PTX for the newest it knows, compiled forward.
+    let (code, text, cached) = run("13.0", "12.8");
+    assert_eq!(code, Some(0), "{text}");
+    assert!(cached.iter().any(|f| f.ends_with(".ptx")), "{cached:?}");
     // Older than every architecture it builds for: an error that says so.
-    let (code, text) = run("7.0", "12.8");
+    let (code, text, _) = run("7.0", "12.8");
     assert_eq!(code, Some(1), "{text}");
     assert!(
         text.contains("is sm_70, but NVRTC 12.8") && text.contains("builds for sm_75 and newer"),

@@ -84,22 +84,28 @@ fn example_03_shards_are_disjoint_and_cover_the_set() {
 }
 
 #[test]
-fn example_04_targets_are_inputs_shifted_by_one() {
+fn example_04_reads_each_window_where_it_starts() {
+    // Token i of the example's file is i: a window read from where the dataset says it
+    // starts holds the ids start, start + 1, ... (and the two epochs draw other starts).
     let text = run("04_tokens");
-    let inputs = lines_with(&text, "input  [");
-    let targets = lines_with(&text, "target [");
-    assert!(
-        !inputs.is_empty() && inputs.len() == targets.len(),
-        "{text}"
-    );
-    let numbers = |line: &str| -> Vec<u64> {
-        let list = line.split('[').nth(1).unwrap().trim_end_matches(']');
-        list.split(", ").map(|n| n.parse().unwrap()).collect()
-    };
-    for (i, t) in inputs.iter().zip(&targets) {
-        let (i, t) = (numbers(i), numbers(t));
-        assert_eq!(i[1..], t[..t.len() - 1], "{text}");
+    let lines: Vec<&str> = text.lines().collect();
+    let mut starts = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let Some(start) = line.split("(starts at token ").nth(1) else {
+            continue;
+        };
+        let start: u64 = start.trim_end_matches(')').parse().unwrap();
+        let input = lines[i + 1]
+            .split('[')
+            .nth(1)
+            .unwrap()
+            .trim_end_matches(']');
+        let ids: Vec<u64> = input.split(", ").map(|n| n.parse().unwrap()).collect();
+        assert_eq!(ids, (start..start + 8).collect::<Vec<_>>(), "{text}");
+        starts.push(start);
     }
+    assert_eq!(starts.len(), 8, "{text}");
+    assert_ne!(starts[..4], starts[4..], "{text}");
 }
 
 #[test]

@@ -120,26 +120,36 @@ pub fn compile_options(arch: (i32, i32), cubin: bool) -> Vec<String> {
     vec![arch, "--use_fast_math".to_string(), "-lineinfo".to_string()]
 }
 
+/// The integrated (Tegra: Jetson, DRIVE, Thor) architectures: their cubins run on the
+/// same architecture only, and neither their cubins nor their PTX are built for another
+/// kind of GPU.
+const TEGRA: [(i32, i32); 6] = [(5, 3), (6, 2), (7, 2), (8, 7), (10, 1), (11, 0)];
+
 /// The architecture NVRTC builds for a device of compute capability `device`, given the
 /// real architectures it `supported` (empty: it cannot say; the device's own is tried):
 /// - a cubin (`cubin`): the newest of them with the device's major and a minor no
 ///   higher, since a cubin for `sm_XY` runs on `X.Z` for any `Z >= Y` (an `sm_100` cubin
-///   on an `sm_103` device whose NVRTC does not know `sm_103`);
-/// - PTX: the newest no newer than the device, which the driver compiles forward (for a
-///   device newer than every architecture NVRTC knows).
+///   on an `sm_103` device whose NVRTC does not know `sm_103`); on a Tegra device, its
+///   own only, and never a Tegra one elsewhere;
+/// - PTX: the newest no newer than the device (Tegra ones for Tegra devices only),
+///   which the driver compiles forward (for a device newer than every architecture
+///   NVRTC knows).
 ///
 /// `None` when there is none: the device is older than every architecture NVRTC builds
-/// for, or (for a cubin) of a major it knows nothing of.
+/// for, or (for a cubin) of an architecture it cannot build a runnable one for.
 pub fn build_arch(device: (i32, i32), supported: &[(i32, i32)], cubin: bool) -> Option<(i32, i32)> {
     if supported.is_empty() {
         return Some(device);
     }
+    let tegra = TEGRA.contains(&device);
     supported
         .iter()
         .copied()
-        .filter(|&(major, minor)| match cubin {
-            true => major == device.0 && minor <= device.1,
-            false => (major, minor) <= device,
+        .filter(|arch| tegra || !TEGRA.contains(arch))
+        .filter(|&(major, minor)| match (cubin, tegra) {
+            (true, true) => (major, minor) == device,
+            (true, false) => major == device.0 && minor <= device.1,
+            (false, _) => (major, minor) <= device,
         })
         .max()
 }
@@ -361,19 +371,35 @@ impl KernelOrigin {
 mod tests {
     #[test]
     fn the_architecture_built_for_runs_on_the_device() {
-        let known = [(7, 5), (8, 0), (8, 6), (9, 0), (10, 0), (12, 0)];
+        // As NVRTC 12.8 lists them (Tegra ones among them: 87 Orin, 101 Thor).
+        let known = [
+            (7, 5),
+            (8, 0),
+            (8, 6),
+            (8, 7),
+            (8, 9),
+            (9, 0),
+            (10, 0),
+            (10, 1),
+            (12, 0),
+        ];
         let cubin = |device| super::build_arch(device, &known, true);
         let ptx = |device| super::build_arch(device, &known, false);
         assert_eq!(cubin((9, 0)), Some((9, 0)));
         assert_eq!(cubin((8, 6)), Some((8, 6)));
-        // A cubin runs on newer minors of its major, never on another major.
-        assert_eq!(cubin((8, 9)), Some((8, 6)));
+        // A cubin runs on newer minors of its major, never on another major, and a
+        // Tegra one (sm_101 Thor) never on a B300 (sm_103).
+        assert_eq!(cubin((8, 9)), Some((8, 9)));
         assert_eq!(cubin((10, 3)), Some((10, 0)));
         assert_eq!(cubin((12, 1)), Some((12, 0)));
         assert_eq!(cubin((13, 0)), None);
+        // A Tegra device gets its own cubin or PTX; a desktop one no Tegra PTX.
+        assert_eq!(cubin((8, 7)), Some((8, 7)));
+        assert_eq!(cubin((11, 0)), None);
+        assert_eq!(ptx((11, 0)), Some((10, 1)));
+        assert_eq!(ptx((8, 8)), Some((8, 6)));
         // A device newer than all it knows: PTX for the newest.
         assert_eq!(ptx((13, 0)), Some((12, 0)));
-        assert_eq!(ptx((8, 9)), Some((8, 6)));
         // Older than all it knows: nothing.
         assert_eq!((cubin((6, 1)), ptx((6, 1))), (None, None));
         // NVRTC that cannot say: the device's own.

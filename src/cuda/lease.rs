@@ -23,7 +23,7 @@ use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaSlice, CudaStream}
 
 use super::augment::DeviceAugment;
 use super::feeder::addr;
-use super::{Cuda, KeepCurrent};
+use super::{Cuda, KeepCurrent, Restore};
 use crate::augment::Augmenter;
 use crate::error::{Error, Result};
 use crate::loader::{BatchLayout, HostBatch};
@@ -73,7 +73,7 @@ struct Shared {
     handed_on: AtomicBool,
     /// Set when dropped, and dropped last: the caller's context is current again once
     /// the memory, the events and the context's handle (which bind theirs) are gone.
-    restore: Option<KeepCurrent>,
+    restore: Option<Restore>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -127,7 +127,7 @@ impl Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        self.restore = Some(KeepCurrent::new());
+        self.restore = Some(Restore::now());
         // The memory is freed after the consumers' last work on it has run (an error a
         // drop left in the context would make the first wait return at once).
         let _ = self.ctx.check_err();
@@ -157,7 +157,7 @@ pub struct DeviceSlots {
     /// Set when dropped, and dropped last: the caller's context is current again once
     /// the stream, the augmentation's module and buffers and the slots (which bind
     /// theirs) are gone.
-    restore: Option<KeepCurrent>,
+    restore: Option<Restore>,
 }
 
 /// A check that [`DeviceSlots::reserve`] makes while it waits: `true` stops the wait.
@@ -494,7 +494,7 @@ impl DeviceSlots {
 
 impl Drop for DeviceSlots {
     fn drop(&mut self) {
-        self.restore = Some(KeepCurrent::new());
+        self.restore = Some(Restore::now());
         // No pinned buffer goes back to the loader while a copy may still read it.
         if self.copy.synchronize().is_err() {
             let _ = super::settle(&self.shared.ctx);

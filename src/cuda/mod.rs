@@ -104,19 +104,20 @@ pub(crate) fn settle_stream(stream: &CudaStream) -> std::result::Result<(), Driv
 /// stokehold makes one at the start of each call that code of another library's thread
 /// may make (probing a device, building device slots, lending, releasing and waiting on
 /// device batches, pinned allocations) and when its device objects are dropped. Make
-/// one yourself around cudarc calls of your own, or around dropping the last handle of
-/// a context (cudarc's `CudaContext` binds itself when dropped):
+/// one yourself around cudarc calls of your own made from such a thread:
 ///
 /// ```no_run
-/// # fn f(ctx: std::sync::Arc<cudarc::driver::CudaContext>) {
+/// # fn f(ctx: &std::sync::Arc<cudarc::driver::CudaContext>) -> Result<(), cudarc::driver::DriverError> {
 /// let _current = stokehold::cuda::KeepCurrent::new();
-/// drop(ctx); // the thread's context before this line is current again after it
-/// # }
+/// let stream = ctx.new_stream()?; // makes `ctx` current
+/// # Ok(()) }
+/// // Dropped here: the thread's context before `new` is current again.
 /// ```
 ///
-/// # Panics
-/// [`new`](KeepCurrent::new) panics where libcuda cannot be loaded (as every cudarc
-/// call does): make one only once a device was found.
+/// It puts back what was current, not a context that the code between dropped for good:
+/// keep the handle of a context current on the thread alive past the guard. Without a
+/// usable libcuda it does nothing. It stays on the thread that made it (it is not
+/// `Send`).
 #[derive(Debug)]
 #[must_use = "the context is put back when this is dropped"]
 pub struct KeepCurrent(Option<cudarc::driver::sys::CUcontext>);
@@ -129,9 +130,12 @@ impl Default for KeepCurrent {
 
 impl KeepCurrent {
     /// Notes the thread's current context (none before the driver is initialised; `None`
-    /// where the driver will not say).
+    /// where the driver will not say, or cannot be loaded).
     pub fn new() -> KeepCurrent {
         use cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_INITIALIZED;
+        if !driver_usable() {
+            return KeepCurrent(None);
+        }
         match cudarc::driver::result::ctx::get_current() {
             Ok(current) => KeepCurrent(Some(current.unwrap_or(std::ptr::null_mut()))),
             Err(e) if e.0 == CUDA_ERROR_NOT_INITIALIZED => KeepCurrent(Some(std::ptr::null_mut())),
@@ -140,12 +144,37 @@ impl KeepCurrent {
     }
 }
 
-// SAFETY: a `CUcontext` is a process-wide handle, valid on any thread; a `KeepCurrent`
-// is only ever dropped on the thread that made it (a local, or a field set in the `drop`
-// that then drops it), so it sets back that thread's own context.
-unsafe impl Send for KeepCurrent {}
-// SAFETY: as above; a shared `KeepCurrent` offers nothing to call.
-unsafe impl Sync for KeepCurrent {}
+/// Whether cudarc's driver calls can be made: libcuda is there and has what cudarc loads
+/// (cudarc panics at its first call otherwise). Asked once.
+fn driver_usable() -> bool {
+    static USABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *USABLE.get_or_init(|| {
+        libcuda_present() && quietly(cudarc::driver::result::ctx::get_current).is_ok()
+    })
+}
+
+/// A [`KeepCurrent`] made in the `drop` of a value holding it as its last field, so that
+/// it puts the context back after the value's other fields (which bind theirs) are gone.
+/// `Send` and `Sync`, so that the value stays so.
+#[derive(Debug)]
+pub(crate) struct Restore {
+    _current: KeepCurrent,
+}
+
+impl Restore {
+    /// Notes the thread's current context now.
+    pub(crate) fn now() -> Restore {
+        Restore {
+            _current: KeepCurrent::new(),
+        }
+    }
+}
+
+// SAFETY: a `Restore` is made in a `drop` and dropped at its end, on the same thread: it
+// never crosses threads, and it offers nothing to call while shared.
+unsafe impl Send for Restore {}
+// SAFETY: as above.
+unsafe impl Sync for Restore {}
 
 impl Drop for KeepCurrent {
     fn drop(&mut self) {
@@ -186,7 +215,7 @@ pub fn probe_driver(ordinal: usize) -> Result<Driver, String> {
     }
     // Making the context makes it current: the caller's (another library's, on another
     // device) is put back.
-    let _current = quietly(KeepCurrent::new).ok();
+    let _current = KeepCurrent::new();
     let start = std::time::Instant::now();
     let ctx = quietly(|| CudaContext::new(ordinal))
         .map_err(|m| format!("no CUDA device: loading the driver failed: {m}"))?
@@ -222,6 +251,8 @@ pub fn probe() -> Result<Cuda, String> {
 /// # Errors
 /// As [`probe`].
 pub fn probe_device(ordinal: usize) -> Result<Cuda, String> {
+    // A failure below drops the context's last handle, which binds it.
+    let _current = KeepCurrent::new();
     let Driver {
         ctx,
         version: driver,

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext};
 
-use super::KeepCurrent;
+use super::{KeepCurrent, Restore};
 use crate::error::{Error, Result};
 use crate::loader::{HostAlloc, HostMemory};
 
@@ -64,7 +64,7 @@ pub struct PinnedAlloc {
     kind: PinnedKind,
     /// Set when dropped, and dropped last: the caller's context is current again once
     /// the context's handle (which binds it when it is the last) is gone.
-    restore: Option<KeepCurrent>,
+    restore: Option<Restore>,
 }
 
 impl PinnedAlloc {
@@ -86,7 +86,7 @@ impl Clone for PinnedAlloc {
 
 impl Drop for PinnedAlloc {
     fn drop(&mut self) {
-        self.restore = Some(KeepCurrent::new());
+        self.restore = Some(Restore::now());
     }
 }
 
@@ -96,7 +96,7 @@ struct Pinned {
     ctx: Arc<CudaContext>,
     /// Set when dropped, and dropped last: the caller's context is current again once
     /// the context's handle (which binds it when it is the last) is gone.
-    restore: Option<KeepCurrent>,
+    restore: Option<Restore>,
 }
 
 // SAFETY: the allocation is owned by this value alone; the pointer is only handed out
@@ -120,7 +120,7 @@ impl Drop for Pinned {
     fn drop(&mut self) {
         // `bind_to_thread` would also report (and clear) an error some other drop left in
         // the context, and this buffer would leak; make the context current directly.
-        self.restore = Some(KeepCurrent::new());
+        self.restore = Some(Restore::now());
         // SAFETY: the context outlives this buffer (we hold an Arc to it).
         if unsafe { result::ctx::set_current(self.ctx.cu_ctx()) }.is_ok() {
             // SAFETY: allocated by `malloc_host` in this context and freed once.

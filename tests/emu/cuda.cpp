@@ -871,7 +871,8 @@ CUresult cuEventElapsedTime_v2(float* ms, CUevent a, CUevent b) { return cuEvent
 
 // Loads the image at `path`, given as PTX or as a cubin, checked as the driver checks
 // them against the device: a cubin for sm_XY runs on compute capability X.Z for Z >= Y
-// only, PTX for compute_XY on any device of X.Y or newer, and PTX from an NVRTC newer
+// only (Tegra ones on the same architecture only), PTX for compute_XY on any device of
+// X.Y or newer (of its kind, Tegra or not), and PTX from an NVRTC newer
 // than the driver does not load (its PTX ISA is unknown to the driver's JIT).
 static CUresult load_so(CUmodule* m, const std::string& path, bool ptx) {
     void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
@@ -883,7 +884,17 @@ static CUresult load_so(CUmodule* m, const std::string& path, bool ptx) {
     const int* nvrtc = (const int*)dlsym(h, "emu_nvrtc");
     int cc = compute_capability();
     if (target) {
-        bool runs = ptx ? *target <= cc : *target / 10 == cc / 10 && *target % 10 <= cc % 10;
+        // Integrated (Tegra) architectures: a cubin runs on the same one only, and their
+        // images run on no other kind of GPU.
+        auto tegra = [](int a) { return a == 53 || a == 62 || a == 72 || a == 87 || a == 101 || a == 110; };
+        bool runs;
+        if (tegra(*target) && !tegra(cc)) {
+            runs = false;
+        } else if (ptx) {
+            runs = *target <= cc;
+        } else {
+            runs = tegra(cc) ? *target == cc : *target / 10 == cc / 10 && *target % 10 <= cc % 10;
+        }
         if (!runs) {
             LOG("an image for %s_%d on a device of compute capability %d.%d", ptx ? "compute" : "sm",
                 *target, cc / 10, cc % 10);

@@ -57,10 +57,10 @@ bool c_linkage(const std::string& s, size_t at) {
     while (end > 0 && isspace((unsigned char)s[end - 1])) --end;
     static const std::string kExtern = "extern \"C\"";
     if (end >= kExtern.size() && s.compare(end - kExtern.size(), kExtern.size(), kExtern) == 0) return true;
-    for (size_t block = s.rfind(kExtern, at); block != std::string::npos && block > 0;
-         block = s.rfind(kExtern, block - 1)) {
+    for (size_t block = s.rfind(kExtern, at); block != std::string::npos;
+         block = block == 0 ? std::string::npos : s.rfind(kExtern, block - 1)) {
         size_t open = s.find_first_not_of(" \t\r\n", block + kExtern.size());
-        if (open == std::string::npos || s[open] != '{') continue;
+        if (open == std::string::npos || open >= at || s[open] != '{') continue;
         int depth = 0;
         for (size_t i = open; i < at; ++i) {
             if (s[i] == '{') ++depth;

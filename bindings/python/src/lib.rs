@@ -707,6 +707,9 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
             device.as_deref().unwrap_or("")
         ))
     };
+    // The context's handles bind it as they go, the last ones at the end here on an
+    // error: the thread's own context (PyTorch's device) is put back after.
+    let _current = device.as_ref().map(|_| stokehold::cuda::KeepCurrent::new());
     // Augmenting on the device compiles a kernel: NVRTC is needed too, not the driver only.
     let (ctx, cuda) = match (device_ordinal(device.as_deref())?, &augment) {
         (None, _) => (None, None),

@@ -219,6 +219,10 @@ def test_the_loader_leaves_the_threads_context_as_it_found_it(emulator: Path) ->
             assert current() is None, "an epoch left its context current"
             del kept, loader
             assert current() is None, "dropping the loader left its context current"
+        # A build that fails after the context was made drops its last handle.
+        raises(lambda: stokehold.Loader(sys.argv[1], device="cuda",
+                                        augment=stokehold.Augment("nope")), "nope")
+        assert current() is None, "a failed build left its context current"
         print("child passed")
     """)
 

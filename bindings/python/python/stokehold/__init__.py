@@ -351,13 +351,15 @@ class Loader:
         self._next = epoch + 1
         return running
 
-    def __iter__(self) -> Epoch:
-        """The next epoch, so that ``for batch in loader`` inside a loop over epochs
-        (or a framework that calls ``iter(loader)`` once an epoch, as PyTorch Lightning
-        does) walks them in turn: epoch 0 first, then the one after the last epoch
-        started (an epoch left early is not begun again), or the epoch a loaded state
-        resumes, or the one given to ``set_epoch``."""
-        return self.epoch(self._next)
+    def __iter__(self) -> Iterator[Union[Batch, DeviceBatch]]:
+        """The batches of the next epoch, so that ``for batch in loader`` inside a loop
+        over epochs (or a framework that calls ``iter(loader)`` once an epoch, as PyTorch
+        Lightning does) walks them in turn: epoch 0 first, then the one after the last
+        epoch started (an epoch left early is not begun again), or the epoch a loaded
+        state resumes, or the one given to ``set_epoch``. The epoch starts at the first
+        batch asked for: an iterator made and never used (Lightning's check that the
+        loader is iterable) starts none."""
+        yield from self.epoch(self._next)
 
     def set_epoch(self, epoch: int) -> None:
         """Makes ``epoch`` the one ``iter(loader)`` runs next (as
