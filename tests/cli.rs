@@ -11,6 +11,23 @@ fn stokehold(args: &[&str]) -> std::process::Output {
         .expect("the stokehold binary runs")
 }
 
+/// `stokehold args`, which must succeed (its output shown where not); its stdout.
+fn succeeds(args: &[&str]) -> String {
+    let out = stokehold(args);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "stokehold {args:?}:\n{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+/// The JSON a command wrote to `path`.
+fn read_json(path: &std::path::Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
 fn fixture(name: &str) -> String {
     format!("{}/tests/fixtures/npy/{name}", env!("CARGO_MANIFEST_DIR"))
 }
@@ -18,9 +35,7 @@ fn fixture(name: &str) -> String {
 #[test]
 fn inspect_prints_good_files_and_fails_on_bad_ones() {
     let digits = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
-    let out = stokehold(&["inspect", digits]);
-    assert!(out.status.success());
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = succeeds(&["inspect", digits]);
     assert!(
         text.contains("(1797, 8, 8)") && text.contains("uint8"),
         "{text}"
@@ -39,9 +54,7 @@ fn inspect_prints_good_files_and_fails_on_bad_ones() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("float32"));
 
     // A Megatron indexed dataset, named by its index: 6 documents, the longest 40 tokens.
-    let out = stokehold(&["inspect", &fixture("megatron_u16.idx")]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}");
+    let text = succeeds(&["inspect", &fixture("megatron_u16.idx")]);
     assert!(
         text.contains("(6, <=40)") && text.contains("uint16"),
         "{text}"
@@ -56,9 +69,7 @@ fn inspect_prints_good_files_and_fails_on_bad_ones() {
 
     // An Arrow table's input_ids; a table without one names the columns it has.
     let arrow = fixture("../arrow/hf_stream.arrow");
-    let out = stokehold(&["inspect", &arrow]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}");
+    let text = succeeds(&["inspect", &arrow]);
     assert!(
         text.contains("(6, <=40)") && text.contains("int32"),
         "{text}"
@@ -69,9 +80,7 @@ fn inspect_prints_good_files_and_fails_on_bad_ones() {
     assert!(err.contains(r#"its columns are "meta""#), "{err}");
 
     // An MDS dataset's shards, listed from its directory: their tokens.
-    let out = stokehold(&["inspect", &fixture("../mds/mds_tokens")]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}");
+    let text = succeeds(&["inspect", &fixture("../mds/mds_tokens")]);
     assert!(
         text.contains("shard.00000.mds")
             && text.contains("(3, <=12)")
@@ -89,7 +98,7 @@ fn gen_then_bench_writes_the_figures() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("set");
     let data_s = data.to_str().unwrap();
-    let out = stokehold(&[
+    succeeds(&[
         "gen",
         "--out",
         data_s,
@@ -100,11 +109,6 @@ fn gen_then_bench_writes_the_figures() {
         "--classes",
         "4",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let ds = NpyDataset::open(&data).unwrap();
     assert_eq!(ds.len(), 3000);
     assert_eq!(ds.columns()[0].shape, vec![3, 8, 8]);
@@ -115,7 +119,7 @@ fn gen_then_bench_writes_the_figures() {
     assert_eq!(left.len(), 2, "only x.npy and y.npy: {left:?}");
 
     let json = dir.path().join("bench.json");
-    let out = stokehold(&[
+    succeeds(&[
         "bench",
         "--data",
         data_s,
@@ -126,13 +130,7 @@ fn gen_then_bench_writes_the_figures() {
         "--batch",
         "64",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let report = read_json(&json);
     for path in ["/loader/samples_per_s", "/roofline/samples_per_s", "/ratio"] {
         let v = report.pointer(path).and_then(|v| v.as_f64());
         assert!(v.is_some_and(|v| v > 0.0), "{path} in {report}");
@@ -172,7 +170,7 @@ fn gen_then_bench_writes_the_figures() {
     }
 
     let tokens = dir.path().join("t.bin");
-    let out = stokehold(&[
+    succeeds(&[
         "gen",
         "--out",
         tokens.to_str().unwrap(),
@@ -181,7 +179,6 @@ fn gen_then_bench_writes_the_figures() {
         "--vocab",
         "300",
     ]);
-    assert!(out.status.success());
     assert_eq!(std::fs::metadata(&tokens).unwrap().len(), 2000);
 }
 
@@ -226,15 +223,10 @@ fn digits_reach_90_percent_within_10_epochs_with_default_flags() {
     let json = tmp.path().join("train.json");
     let digits = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
     let j = json.to_str().unwrap();
-    let out = stokehold(&[
+    succeeds(&[
         "train", "--data", digits, "--epochs", "10", "--device", "cpu", "--json", j,
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let report = read_json(&json);
     let best = report["epochs"]
         .as_array()
         .unwrap()
@@ -261,16 +253,7 @@ fn train_augments_x_when_asked_and_refuses_a_crop_too_large() {
             extra,
         ]
         .concat();
-        let out = stokehold(&args);
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        assert!(
-            out.status.success(),
-            "{text}{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let report: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
-        (text, report)
+        (succeeds(&args), read_json(&json))
     };
     let (plain_text, plain) = run("plain.json", &[]);
     let (text, augmented) = run("augmented.json", &["--crop", "1", "--flip"]);

@@ -16,7 +16,7 @@ mod gpu_checks;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use common::DIGITS;
 use stokehold::cuda::Cuda;
@@ -273,6 +273,16 @@ fn the_kernels_stay_inside_their_buffers() {
     });
 }
 
+/// `src` built by the emulated NVRTC as a cubin for the emulated device (sm_90) and
+/// loaded into `c`'s context.
+fn module(c: &Cuda, src: &str, name: &str) -> Arc<cudarc::driver::CudaModule> {
+    let options = ["--gpu-architecture=sm_90".to_string()];
+    let cubin = c.nvrtc.compile_cubin(src, name, &options).unwrap();
+    c.ctx
+        .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+        .unwrap()
+}
+
 #[test]
 fn the_address_sanitizer_catches_a_kernel_writing_past_its_buffer() {
     // The check above can fail: one float written past a 1000-float allocation.
@@ -287,15 +297,7 @@ fn the_address_sanitizer_catches_a_kernel_writing_past_its_buffer() {
         let src = "extern \"C\" __global__ void past(float* x, int n) {\n\
                    int i = blockIdx.x * blockDim.x + threadIdx.x;\n\
                    if (i <= n) x[i] = 1.0f;\n}\n";
-        let cubin = c
-            .nvrtc
-            .compile_cubin(src, "past.cu", &["--gpu-architecture=sm_90".to_string()])
-            .unwrap();
-        let module = c
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
-            .unwrap();
-        let f = module.load_function("past").unwrap();
+        let f = module(&c, src, "past.cu").load_function("past").unwrap();
         let stream = c.ctx.new_stream().unwrap();
         let mut x = stream.alloc_zeros::<f32>(1000).unwrap();
         let n = 1000i32;
@@ -315,13 +317,7 @@ fn the_emulator_catches_a_kernel_using_freed_memory() {
     let name = "the_emulator_catches_a_kernel_using_freed_memory";
     fails_in_child(name, Mode::default(), "after it was freed", |c| {
         let src = "extern \"C\" __global__ void touch(float* x) { x[0] = 1.0f; }\n";
-        let options = ["--gpu-architecture=sm_90".to_string()];
-        let cubin = c.nvrtc.compile_cubin(src, "touch.cu", &options).unwrap();
-        let module = c
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
-            .unwrap();
-        let f = module.load_function("touch").unwrap();
+        let f = module(&c, src, "touch.cu").load_function("touch").unwrap();
         let stream = c.ctx.new_stream().unwrap();
         // SAFETY: none: the point is the use after the free.
         let ptr = unsafe { cudarc::driver::result::malloc_sync(4096) }.unwrap();
@@ -376,12 +372,7 @@ fn the_emulator_finds_only_kernels_with_c_linkage() {
         let src = "extern \"C\" {\n__global__ void in_block(float* x) { x[0] = 2.0f; }\n}\n\
                    __global__ void mangled(float* x) { x[0] = 1.0f; }\n\
                    extern \"C\" __global__ void plain(float* x) { x[0] = 3.0f; }\n";
-        let options = ["--gpu-architecture=sm_90".to_string()];
-        let cubin = c.nvrtc.compile_cubin(src, "linkage.cu", &options).unwrap();
-        let module = c
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
-            .unwrap();
+        let module = module(&c, src, "linkage.cu");
         assert!(module.load_function("plain").is_ok());
         assert!(module.load_function("in_block").is_ok());
         let err = module.load_function("mangled").unwrap_err();

@@ -128,6 +128,14 @@ CONSUMER = textwrap.dedent(
         ok(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0), "cuDevicePrimaryCtxRetain")
         ok(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
+    def device_bytes(ptr, n):
+        # `n` bytes of device memory at `ptr`, read back synchronously in the consumer's
+        # own context.
+        bind()
+        back = (ctypes.c_uint8 * n)()
+        ok(cuda.cuMemcpyDtoH_v2(back, ptr, n), "cuMemcpyDtoH")
+        return np.frombuffer(back, np.uint8)
+
     def pinned(n):
         p = ctypes.c_void_p()
         ok(cuda.cuMemHostAlloc(ctypes.byref(p), n, 0), "cuMemHostAlloc")
@@ -193,9 +201,7 @@ def test_device_batches_wait_for_their_copy_and_their_consumer(emulator: Path) -
             got = np.ctypeslib.as_array(ctypes.cast(host, ctypes.POINTER(ctypes.c_uint8)), (n,))
             assert np.array_equal(got, x_file[indices].reshape(-1)), "a slot was overwritten or read early"
         managed, data, indices, n = kept
-        back = (ctypes.c_uint8 * n)()
-        ok(cuda.cuMemcpyDtoH_v2(back, data, n), "cuMemcpyDtoH")
-        assert np.array_equal(np.frombuffer(back, np.uint8), x_file[indices].reshape(-1)), \
+        assert np.array_equal(device_bytes(data, n), x_file[indices].reshape(-1)), \
             "a slot a consumer still owned was copied into"
         managed.contents.deleter(managed)
         # Every slot back: a whole epoch again, each batch dropped at once.
@@ -251,10 +257,7 @@ def test_holding_every_slot_is_an_error_not_a_hang(emulator: Path) -> None:
         b = next(iter(tl.epoch(0)))
         cai = b["tokens"].__cuda_array_interface__
         assert cai["shape"] == (4, 17) and cai["typestr"] == "<u2" and cai["version"] == 3
-        back = (ctypes.c_uint16 * 68)()
-        bind()
-        ok(cuda.cuMemcpyDtoH_v2(back, cai["data"][0], 136), "cuMemcpyDtoH")
-        got = np.frombuffer(back, np.uint16).reshape(4, 17)
+        got = device_bytes(cai["data"][0], 136).view(np.uint16).reshape(4, 17)
         assert (np.diff(got.astype(np.int64), axis=1) == 1).all(), got
         print("child passed")
     """)
@@ -393,10 +396,7 @@ def test_a_forked_child_refuses_device_batches_and_lets_them_go(emulator: Path) 
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
         n = len(batch) * 64
-        back = (ctypes.c_uint8 * n)()
-        bind()
-        ok(cuda.cuMemcpyDtoH_v2(back, batch["x"].data_ptr, n), "cuMemcpyDtoH")
-        assert np.array_equal(np.frombuffer(back, np.uint8), x_file[batch.indices].reshape(-1))
+        assert np.array_equal(device_bytes(batch["x"].data_ptr, n), x_file[batch.indices].reshape(-1))
         del batch, capsule
         assert sum(len(b) for b in it) == 1797 - 100
         print("child passed")
@@ -435,7 +435,6 @@ def test_the_device_augments_as_the_workers_do(emulator: Path) -> None:
         on_cpu = stokehold.Loader(sys.argv[1], batch_size=100, seed=3, workers=2, augment=aug)
         assert on_gpu.columns == on_cpu.columns
         assert on_gpu.columns["x"] == (np.dtype(np.float32), (8, 8))
-        bind()
         for epoch in range(2):
             compared = 0
             for batch, want in zip(on_gpu.epoch(epoch), on_cpu.epoch(epoch)):
@@ -445,9 +444,8 @@ def test_the_device_augments_as_the_workers_do(emulator: Path) -> None:
                     capsule = batch[name].__dlpack__(stream=None)
                     t = tensor(capsule).contents.dl_tensor
                     expected = np.ascontiguousarray(want[name])
-                    back = (ctypes.c_uint8 * expected.nbytes)()
-                    ok(cuda.cuMemcpyDtoH_v2(back, t.data, expected.nbytes), "cuMemcpyDtoH")
-                    got = np.frombuffer(back, expected.dtype).reshape(expected.shape)
+                    got = device_bytes(t.data, expected.nbytes).view(expected.dtype)
+                    got = got.reshape(expected.shape)
                     assert np.array_equal(got, expected), f"epoch {epoch}: {name} differs"
             assert compared == 18, compared
         print("child passed")
