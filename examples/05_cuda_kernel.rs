@@ -61,11 +61,11 @@ fn main() -> stokehold::Result<()> {
             let cubin = cuda
                 .nvrtc
                 .compile_cubin(KERNEL, "count.cu", &option("sm", arch));
-            Ptx::from_binary(cubin.map_err(stokehold::Error::Cuda)?)
+            Ptx::from_binary(cubin.map_err(stokehold::Error::cuda)?)
         }
         None => {
             let arch = build_arch(cuda.arch, &archs, false).ok_or_else(|| {
-                stokehold::Error::Cuda(format!(
+                stokehold::Error::cuda(format!(
                     "NVRTC builds for nothing as old as {:?}",
                     cuda.arch
                 ))
@@ -73,7 +73,7 @@ fn main() -> stokehold::Result<()> {
             let ptx = cuda
                 .nvrtc
                 .compile(KERNEL, "count.cu", &option("compute", arch));
-            Ptx::from_src(ptx.map_err(stokehold::Error::Cuda)?)
+            Ptx::from_src(ptx.map_err(stokehold::Error::cuda)?)
         }
     };
     let module = cuda.ctx.load_module(image)?;

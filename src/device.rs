@@ -84,7 +84,7 @@ impl Device {
         match choice {
             DeviceChoice::Auto => Ok(Device::auto()),
             DeviceChoice::Cpu => Ok(Device::Cpu { reason: None }),
-            DeviceChoice::Cuda => cuda::probe().map(Device::Cuda).map_err(Error::Cuda),
+            DeviceChoice::Cuda => cuda::probe().map(Device::Cuda).map_err(Error::cuda),
         }
     }
 

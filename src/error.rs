@@ -3,6 +3,8 @@
 use std::io;
 use std::path::PathBuf;
 
+use cudarc::driver::sys::CUresult;
+
 /// `Result` with the crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -108,6 +110,8 @@ pub enum Error {
         epoch: u64,
         /// Its number in the epoch.
         batch: u64,
+        /// The driver's error code (`CUresult`), as in [`Error::Cuda`].
+        code: Option<u32>,
         /// The driver's error.
         message: String,
     },
@@ -133,8 +137,16 @@ pub enum Error {
         sample: Option<u64>,
     },
     /// The CUDA backend was asked for and is not available, or a CUDA call failed.
-    #[error("CUDA: {0}")]
-    Cuda(String),
+    /// [`context_lost`](Error::context_lost) tells whether the context can go on.
+    #[error("CUDA: {message}")]
+    Cuda {
+        /// The driver's error code (`CUresult`, `700` for `CUDA_ERROR_ILLEGAL_ADDRESS`)
+        /// when a driver call failed; `None` for a failure of another kind (no driver,
+        /// NVRTC's log, no image for the device).
+        code: Option<u32>,
+        /// The driver's name for the error and its description, or what failed.
+        message: String,
+    },
     /// The loader's workers stopped without delivering a batch (a worker thread died).
     #[error("the loader's workers stopped without delivering batch {batch}")]
     WorkersStopped {
@@ -214,11 +226,60 @@ impl From<cudarc::driver::DriverError> for Error {
             (Ok(name), _) => name.to_string_lossy().into_owned(),
             _ => format!("CUresult {}", e.0 as u32),
         };
-        Error::Cuda(said)
+        Error::Cuda {
+            code: Some(e.0 as u32),
+            message: said,
+        }
     }
 }
 
+/// The driver's errors after which its context is unusable: a fault in a kernel or a
+/// copy (CUDA's sticky errors, returned by every later call of the context), a context
+/// destroyed or a driver shut down. Only a new process gets a working context.
+const CONTEXT_LOST: [CUresult; 12] = [
+    CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
+    CUresult::CUDA_ERROR_LAUNCH_FAILED,
+    CUresult::CUDA_ERROR_ILLEGAL_INSTRUCTION,
+    CUresult::CUDA_ERROR_MISALIGNED_ADDRESS,
+    CUresult::CUDA_ERROR_INVALID_ADDRESS_SPACE,
+    CUresult::CUDA_ERROR_INVALID_PC,
+    CUresult::CUDA_ERROR_HARDWARE_STACK_ERROR,
+    CUresult::CUDA_ERROR_ASSERT,
+    CUresult::CUDA_ERROR_ECC_UNCORRECTABLE,
+    CUresult::CUDA_ERROR_LAUNCH_TIMEOUT,
+    CUresult::CUDA_ERROR_CONTEXT_IS_DESTROYED,
+    CUresult::CUDA_ERROR_DEINITIALIZED,
+];
+
 impl Error {
+    /// An [`Error::Cuda`] that is no driver call's (`code: None`).
+    pub fn cuda(message: impl Into<String>) -> Self {
+        Error::Cuda {
+            code: None,
+            message: message.into(),
+        }
+    }
+
+    /// The driver's error code (`CUresult`) of a failed CUDA call: [`Error::Cuda`] or
+    /// [`Error::CopyFailed`] from the driver; `None` for any other error.
+    pub fn cuda_code(&self) -> Option<u32> {
+        match *self {
+            Error::Cuda { code, .. } | Error::CopyFailed { code, .. } => code,
+            _ => None,
+        }
+    }
+
+    /// Whether the CUDA context is lost: a fault on the device (an illegal address in
+    /// a kernel, a copy from a bad pointer), an uncorrectable ECC error, a destroyed
+    /// context. The driver then fails every later call of the context, in this
+    /// process, for every library sharing it (PyTorch's included): save what the
+    /// loader's state says, and resume in a new process. Any other error (a full
+    /// device, a bad argument, a file) leaves the context usable.
+    pub fn context_lost(&self) -> bool {
+        self.cuda_code()
+            .is_some_and(|code| CONTEXT_LOST.iter().any(|&lost| lost as u32 == code))
+    }
+
     pub(crate) fn io(path: impl Into<PathBuf>, source: io::Error) -> Self {
         Error::Io {
             path: path.into(),

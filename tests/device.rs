@@ -29,7 +29,10 @@ fn auto_picks_cuda_or_says_why_not() {
             );
             // Asking for CUDA where there is none is an error with the same reason.
             match Device::select(DeviceChoice::Cuda) {
-                Err(Error::Cuda(r)) => assert_eq!(r, reason),
+                Err(Error::Cuda {
+                    code: None,
+                    message,
+                }) => assert_eq!(message, reason),
                 other => panic!("expected a CUDA error, got {other:?}"),
             }
         }

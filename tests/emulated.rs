@@ -542,13 +542,16 @@ fn a_faulting_copy_loses_no_batch(c: Cuda, faulting: u64) {
             },
             _,
         ) => *batch,
-        (Error::Cuda(_), Some(given)) => given,
+        (Error::Cuda { .. }, Some(given)) => given,
         _ => panic!("not the fault's error: {err:?}"),
     };
     assert!(
         err.to_string().contains("CUDA_ERROR_ILLEGAL_ADDRESS"),
         "{err}"
     );
+    // The code is the driver's, and says the context is gone.
+    assert_eq!(err.cuda_code(), Some(700), "{err:?}");
+    assert!(err.context_lost(), "{err:?}");
     assert!(
         lost <= faulting && lost + 1 >= faulting,
         "batch {faulting} faulted, the error names {lost}: {err}"

@@ -246,29 +246,16 @@ pub(crate) fn load_program<T>(
             }
         }
     }
-    Err(last.unwrap_or_else(|| Error::Cuda("no kernel image could be built".into())))
+    Err(last.unwrap_or_else(|| Error::cuda("no kernel image could be built")))
 }
 
 /// Whether loading an image failed for the context, not the image: a fault's sticky
-/// error, or a context that is gone. Another image would fail the same way, and the
+/// error, a context that is gone, or a full device. Another image would fail the same way, and the
 /// cache is not to blame. (Any other failure may be the image's: damaged, for another
 /// architecture, PTX too new for the driver.)
 fn the_context_failed(e: &Error) -> bool {
-    const CONTEXT: [&str; 12] = [
-        "CUDA_ERROR_ILLEGAL_ADDRESS",
-        "CUDA_ERROR_LAUNCH_FAILED",
-        "CUDA_ERROR_ILLEGAL_INSTRUCTION",
-        "CUDA_ERROR_MISALIGNED_ADDRESS",
-        "CUDA_ERROR_INVALID_ADDRESS_SPACE",
-        "CUDA_ERROR_INVALID_PC",
-        "CUDA_ERROR_HARDWARE_STACK_ERROR",
-        "CUDA_ERROR_ECC_UNCORRECTABLE",
-        "CUDA_ERROR_LAUNCH_TIMEOUT",
-        "CUDA_ERROR_CONTEXT_IS_DESTROYED",
-        "CUDA_ERROR_DEINITIALIZED",
-        "CUDA_ERROR_OUT_OF_MEMORY",
-    ];
-    matches!(e, Error::Cuda(m) if CONTEXT.iter().any(|code| m.contains(code)))
+    const OUT_OF_MEMORY: u32 = cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY as u32;
+    e.context_lost() || e.cuda_code() == Some(OUT_OF_MEMORY)
 }
 
 /// The compiled image (a cubin that runs on the device, or PTX), from the
@@ -283,7 +270,7 @@ fn compiled(
     let Some(arch) = build_arch(cuda.arch, &archs, cubin) else {
         let (major, minor) = cuda.nvrtc.version();
         let known: Vec<String> = archs.iter().map(|(a, b)| format!("sm_{a}{b}")).collect();
-        return Err(Error::Cuda(format!(
+        return Err(Error::cuda(format!(
             "NVRTC {major}.{minor} cannot build {} that runs on sm_{}{} (it builds for {})",
             if cubin { "a cubin" } else { "PTX" },
             cuda.arch.0,
@@ -294,7 +281,7 @@ fn compiled(
     if !cubin && cuda.nvrtc.version() > cuda.driver {
         // PTX from a newer NVRTC names a PTX ISA the driver cannot JIT
         // (CUDA_ERROR_UNSUPPORTED_PTX_VERSION): say so instead of trying.
-        return Err(Error::Cuda(format!(
+        return Err(Error::cuda(format!(
             "NVRTC {}.{} is newer than the driver's CUDA {}.{}: its PTX would not load, \
              and no cubin could be used (point STOKEHOLD_NVRTC at an NVRTC no newer than \
              the driver, or update the driver)",
@@ -338,7 +325,7 @@ fn compiled(
             .compile(program.source, &file_name, &options)
             .map(String::into_bytes)
     }
-    .map_err(Error::Cuda)?;
+    .map_err(Error::cuda)?;
     let seconds = t.elapsed().as_secs_f64();
     // A temporary name of our own, renamed into place: concurrent writers never
     // expose a half-written file. A cache that cannot be written only costs the next

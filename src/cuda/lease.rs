@@ -376,7 +376,7 @@ impl DeviceSlots {
     fn retire(&mut self, keep: usize) -> Result<()> {
         while let Some((batch, k)) = self.in_flight.front() {
             let event = &self.shared.copied[*k];
-            let done = (|| {
+            let done = (|| -> Result<bool> {
                 if self.in_flight.len() <= keep && !event.try_is_complete()? {
                     return Ok(false);
                 }
@@ -391,13 +391,15 @@ impl DeviceSlots {
                     // No host buffer goes back while a copy may still read it.
                     let _ = super::settle(&self.shared.ctx);
                     self.in_flight.clear();
+                    let code = e.cuda_code();
                     let message = match e {
-                        Error::Cuda(m) => m,
+                        Error::Cuda { message, .. } => message,
                         other => other.to_string(),
                     };
                     return Err(Error::CopyFailed {
                         epoch,
                         batch,
+                        code,
                         message,
                     });
                 }

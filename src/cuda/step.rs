@@ -275,8 +275,7 @@ impl Step {
                 // End the capture whatever happened, so the stream is usable again.
                 let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
                 enqueued?;
-                let graph =
-                    graph?.ok_or_else(|| Error::Cuda("the captured step is empty".into()))?;
+                let graph = graph?.ok_or_else(|| Error::cuda("the captured step is empty"))?;
                 e.insert(graph)
             }
         };

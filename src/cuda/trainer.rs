@@ -112,7 +112,7 @@ impl CudaTrainer {
         let flags = sys::CUgraphInstantiate_flags(0);
         let graph = stream.end_capture(flags).map_err(Error::from);
         enqueued?;
-        let graph = graph?.ok_or_else(|| Error::Cuda("the captured epoch is empty".into()))?;
+        let graph = graph?.ok_or_else(|| Error::cuda("the captured epoch is empty"))?;
         graph.upload()?;
         self.graph = Some((shape, graph));
         Ok(())

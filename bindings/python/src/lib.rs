@@ -33,8 +33,20 @@ pyo3::create_exception!(
     "A stokehold error: the message names the file and the problem."
 );
 
+/// `e` as a `stokehold.Error`; one from the CUDA driver carries its `cuda_code` and
+/// whether the context is lost (`context_lost`), which the class defaults to `None`
+/// and `False`.
 fn error(e: stokehold::Error) -> PyErr {
-    Error::new_err(e.to_string())
+    let err = Error::new_err(e.to_string());
+    if let Some(code) = e.cuda_code() {
+        Python::attach(|py| {
+            let value = err.value(py);
+            // Setting an attribute of a fresh exception object cannot fail.
+            let _ = value.setattr("cuda_code", code);
+            let _ = value.setattr("context_lost", e.context_lost());
+        });
+    }
+    err
 }
 
 /// The epoch a loader is running, shared by the loader and the epoch's Python object.

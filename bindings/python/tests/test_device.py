@@ -59,7 +59,7 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # The consumer's side, through the driver API: shared by the children.
 CONSUMER = textwrap.dedent(
     """
-    import ctypes, sys, time
+    import ctypes, pickle, sys, time
     import numpy as np
     import stokehold
 
@@ -108,8 +108,8 @@ CONSUMER = textwrap.dedent(
             call()
         except stokehold.Error as e:
             assert text in str(e), e
-        else:
-            raise AssertionError(f"no error saying {text!r}")
+            return e
+        raise AssertionError(f"no error saying {text!r}")
 
     def host_order(**kw):
         # The samples of each batch of epoch 0 of a host loader over the set.
@@ -312,7 +312,9 @@ def test_a_batch_whose_copy_failed_comes_again_after_a_resume(emulator: Path) ->
         it = loader.epoch(0)
         assert np.array_equal(next(it).indices, want[0])
         assert np.array_equal(next(it).indices, want[1])
-        raises(lambda: next(it), "CUDA_ERROR_INVALID_VALUE")
+        e = raises(lambda: next(it), "CUDA_ERROR_INVALID_VALUE")
+        # A refused copy leaves the context usable.
+        assert (e.cuda_code, e.context_lost) == (1, False), (e.cuda_code, e.context_lost)
         state = loader.state_dict()
         assert (state["epoch"], state["batch"]) == (0, 2), state
         # The epoch ended there; its figures are still there to read.
@@ -346,6 +348,10 @@ def test_a_copy_that_faults_on_the_device_loses_no_batch(emulator: Path, faultin
                 kept = (kept + [b])[-2:]  # a loop that overlaps its steps keeps two
         except stokehold.Error as e:
             assert "CUDA_ERROR_ILLEGAL_ADDRESS" in str(e), e
+            # A fault loses the context: the error says so, and it survives a pickle.
+            assert (e.cuda_code, e.context_lost) == (700, True), (e.cuda_code, e.context_lost)
+            again = pickle.loads(pickle.dumps(e))
+            assert (again.cuda_code, again.context_lost) == (700, True), vars(again)
         else:
             raise AssertionError("the fault went unreported")
         assert all(np.array_equal(a, b) for a, b in zip(got, want))

@@ -27,6 +27,12 @@ from ._stokehold import Error, __version__
 
 # Named where users import it from, so that an error pickles (multiprocessing, Ray).
 Error.__module__ = "stokehold"
+# A failed CUDA driver call sets both on the error it raises: the driver's code
+# (CUresult: 700 is CUDA_ERROR_ILLEGAL_ADDRESS) and whether the CUDA context is lost (a
+# fault on the device: every later call in this process fails, PyTorch's too; save the
+# loader's state_dict() and resume in a new process).
+Error.cuda_code = None
+Error.context_lost = False
 
 __all__ = [
     "Augment",
