@@ -331,6 +331,18 @@ fn the_emulator_catches_a_kernel_using_freed_memory() {
     });
 }
 
+/// `n` pinned bytes, each 1, in the current context; never freed unless the caller
+/// frees them (`result::free_host`).
+fn pinned_ones(n: usize) -> &'static mut [u8] {
+    // SAFETY: a fresh pinned allocation of `n` bytes, which nothing else refers to.
+    let bytes = unsafe {
+        let p = cudarc::driver::result::malloc_host(n, 0).unwrap();
+        std::slice::from_raw_parts_mut(p.cast::<u8>(), n)
+    };
+    bytes.fill(1);
+    bytes
+}
+
 #[test]
 fn the_emulator_catches_a_pinned_buffer_written_before_its_copy_ran() {
     // The race a loader must never have: a pinned buffer refilled while its asynchronous
@@ -344,13 +356,7 @@ fn the_emulator_catches_a_pinned_buffer_written_before_its_copy_ran() {
     fails_in_child(name, Mode::default(), report, |c| {
         let stream = c.ctx.new_stream().unwrap();
         let dst = stream.alloc_zeros::<u8>(4096).unwrap();
-        // SAFETY: none needed beyond the test's: 4096 pinned bytes, written and copied
-        // below, freed never (the child ends).
-        let src = unsafe { result::malloc_host(4096, 0) }
-            .unwrap()
-            .cast::<u8>();
-        let bytes = unsafe { std::slice::from_raw_parts_mut(src, 4096) };
-        bytes.fill(1);
+        let bytes = pinned_ones(4096);
         // SAFETY: the host function takes no argument; the copy's source and destination
         // hold 4096 bytes. The write after it is the race under test.
         unsafe {
@@ -383,20 +389,139 @@ fn the_emulator_finds_only_kernels_with_c_linkage() {
 #[test]
 fn the_emulator_catches_memory_used_before_its_stream_allocates_it() {
     // cuMemAllocAsync is ordered on its stream: another stream must wait for it. Without
-    // cudarc's event tracking (the feeder turns it off), nothing makes it wait here.
+    // cudarc's event tracking (the feeder turns it off), nothing makes it wait here. The
+    // stream order says so when the copy is enqueued, however the two happen to run.
     let name = "the_emulator_catches_memory_used_before_its_stream_allocates_it";
-    let report = "not yet allocated in stream order";
+    let report = "race: cuMemcpyHtoDAsync on stream";
     fails_in_child(name, Mode::default(), report, |c| {
         // SAFETY: none: the point is the missing order.
         unsafe { c.ctx.disable_event_tracking() };
         let (a, b) = (c.ctx.new_stream().unwrap(), c.ctx.new_stream().unwrap());
-        // Stream a is busy zeroing 512 MB when it reaches the allocation b uses at once.
-        let _busy = a.alloc_zeros::<u8>(512 << 20).unwrap();
         let mut x = a.alloc_zeros::<u8>(4096).unwrap();
         b.memcpy_htod(&[1u8; 4096], &mut x).unwrap();
         b.synchronize().unwrap();
         a.synchronize().unwrap();
     });
+}
+
+/// The kernel of the stream-order checks: `out[0]` = the sum of `x[0..n]`.
+const SUM: &str = "extern \"C\" __global__ void sum(const float* x, float* out, int n) {\n\
+                   float s = 0.0f;\n\
+                   for (int i = 0; i < n; ++i) s += x[i];\n\
+                   out[0] = s;\n}\n";
+
+/// How a second stream is ordered after the first's copy in [`copied_then_summed`].
+#[derive(Clone, Copy)]
+enum Order {
+    /// Not at all.
+    None,
+    /// The host synchronises with the first stream.
+    Host,
+    /// The second stream waits for an event recorded after the copy.
+    Event,
+}
+
+/// Copies 1024 ones into device memory on one stream, lets 50 ms pass (the copy is
+/// long done), and sums them on another, ordered as `order` says; the sum read back.
+fn copied_then_summed(c: &Cuda, order: Order) -> f32 {
+    use cudarc::driver::{LaunchConfig, PushKernelArg};
+    let f = module(c, SUM, "sum.cu").load_function("sum").unwrap();
+    // SAFETY: the streams are ordered by hand below (or, under test, not at all).
+    unsafe { c.ctx.disable_event_tracking() };
+    let (a, b) = (c.ctx.new_stream().unwrap(), c.ctx.new_stream().unwrap());
+    let mut x = a.alloc_zeros::<f32>(1024).unwrap();
+    let mut out = b.alloc_zeros::<f32>(1).unwrap();
+    a.memcpy_htod(&[1.0f32; 1024], &mut x).unwrap();
+    match order {
+        Order::None => {}
+        Order::Host => a.synchronize().unwrap(),
+        Order::Event => b.wait(&a.record_event(None).unwrap()).unwrap(),
+    }
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    let n = 1024i32;
+    let mut l = b.launch_builder(&f);
+    l.arg(&x).arg(&mut out).arg(&n);
+    // SAFETY: x holds 1024 floats and out one, as the kernel reads and writes.
+    unsafe { l.launch(LaunchConfig::for_num_elems(1)) }.unwrap();
+    let sum = b.clone_dtoh(&out).unwrap()[0];
+    a.synchronize().unwrap();
+    sum
+}
+
+#[test]
+fn the_emulator_catches_a_kernel_not_ordered_after_the_copy_it_reads() {
+    // The copy ran 50 ms before the kernel was even launched, so the data is right; but
+    // nothing orders the two, and a GPU may run them the other way round. The stream
+    // order catches it on every run, not on the unlucky ones.
+    let name = "the_emulator_catches_a_kernel_not_ordered_after_the_copy_it_reads";
+    let report = "race: kernel sum on stream";
+    fails_in_child(name, Mode::default(), report, |c| {
+        copied_then_summed(&c, Order::None);
+    });
+}
+
+#[test]
+fn a_kernel_ordered_after_its_copy_by_an_event_or_the_host_passes() {
+    // The check above without its fault: an event wait, or a host synchronisation.
+    emulated(
+        "a_kernel_ordered_after_its_copy_by_an_event_or_the_host_passes",
+        0,
+        |c| {
+            assert_eq!(copied_then_summed(&c, Order::Event), 1024.0);
+            assert_eq!(copied_then_summed(&c, Order::Host), 1024.0);
+        },
+    );
+}
+
+/// Copies 4096 pinned bytes to the device twice on one stream, 50 ms apart (the first
+/// copy long done), with `rewrite` writing the bytes in between after the host
+/// synchronised with the stream if `synchronised`.
+fn copied_twice(c: &Cuda, synchronised: bool, rewrite: bool) {
+    use cudarc::driver::result;
+    let stream = c.ctx.new_stream().unwrap();
+    let dst = stream.alloc_zeros::<u8>(4096).unwrap();
+    let bytes = pinned_ones(4096);
+    let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(&dst, &stream);
+    // SAFETY: the copies' source and destination hold 4096 bytes; the host writes the
+    // source only as the test says.
+    unsafe { result::memcpy_htod_async(ptr, &bytes[..], stream.cu_stream()) }.unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    if synchronised {
+        stream.synchronize().unwrap();
+    }
+    if rewrite {
+        bytes[7] = 2;
+    }
+    // SAFETY: as above.
+    unsafe { result::memcpy_htod_async(ptr, &bytes[..], stream.cu_stream()) }.unwrap();
+    stream.synchronize().unwrap();
+    // SAFETY: no copy reads the bytes any more, and they are not used after this.
+    unsafe { result::free_host(bytes.as_mut_ptr().cast()) }.unwrap();
+}
+
+#[test]
+fn the_emulator_catches_a_pinned_buffer_rewritten_before_its_copy_was_seen_done() {
+    // A buffer refilled once its copy had run, but before the host had seen it finish
+    // (an event query or synchronise): on a GPU the copy may still be reading it.
+    let name = "the_emulator_catches_a_pinned_buffer_rewritten_before_its_copy_was_seen_done";
+    let report = "race: the host rewrote the pinned bytes";
+    fails_in_child(name, Mode::default(), report, |c| {
+        copied_twice(&c, false, true)
+    });
+}
+
+#[test]
+fn a_pinned_buffer_rewritten_after_a_synchronisation_or_not_at_all_passes() {
+    // The check above without its fault: the host synchronised first, or copies the
+    // same bytes again.
+    emulated(
+        "a_pinned_buffer_rewritten_after_a_synchronisation_or_not_at_all_passes",
+        0,
+        |c| {
+            copied_twice(&c, true, true);
+            copied_twice(&c, false, false);
+        },
+    );
 }
 
 #[test]

@@ -12,6 +12,8 @@
 //   GPU. Asynchronous copies read their host source when they run, not when they are
 //   enqueued: a buffer reused before its copy completes is caught by the results.
 //   STOKEHOLD_EMU_JITTER_US=N sleeps up to N us before each operation to shake out races.
+//   Whether operations are ordered is also checked from the calls alone, with vector
+//   clocks ("stream order" below): a race fails every run, however the threads ran.
 // - STOKEHOLD_EMU_FAIL_HTOD=N makes the Nth asynchronous host-to-device copy (from 1)
 //   fail when enqueued with CUDA_ERROR_INVALID_VALUE (as a bad argument is refused; the
 //   context goes on), for the callers' error paths.
@@ -211,6 +213,153 @@ bool pinned(const void* p, size_t n) {
     return (uintptr_t)p >= it->first && (uintptr_t)p + n <= it->first + it->second;
 }
 
+// ---- stream order -------------------------------------------------------------------
+//
+// Whether two operations on device (or pinned) memory are ordered is decided when they
+// are enqueued, from the calls alone, never from when they happen to run: a missing
+// event wait fails every run, not the unlucky ones. Each stream is an agent with a
+// vector clock, and so is the host (one agent for all its threads: their own
+// synchronisation, channels and locks, is out of the emulator's sight and taken as
+// given). An operation enqueued on a stream comes after the stream's earlier ones and
+// after everything the host had seen finish; an event record carries its stream's
+// clock, a stream wait joins it; a host synchronisation (a stream or event synchronise,
+// a successful query, a context synchronise, a synchronous copy, a host function that
+// ran) joins what it waited for into the host's clock. Every access to device memory
+// (copies, memsets, kernels, asynchronous allocations and frees) and every device access
+// to pinned memory is checked against the earlier accesses to the same allocation: two
+// that overlap, one of them a write, on different streams, neither ordered before the
+// other, are a race, reported with both operations, and the process aborts. A kernel's
+// pointer arguments are accesses from where they point to the end of their allocation:
+// reads for `const T*`, writes otherwise. STOKEHOLD_EMU_RACES=0 turns the checks off.
+
+// A vector clock, by agent: 0 is the host, streams are numbered from 1.
+typedef std::vector<uint64_t> Clock;
+
+void join(Clock& into, const Clock& from) {
+    if (into.size() < from.size()) into.resize(from.size(), 0);
+    for (size_t i = 0; i < from.size(); ++i) into[i] = std::max(into[i], from[i]);
+}
+
+// One access to memory: [lo, hi), by an operation of `agent` at `epoch` of its clock.
+struct Access {
+    uintptr_t lo, hi;
+    bool write;
+    int agent;
+    uint64_t epoch;
+    // The pinned bytes' hash when a copy from them was enqueued (0: not such a copy).
+    uint64_t hash;
+    std::string what;
+};
+
+// An operation and the accesses it makes (epochs set when it is enqueued).
+struct Op {
+    std::function<void()> run;
+    std::vector<Access> acc;
+};
+
+std::mutex& g_order_mu = *new std::mutex;  // clocks, events' clocks, the shadow
+Clock& g_host_clock = *new Clock(1, 0);
+std::atomic<int> g_agents{1};
+// The accesses to each allocation (device or pinned) not yet known to be superseded,
+// by the allocation's start.
+std::map<uintptr_t, std::vector<Access>>& g_shadow = *new std::map<uintptr_t, std::vector<Access>>;
+
+// The allocation (device, or pinned host) holding `p`: its start and end.
+bool region(uintptr_t p, uintptr_t* start, uintptr_t* end) {
+    std::lock_guard<std::mutex> g(g_mu);
+    if (Alloc* a = find_alloc(p, 1)) {
+        auto it = g_device.upper_bound(p);
+        --it;
+        *start = it->first;
+        *end = it->first + a->bytes;
+        return true;
+    }
+    auto it = g_host.upper_bound(p);
+    if (it == g_host.begin()) return false;
+    --it;
+    if (p >= it->first + it->second) return false;
+    *start = it->first;
+    *end = it->first + it->second;
+    return true;
+}
+
+// Forgets the accesses to the allocation at `start` (made or freed).
+void forget(uintptr_t start) {
+    std::lock_guard<std::mutex> g(g_order_mu);
+    g_shadow.erase(start);
+}
+
+const char* agent_name(int agent, char* buf, size_t n) {
+    if (agent == 0) return "the host";
+    snprintf(buf, n, "stream #%d", agent);
+    return buf;
+}
+
+bool races_checked() {
+    static const bool on = [] {
+        const char* v = getenv("STOKEHOLD_EMU_RACES");
+        return !(v && strcmp(v, "0") == 0);
+    }();
+    return on;
+}
+
+// Checks `a`, of an operation whose clock is `c`, against the earlier accesses to its
+// allocation, and keeps it (call with g_order_mu held).
+void check(const Access& a, const Clock& c) {
+    uintptr_t start, end;
+    if (!races_checked() || !region(a.lo, &start, &end)) return;
+    std::vector<Access>& seen = g_shadow[start];
+    for (const Access& p : seen) {
+        bool ordered = p.agent == a.agent || ((size_t)p.agent < c.size() && p.epoch <= c[p.agent]);
+        if (ordered || !(a.write || p.write) || a.hi <= p.lo || p.hi <= a.lo) continue;
+        char x[32], y[32];
+        fprintf(stderr,
+                "stokehold-emu: race: %s on %s %s [0x%llx, 0x%llx), which %s on %s %s "
+                "[0x%llx, 0x%llx), and nothing orders the two (no event recorded after one and "
+                "waited for before the other, no host synchronisation between them)\n",
+                a.what.c_str(), agent_name(a.agent, x, sizeof x), a.write ? "writes" : "reads",
+                (unsigned long long)a.lo, (unsigned long long)a.hi, p.what.c_str(),
+                agent_name(p.agent, y, sizeof y), p.write ? "writes" : "reads",
+                (unsigned long long)p.lo, (unsigned long long)p.hi);
+        abort();
+    }
+    // A write supersedes what it covers: whatever comes after it in order comes after
+    // them, and whatever does not races with the write itself.
+    if (a.write) {
+        seen.erase(std::remove_if(seen.begin(), seen.end(),
+                                  [&](const Access& p) { return p.lo >= a.lo && p.hi <= a.hi; }),
+                   seen.end());
+    }
+    seen.push_back(a);
+    // Bounded: the oldest are dropped (a race with them goes unseen).
+    if (seen.size() > 512) seen.erase(seen.begin(), seen.begin() + 256);
+}
+
+// A pinned source about to be copied again, `a` (its hash set): if its bytes changed
+// since an earlier copy from the same range was enqueued, the host wrote them, and that
+// copy must have been seen to finish first (call with g_order_mu held).
+void check_rewrite(const Access& a) {
+    uintptr_t start, end;
+    if (!races_checked() || !region(a.lo, &start, &end)) return;
+    for (const Access& p : g_shadow[start]) {
+        if (!p.hash || p.lo != a.lo || p.hi != a.hi || p.hash == a.hash) continue;
+        if ((size_t)p.agent < g_host_clock.size() && p.epoch <= g_host_clock[p.agent]) continue;
+        char y[32];
+        fprintf(stderr,
+                "stokehold-emu: race: the host rewrote the pinned bytes [0x%llx, 0x%llx) that %s "
+                "on %s reads, before it synchronised with that copy (an event synchronise or "
+                "query, a stream synchronise), and copies them again\n",
+                (unsigned long long)a.lo, (unsigned long long)a.hi, p.what.c_str(),
+                agent_name(p.agent, y, sizeof y));
+        abort();
+    }
+}
+
+// An access of [p, p + n) for an operation named `what`.
+Access access(const char* what, uintptr_t p, size_t n, bool write, uint64_t hash = 0) {
+    return Access{p, p + n, write, 0, 0, hash, what};
+}
+
 // ---- events ------------------------------------------------------------------------
 
 std::mutex& g_ev_mu = *new std::mutex;
@@ -223,6 +372,7 @@ struct Event {
     uint64_t recorded = 0;   // records enqueued
     uint64_t completed = 0;  // records run
     std::chrono::steady_clock::time_point at;
+    Clock clock;  // its stream's at the last record (under g_order_mu)
 };
 
 // ---- streams -----------------------------------------------------------------------
@@ -237,12 +387,16 @@ struct Stream {
     unsigned jitter_us = 0;
     // While capturing (cuStreamBeginCapture), work goes here instead of the queue, with
     // the events recorded so far in the capture.
-    std::vector<std::function<void()>>* capture = nullptr;
+    std::vector<Op>* capture = nullptr;
     std::set<Event*> captured_events;
+    // Its agent and clock in the stream order (under g_order_mu).
+    int agent;
+    Clock clock;
 
     Stream() {
         const char* j = getenv("STOKEHOLD_EMU_JITTER_US");
         jitter_us = j ? (unsigned)strtoul(j, nullptr, 10) : 0;
+        agent = g_agents++;
         worker = std::thread([this] { run(); });
     }
 
@@ -271,11 +425,33 @@ struct Stream {
         }
     }
 
-    void push(std::function<void()> op) {
+    // Enqueues `op` after checking its accesses in the stream order (in a capture, keeps
+    // it for the graph's launches, which check them).
+    void push(std::function<void()> op, std::vector<Access> acc = {}) {
         if (capture) {  // only the capturing thread enqueues on a capturing stream
-            capture->push_back(std::move(op));
+            capture->push_back(Op{std::move(op), std::move(acc)});
             return;
         }
+        std::lock_guard<std::mutex> order(g_order_mu);
+        tick(acc);
+        enqueue(std::move(op));
+    }
+
+    // Advances the clock for one operation enqueued now and checks its accesses (call
+    // with g_order_mu held).
+    void tick(std::vector<Access>& acc) {
+        join(clock, g_host_clock);
+        if (clock.size() <= (size_t)agent) clock.resize(agent + 1, 0);
+        ++clock[agent];
+        for (Access& a : acc) {
+            a.agent = agent;
+            a.epoch = clock[agent];
+            if (a.hash) check_rewrite(a);
+            check(a, clock);
+        }
+    }
+
+    void enqueue(std::function<void()> op) {
         {
             std::lock_guard<std::mutex> g(mu);
             ops.push_back(std::move(op));
@@ -328,13 +504,33 @@ Stream* stream_of(CUstream s) {
     return g_streams.count(s) ? s : nullptr;
 }
 
+// The clock of `st` as it is now, for the host to join once it has seen the stream
+// reach this point.
+Clock clock_of(Stream* st) {
+    std::lock_guard<std::mutex> g(g_order_mu);
+    return st->clock;
+}
+
+// The host has seen the work of clock `c` finish.
+void host_saw(const Clock& c) {
+    std::lock_guard<std::mutex> g(g_order_mu);
+    join(g_host_clock, c);
+}
+
+// Waits for `st`'s work enqueued so far; the host has then seen it finish.
+void sync_stream(Stream* st) {
+    Clock c = clock_of(st);
+    st->sync();
+    host_saw(c);
+}
+
 void sync_all() {
     std::vector<Stream*> all;
     {
         std::lock_guard<std::mutex> g(g_mu);
         all.assign(g_streams.begin(), g_streams.end());
     }
-    for (Stream* s : all) s->sync();
+    for (Stream* s : all) sync_stream(s);
 }
 
 }  // namespace
@@ -346,6 +542,8 @@ struct Module {
     int (*find)(const char*);
     size_t (*params)(int, const size_t**);
     void (*run)(int, dim3, dim3, void**);
+    // Each parameter's kind: 0 not a pointer, 1 `const T*`, 2 `T*`.
+    const unsigned char* (*kinds)(int);
 };
 
 struct Function {
@@ -518,16 +716,26 @@ CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
     return CUDA_SUCCESS;
 }
 
+// cuMemAlloc_v2, with no access recorded of an earlier allocation at the same address.
+CUresult alloc_fresh(CUdeviceptr* p, size_t n) {
+    CUresult r = cuMemAlloc_v2(p, n);
+    if (r == CUDA_SUCCESS) forget((uintptr_t)*p);
+    return r;
+}
+
 CUresult cuMemFree_v2(CUdeviceptr p) {
     STICKY();
     NEED_CONTEXT();
-    std::lock_guard<std::mutex> g(g_mu);
-    auto it = g_device.find((uintptr_t)p);
-    if (it == g_device.end()) return CUDA_ERROR_INVALID_VALUE;
-    g_used -= (it->second.bytes + 255) / 256 * 256;
-    size_t bytes = it->second.bytes;
-    g_device.erase(it);
-    quarantine((uintptr_t)p, bytes);
+    {
+        std::lock_guard<std::mutex> g(g_mu);
+        auto it = g_device.find((uintptr_t)p);
+        if (it == g_device.end()) return CUDA_ERROR_INVALID_VALUE;
+        g_used -= (it->second.bytes + 255) / 256 * 256;
+        size_t bytes = it->second.bytes;
+        g_device.erase(it);
+        quarantine((uintptr_t)p, bytes);
+    }
+    forget((uintptr_t)p);
     return CUDA_SUCCESS;
 }
 
@@ -536,18 +744,21 @@ CUresult cuMemAllocAsync(CUdeviceptr* p, size_t n, CUstream s) {
     NEED_CONTEXT();
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
-    CUresult r = cuMemAlloc_v2(p, n);
+    CUresult r = alloc_fresh(p, n);
     if (r != CUDA_SUCCESS) return r;
     CUdeviceptr at = *p;
     {
         std::lock_guard<std::mutex> g(g_mu);
         g_device[(uintptr_t)at].ready = false;
     }
-    st->push([at] {
-        std::lock_guard<std::mutex> g(g_mu);
-        auto it = g_device.find((uintptr_t)at);
-        if (it != g_device.end()) it->second.ready = true;
-    });
+    // Allocated in stream order: a use on another stream must be ordered after it.
+    st->push(
+        [at] {
+            std::lock_guard<std::mutex> g(g_mu);
+            auto it = g_device.find((uintptr_t)at);
+            if (it != g_device.end()) it->second.ready = true;
+        },
+        {access("cuMemAllocAsync", at, n, true)});
     return CUDA_SUCCESS;
 }
 
@@ -556,11 +767,15 @@ CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
     NEED_CONTEXT();
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
+    size_t bytes;
     {
         std::lock_guard<std::mutex> g(g_mu);
-        if (!g_device.count((uintptr_t)p)) return CUDA_ERROR_INVALID_VALUE;
+        auto it = g_device.find((uintptr_t)p);
+        if (it == g_device.end()) return CUDA_ERROR_INVALID_VALUE;
+        bytes = it->second.bytes;
     }
-    st->push([p] { cuMemFree_v2(p); });
+    // Freed in stream order: every use on another stream must be ordered before it.
+    st->push([p] { cuMemFree_v2(p); }, {access("cuMemFreeAsync", p, bytes, true)});
     return CUDA_SUCCESS;
 }
 
@@ -570,8 +785,11 @@ CUresult cuMemHostAlloc(void** pp, size_t n, unsigned) {
     size_t rounded = (n + 4095) / 4096 * 4096;
     void* m = nullptr;
     if (posix_memalign(&m, 4096, rounded ? rounded : 4096) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
-    std::lock_guard<std::mutex> g(g_mu);
-    g_host[(uintptr_t)m] = n;
+    {
+        std::lock_guard<std::mutex> g(g_mu);
+        g_host[(uintptr_t)m] = n;
+    }
+    forget((uintptr_t)m);
     *pp = m;
     return CUDA_SUCCESS;
 }
@@ -579,8 +797,11 @@ CUresult cuMemHostAlloc(void** pp, size_t n, unsigned) {
 CUresult cuMemFreeHost(void* p) {
     STICKY();
     NEED_CONTEXT();
-    std::lock_guard<std::mutex> g(g_mu);
-    if (!g_host.erase((uintptr_t)p)) return CUDA_ERROR_INVALID_VALUE;
+    {
+        std::lock_guard<std::mutex> g(g_mu);
+        if (!g_host.erase((uintptr_t)p)) return CUDA_ERROR_INVALID_VALUE;
+    }
+    forget((uintptr_t)p);
     free(p);
     return CUDA_SUCCESS;
 }
@@ -641,26 +862,31 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstre
         // as it is at each replay.)
         bool hashed = st->capture == nullptr;
         uint64_t before = hashed ? fnv1a(src, n) : 0;
-        st->push([=] {
-            check_live("cuMemcpyHtoDAsync", dst, n);
-            if (hashed && fnv1a(src, n) != before) {
-                fprintf(stderr,
-                        "stokehold-emu: the host wrote the %zu pinned bytes at %p after their "
-                        "cuMemcpyHtoDAsync was enqueued and before it ran\n",
-                        n, src);
-                abort();
-            }
-            memcpy((void*)(uintptr_t)dst, src, n);
-        });
+        st->push(
+            [=] {
+                check_live("cuMemcpyHtoDAsync", dst, n);
+                if (hashed && fnv1a(src, n) != before) {
+                    fprintf(stderr,
+                            "stokehold-emu: the host wrote the %zu pinned bytes at %p after their "
+                            "cuMemcpyHtoDAsync was enqueued and before it ran\n",
+                            n, src);
+                    abort();
+                }
+                memcpy((void*)(uintptr_t)dst, src, n);
+            },
+            {access("cuMemcpyHtoDAsync", (uintptr_t)src, n, false, hashed ? (before ? before : 1) : 0),
+             access("cuMemcpyHtoDAsync", dst, n, true)});
         return CUDA_SUCCESS;
     }
     // Pageable: returns once the source is staged; the copy itself runs in stream order.
     auto staged = std::make_shared<std::vector<unsigned char>>((const unsigned char*)src,
                                                                (const unsigned char*)src + n);
-    st->push([=] {
-        check_live("cuMemcpyHtoDAsync", dst, n);
-        memcpy((void*)(uintptr_t)dst, staged->data(), n);
-    });
+    st->push(
+        [=] {
+            check_live("cuMemcpyHtoDAsync", dst, n);
+            memcpy((void*)(uintptr_t)dst, staged->data(), n);
+        },
+        {access("cuMemcpyHtoDAsync", dst, n, true)});
     return CUDA_SUCCESS;
 }
 
@@ -670,12 +896,14 @@ CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream s) 
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     if (!in_device(src, n)) return CUDA_ERROR_INVALID_VALUE;
-    st->push([=] {
-        check_live("cuMemcpyDtoHAsync", src, n);
-        memcpy(dst, (const void*)(uintptr_t)src, n);
-    });
+    st->push(
+        [=] {
+            check_live("cuMemcpyDtoHAsync", src, n);
+            memcpy(dst, (const void*)(uintptr_t)src, n);
+        },
+        {access("cuMemcpyDtoHAsync", src, n, false), access("cuMemcpyDtoHAsync", (uintptr_t)dst, n, true)});
     // Pageable: returns only once the copy has completed.
-    if (!pinned(dst, n)) st->sync();
+    if (!pinned(dst, n)) sync_stream(st);
     return CUDA_SUCCESS;
 }
 
@@ -685,11 +913,13 @@ CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstre
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     if (!in_device(src, n) || !in_device(dst, n)) return CUDA_ERROR_INVALID_VALUE;
-    st->push([=] {
-        check_live("cuMemcpyDtoDAsync", src, n);
-        check_live("cuMemcpyDtoDAsync", dst, n);
-        memmove((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, n);
-    });
+    st->push(
+        [=] {
+            check_live("cuMemcpyDtoDAsync", src, n);
+            check_live("cuMemcpyDtoDAsync", dst, n);
+            memmove((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, n);
+        },
+        {access("cuMemcpyDtoDAsync", src, n, false), access("cuMemcpyDtoDAsync", dst, n, true)});
     return CUDA_SUCCESS;
 }
 
@@ -699,35 +929,37 @@ CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream s)
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     if (!in_device(dst, n)) return CUDA_ERROR_INVALID_VALUE;
-    st->push([=] {
-        check_live("cuMemsetD8Async", dst, n);
-        memset((void*)(uintptr_t)dst, v, n);
-    });
+    st->push(
+        [=] {
+            check_live("cuMemsetD8Async", dst, n);
+            memset((void*)(uintptr_t)dst, v, n);
+        },
+        {access("cuMemsetD8Async", dst, n, true)});
     return CUDA_SUCCESS;
 }
 
 // The synchronous copies wait for the default stream first, then copy.
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
     CUresult r = cuMemcpyHtoDAsync_v2(dst, src, n, nullptr);
-    if (r == CUDA_SUCCESS) stream_of(nullptr)->sync();
+    if (r == CUDA_SUCCESS) sync_stream(stream_of(nullptr));
     return r;
 }
 
 CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
     CUresult r = cuMemcpyDtoHAsync_v2(dst, src, n, nullptr);
-    if (r == CUDA_SUCCESS) stream_of(nullptr)->sync();
+    if (r == CUDA_SUCCESS) sync_stream(stream_of(nullptr));
     return r;
 }
 
 CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     CUresult r = cuMemcpyDtoDAsync_v2(dst, src, n, nullptr);
-    if (r == CUDA_SUCCESS) stream_of(nullptr)->sync();
+    if (r == CUDA_SUCCESS) sync_stream(stream_of(nullptr));
     return r;
 }
 
 CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
     CUresult r = cuMemsetD8Async(dst, v, n, nullptr);
-    if (r == CUDA_SUCCESS) stream_of(nullptr)->sync();
+    if (r == CUDA_SUCCESS) sync_stream(stream_of(nullptr));
     return r;
 }
 
@@ -760,7 +992,7 @@ CUresult cuStreamSynchronize(CUstream s) {
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     if (st->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-    st->sync();
+    sync_stream(st);
     STICKY();
     return CUDA_SUCCESS;
 }
@@ -770,7 +1002,10 @@ CUresult cuStreamQuery(CUstream s) {
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
     if (st->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-    return st->idle() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+    Clock c = clock_of(st);
+    if (!st->idle()) return CUDA_ERROR_NOT_READY;
+    host_saw(c);
+    return CUDA_SUCCESS;
 }
 
 CUresult cuEventCreate(CUevent* e, unsigned flags) {
@@ -798,12 +1033,17 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
         st->captured_events.insert(e);
         return CUDA_SUCCESS;
     }
+    // The record, its sequence number and its clock are taken together, in stream order.
+    std::lock_guard<std::mutex> order(g_order_mu);
+    std::vector<Access> none;
+    st->tick(none);
+    e->clock = st->clock;
     uint64_t seq;
     {
         std::lock_guard<std::mutex> g(g_ev_mu);
         seq = ++e->recorded;
     }
-    st->push([e, seq] {
+    st->enqueue([e, seq] {
         {
             std::lock_guard<std::mutex> g(g_ev_mu);
             if (seq > e->completed) {
@@ -826,31 +1066,51 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
         // stream: such a wait orders nothing more).
         return st->captured_events.count(e) ? CUDA_SUCCESS : CUDA_ERROR_STREAM_CAPTURE_ISOLATION;
     }
+    std::lock_guard<std::mutex> order(g_order_mu);
     uint64_t target;
     {
         std::lock_guard<std::mutex> g(g_ev_mu);
         target = e->recorded;  // the last record before this call; none: no wait
     }
-    st->push([e, target] {
+    // What comes after the wait on this stream comes after what came before the record.
+    join(st->clock, e->clock);
+    std::vector<Access> none;
+    st->tick(none);
+    st->enqueue([e, target] {
         std::unique_lock<std::mutex> g(g_ev_mu);
         g_ev_cv.wait(g, [&] { return e->completed >= target; });
     });
     return CUDA_SUCCESS;
 }
 
+// The clock of `e`'s last record, and that record's number.
+std::pair<Clock, uint64_t> last_record(CUevent e) {
+    std::lock_guard<std::mutex> order(g_order_mu);
+    std::lock_guard<std::mutex> g(g_ev_mu);
+    return {e->clock, e->recorded};
+}
+
 CUresult cuEventQuery(CUevent e) {
     STICKY();
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
-    std::lock_guard<std::mutex> g(g_ev_mu);
-    return e->completed >= e->recorded ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+    auto [c, target] = last_record(e);
+    {
+        std::lock_guard<std::mutex> g(g_ev_mu);
+        if (e->completed < target) return CUDA_ERROR_NOT_READY;
+    }
+    host_saw(c);
+    return CUDA_SUCCESS;
 }
 
 CUresult cuEventSynchronize(CUevent e) {
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
-    std::unique_lock<std::mutex> g(g_ev_mu);
-    uint64_t target = e->recorded;
-    g_ev_cv.wait(g, [&] { return e->completed >= target; });
+    auto [c, target] = last_record(e);
+    {
+        std::unique_lock<std::mutex> g(g_ev_mu);
+        g_ev_cv.wait(g, [&] { return e->completed >= target; });
+    }
     STICKY();
+    host_saw(c);
     return CUDA_SUCCESS;
 }
 
@@ -904,8 +1164,9 @@ static CUresult load_so(CUmodule* m, const std::string& path, bool ptx) {
     if (ptx && nvrtc && *nvrtc > kDriverVersion) return CUDA_ERROR_UNSUPPORTED_PTX_VERSION;
     Module* mod = new Module{h, (int (*)(const char*))dlsym(h, "emu_find"),
                              (size_t(*)(int, const size_t**))dlsym(h, "emu_params"),
-                             (void (*)(int, dim3, dim3, void**))dlsym(h, "emu_run")};
-    if (!mod->find || !mod->params || !mod->run) {
+                             (void (*)(int, dim3, dim3, void**))dlsym(h, "emu_run"),
+                             (const unsigned char* (*)(int))dlsym(h, "emu_param_kinds")};
+    if (!mod->find || !mod->params || !mod->run || !mod->kinds) {
         delete mod;
         return CUDA_ERROR_INVALID_IMAGE;
     }
@@ -984,11 +1245,19 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
     }
     const size_t* sizes;
     size_t n = f->module->params(f->id, &sizes);
+    const unsigned char* kinds = f->module->kinds(f->id);
     // The driver copies the arguments at launch: the caller's storage may go right after.
     auto storage = std::make_shared<std::vector<std::vector<unsigned char>>>();
+    // What the kernel may touch: from each pointer argument to the end of its allocation.
+    std::vector<Access> acc;
+    std::string what = "kernel " + f->name;
     for (size_t i = 0; i < n; ++i) {
         const unsigned char* a = (const unsigned char*)params[i];
         storage->emplace_back(a, a + sizes[i]);
+        uintptr_t v, start, end;
+        if (kinds[i] == 0 || sizes[i] != sizeof v) continue;
+        memcpy(&v, a, sizeof v);
+        if (v && region(v, &start, &end)) acc.push_back(access(what.c_str(), v, end - v, kinds[i] == 2));
     }
     Module* mod = f->module;
     int id = f->id;
@@ -1024,7 +1293,7 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
             }
         }
         mod->run(id, grid, block, ptrs.data());
-    });
+    }, std::move(acc));
     return CUDA_SUCCESS;
 }
 
@@ -1032,7 +1301,7 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
 // the stream it is launched on. One stream per capture (no forked captures).
 
 struct Graph {
-    std::vector<std::function<void()>> ops;
+    std::vector<Op> ops;
 };
 typedef Graph* CUgraph;
 typedef Graph* CUgraphExec;
@@ -1043,7 +1312,7 @@ CUresult cuStreamBeginCapture_v2(CUstream s, int mode) {
     if (!st || (uintptr_t)s <= 2) return CUDA_ERROR_INVALID_HANDLE;  // not the default stream
     if (mode < 0 || mode > 2) return CUDA_ERROR_INVALID_VALUE;
     if (st->capture) return CUDA_ERROR_ILLEGAL_STATE;
-    st->capture = new std::vector<std::function<void()>>();
+    st->capture = new std::vector<Op>();
     st->captured_events.clear();
     return CUDA_SUCCESS;
 }
@@ -1079,7 +1348,8 @@ CUresult cuGraphLaunch(CUgraphExec e, CUstream s) {
     Stream* st = stream_of(s);
     if (!st || !e) return CUDA_ERROR_INVALID_HANDLE;
     if (st->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-    for (auto& op : e->ops) st->push(op);
+    // Each replayed operation is checked in the stream order where it is enqueued.
+    for (auto& op : e->ops) st->push(op.run, op.acc);
     return CUDA_SUCCESS;
 }
 
@@ -1107,7 +1377,19 @@ CUresult cuLaunchHostFunc(CUstream s, CUhostFn fn, void* data) {
     NEED_CONTEXT();
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
-    st->push([fn, data] { fn(data); });
+    // What the host does after the function ran (told by it) comes after the work
+    // before it.
+    Clock c;
+    {
+        std::lock_guard<std::mutex> order(g_order_mu);
+        std::vector<Access> none;
+        st->tick(none);
+        c = st->clock;
+        st->enqueue([fn, data, c] {
+            host_saw(c);
+            fn(data);
+        });
+    }
     return CUDA_SUCCESS;
 }
 

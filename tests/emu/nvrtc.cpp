@@ -226,7 +226,7 @@ nvrtcResult nvrtcCompileProgram(Program* p, int n, const char* const* options) {
             f << "    EMU_ENTRY(" << k.name << ", " << (k.barriers ? "true" : "false") << ", "
               << (k.c_linkage ? "\"\"" : "\"_Z\"") << "),\n";
         }
-        f << "    emu::Entry{nullptr, nullptr, false, 0, nullptr}};\n";
+        f << "    emu::Entry{nullptr, nullptr, false, 0, nullptr, nullptr}};\n";
         f << "const int emu_entry_count = " << kernels.size() << ";\n";
         int major, minor;
         version(&major, &minor);

@@ -241,7 +241,16 @@ struct Entry {
     bool barriers;
     size_t nparams;
     const size_t* sizes;
+    const unsigned char* kinds;
 };
+
+// A parameter's kind, for the driver's stream-order checks: 0 not a pointer, 1 a
+// pointer to const (read), 2 any other pointer (written).
+template <class A>
+constexpr unsigned char kind() {
+    return std::is_pointer<A>::value ? (std::is_const<typename std::remove_pointer<A>::type>::value ? 1 : 2)
+                                     : 0;
+}
 
 template <class F>
 struct Invoker;
@@ -249,6 +258,7 @@ template <class... A>
 struct Invoker<void (*)(A...)> {
     static constexpr size_t count = sizeof...(A);
     static constexpr size_t sizes[sizeof...(A) + 1] = {sizeof(A)..., 0};
+    static constexpr unsigned char kinds[sizeof...(A) + 1] = {kind<A>()..., 0};
     template <void (*F)(A...), size_t... I>
     static void call(void** p, std::index_sequence<I...>) {
         F(*static_cast<typename std::remove_cv<A>::type*>(p[I])...);
@@ -266,7 +276,8 @@ struct Invoker<void (*)(A...)> {
 #define EMU_ENTRY(name, barriers, prefix)                                              \
     emu::Entry {                                                                       \
         prefix #name, &emu::Invoker<decltype(&name)>::template run<&name>, barriers,   \
-            emu::Invoker<decltype(&name)>::count, emu::Invoker<decltype(&name)>::sizes \
+            emu::Invoker<decltype(&name)>::count, emu::Invoker<decltype(&name)>::sizes, \
+            emu::Invoker<decltype(&name)>::kinds                                       \
     }
 
 // Defined after the kernels by the generated table.
@@ -285,6 +296,9 @@ extern "C" size_t emu_params(int id, const size_t** sizes) {
     *sizes = emu_entries[id].sizes;
     return emu_entries[id].nparams;
 }
+
+// The kind of each parameter of kernel `id` (see emu::kind).
+extern "C" const unsigned char* emu_param_kinds(int id) { return emu_entries[id].kinds; }
 
 static inline unsigned emu_at(unsigned i, unsigned n) { return emu::reversed() ? n - 1 - i : i; }
 
