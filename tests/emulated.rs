@@ -172,13 +172,15 @@ fn asan_runtime() -> Option<PathBuf> {
 }
 
 /// How a child runs: its stream jitter, whether the kernels are built with the address
-/// sanitizer (every device allocation is then bounds-checked), and which host-to-device
-/// copy, if any, faults on the device (from 1; 0 for none).
+/// sanitizer (every device allocation is then bounds-checked), which host-to-device
+/// copy, if any, faults on the device (from 1; 0 for none), and whether the stream
+/// order goes unchecked (`STOKEHOLD_EMU_RACES=0`, for the checks made when work runs).
 #[derive(Clone, Copy, Default)]
 struct Mode {
     jitter_us: u32,
     asan: bool,
     faulting_copy: u32,
+    unordered: bool,
 }
 
 /// Runs `check` on the emulated device: in the child, directly; in the parent, by
@@ -241,6 +243,9 @@ fn in_child(name: &str, mode: Mode, check: impl FnOnce(Cuda)) -> Option<Output> 
             "STOKEHOLD_EMU_FAIL_HTOD_LATE",
             mode.faulting_copy.to_string(),
         );
+    }
+    if mode.unordered {
+        cmd.env("STOKEHOLD_EMU_RACES", "0");
     }
     if mode.asan {
         let runtime = asan_runtime()?;
@@ -393,15 +398,33 @@ fn the_emulator_catches_memory_used_before_its_stream_allocates_it() {
     // stream order says so when the copy is enqueued, however the two happen to run.
     let name = "the_emulator_catches_memory_used_before_its_stream_allocates_it";
     let report = "race: cuMemcpyHtoDAsync on stream";
-    fails_in_child(name, Mode::default(), report, |c| {
-        // SAFETY: none: the point is the missing order.
-        unsafe { c.ctx.disable_event_tracking() };
-        let (a, b) = (c.ctx.new_stream().unwrap(), c.ctx.new_stream().unwrap());
-        let mut x = a.alloc_zeros::<u8>(4096).unwrap();
-        b.memcpy_htod(&[1u8; 4096], &mut x).unwrap();
-        b.synchronize().unwrap();
-        a.synchronize().unwrap();
-    });
+    fails_in_child(name, Mode::default(), report, used_before_allocated);
+}
+
+#[test]
+fn the_emulator_catches_memory_used_before_its_stream_allocates_it_when_it_runs() {
+    // The same, with the stream order unchecked: the copy finds the memory not yet
+    // allocated when it runs, stream a being busy zeroing 512 MB first.
+    let name = "the_emulator_catches_memory_used_before_its_stream_allocates_it_when_it_runs";
+    let report = "not yet allocated in stream order";
+    let mode = Mode {
+        unordered: true,
+        ..Mode::default()
+    };
+    fails_in_child(name, mode, report, used_before_allocated);
+}
+
+/// Stream a allocates 4096 bytes (after zeroing 512 MB) that stream b copies into at
+/// once, nothing ordering the two.
+fn used_before_allocated(c: Cuda) {
+    // SAFETY: none: the point is the missing order.
+    unsafe { c.ctx.disable_event_tracking() };
+    let (a, b) = (c.ctx.new_stream().unwrap(), c.ctx.new_stream().unwrap());
+    let _busy = a.alloc_zeros::<u8>(512 << 20).unwrap();
+    let mut x = a.alloc_zeros::<u8>(4096).unwrap();
+    b.memcpy_htod(&[1u8; 4096], &mut x).unwrap();
+    b.synchronize().unwrap();
+    a.synchronize().unwrap();
 }
 
 /// The kernel of the stream-order checks: `out[0]` = the sum of `x[0..n]`.
@@ -473,19 +496,33 @@ fn a_kernel_ordered_after_its_copy_by_an_event_or_the_host_passes() {
     );
 }
 
-/// Copies 4096 pinned bytes to the device twice on one stream, 50 ms apart (the first
-/// copy long done), with `rewrite` writing the bytes in between after the host
+/// Copies 4096 pinned bytes to the device on a stream, then the first `second` of them
+/// again, with `rewrite` writing one byte of both in between, after the host
 /// synchronised with the stream if `synchronised`.
-fn copied_twice(c: &Cuda, synchronised: bool, rewrite: bool) {
+/// The first copy is done by then either way: a host function after it said so, which
+/// the emulator, as CUDA, does not count as a synchronisation.
+fn copied_twice(c: &Cuda, synchronised: bool, rewrite: bool, second: usize) {
     use cudarc::driver::result;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    unsafe extern "C" fn done(flag: *mut std::ffi::c_void) {
+        // SAFETY: `flag` is the AtomicBool below, alive until it is set and seen.
+        unsafe { &*flag.cast::<AtomicBool>() }.store(true, Ordering::Release);
+    }
     let stream = c.ctx.new_stream().unwrap();
     let dst = stream.alloc_zeros::<u8>(4096).unwrap();
     let bytes = pinned_ones(4096);
     let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(&dst, &stream);
+    let copied = AtomicBool::new(false);
     // SAFETY: the copies' source and destination hold 4096 bytes; the host writes the
-    // source only as the test says.
-    unsafe { result::memcpy_htod_async(ptr, &bytes[..], stream.cu_stream()) }.unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(50));
+    // source only as the test says. The host function gets the flag, which outlives it.
+    unsafe {
+        result::memcpy_htod_async(ptr, &bytes[..], stream.cu_stream()).unwrap();
+        let flag = std::ptr::from_ref(&copied).cast_mut().cast();
+        result::stream::launch_host_function(stream.cu_stream(), done, flag).unwrap();
+    }
+    while !copied.load(Ordering::Acquire) {
+        std::thread::yield_now();
+    }
     if synchronised {
         stream.synchronize().unwrap();
     }
@@ -493,20 +530,32 @@ fn copied_twice(c: &Cuda, synchronised: bool, rewrite: bool) {
         bytes[7] = 2;
     }
     // SAFETY: as above.
-    unsafe { result::memcpy_htod_async(ptr, &bytes[..], stream.cu_stream()) }.unwrap();
+    unsafe { result::memcpy_htod_async(ptr, &bytes[..second], stream.cu_stream()) }.unwrap();
     stream.synchronize().unwrap();
     // SAFETY: no copy reads the bytes any more, and they are not used after this.
     unsafe { result::free_host(bytes.as_mut_ptr().cast()) }.unwrap();
 }
 
+/// What the emulator says of a pinned buffer rewritten before its copy was seen done.
+const REWRITTEN: &str = "race: the host rewrote the pinned bytes";
+
 #[test]
 fn the_emulator_catches_a_pinned_buffer_rewritten_before_its_copy_was_seen_done() {
-    // A buffer refilled once its copy had run, but before the host had seen it finish
-    // (an event query or synchronise): on a GPU the copy may still be reading it.
+    // A buffer refilled once its copy had run (a host function after it said so), but
+    // before the host had synchronised with it: on a GPU the copy may still be reading
+    // it. Caught when the buffer is copied again.
     let name = "the_emulator_catches_a_pinned_buffer_rewritten_before_its_copy_was_seen_done";
-    let report = "race: the host rewrote the pinned bytes";
-    fails_in_child(name, Mode::default(), report, |c| {
-        copied_twice(&c, false, true)
+    fails_in_child(name, Mode::default(), REWRITTEN, |c| {
+        copied_twice(&c, false, true, 4096)
+    });
+}
+
+#[test]
+fn the_emulator_catches_a_pinned_buffer_rewritten_then_copied_in_part() {
+    // The same, copied again in part (as a short last batch is).
+    let name = "the_emulator_catches_a_pinned_buffer_rewritten_then_copied_in_part";
+    fails_in_child(name, Mode::default(), REWRITTEN, |c| {
+        copied_twice(&c, false, true, 100)
     });
 }
 
@@ -518,8 +567,9 @@ fn a_pinned_buffer_rewritten_after_a_synchronisation_or_not_at_all_passes() {
         "a_pinned_buffer_rewritten_after_a_synchronisation_or_not_at_all_passes",
         0,
         |c| {
-            copied_twice(&c, true, true);
-            copied_twice(&c, false, false);
+            copied_twice(&c, true, true, 4096);
+            copied_twice(&c, false, false, 4096);
+            copied_twice(&c, false, false, 100);
         },
     );
 }

@@ -223,14 +223,23 @@ bool pinned(const void* p, size_t n) {
 // given). An operation enqueued on a stream comes after the stream's earlier ones and
 // after everything the host had seen finish; an event record carries its stream's
 // clock, a stream wait joins it; a host synchronisation (a stream or event synchronise,
-// a successful query, a context synchronise, a synchronous copy, a host function that
-// ran) joins what it waited for into the host's clock. Every access to device memory
+// a successful query, a context synchronise, a device-to-host copy to pageable memory
+// or a synchronous one, as far as CUDA promises) joins what it waited for into the
+// host's clock. A host function is no synchronisation: what it tells the host's threads
+// is out of sight, and an edge taken when it ran would depend on timing. Every access to device memory
 // (copies, memsets, kernels, asynchronous allocations and frees) and every device access
 // to pinned memory is checked against the earlier accesses to the same allocation: two
 // that overlap, one of them a write, on different streams, neither ordered before the
 // other, are a race, reported with both operations, and the process aborts. A kernel's
 // pointer arguments are accesses from where they point to the end of their allocation:
 // reads for `const T*`, writes otherwise. STOKEHOLD_EMU_RACES=0 turns the checks off.
+
+// FNV-1a of `n` bytes at `p`.
+uint64_t fnv1a(const void* p, size_t n) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i < n; ++i) h = (h ^ ((const unsigned char*)p)[i]) * 0x100000001b3ull;
+    return h;
+}
 
 // A vector clock, by agent: 0 is the host, streams are numbered from 1.
 typedef std::vector<uint64_t> Clock;
@@ -323,27 +332,37 @@ void check(const Access& a, const Clock& c) {
                 (unsigned long long)p.lo, (unsigned long long)p.hi);
         abort();
     }
-    // A write supersedes what it covers: whatever comes after it in order comes after
-    // them, and whatever does not races with the write itself.
-    if (a.write) {
+    // A write supersedes what it covers, and so does a read the reads of its own stream
+    // it covers: whatever comes after it in order comes after them, and whatever does
+    // not (and conflicted with them) conflicts with it too.
+    seen.erase(std::remove_if(seen.begin(), seen.end(),
+                              [&](const Access& p) {
+                                  bool covered = p.lo >= a.lo && p.hi <= a.hi;
+                                  return covered && (a.write || (!p.write && p.agent == a.agent));
+                              }),
+               seen.end());
+    seen.push_back(a);
+    // Bounded: the oldest reads are dropped (a race with them goes unseen), never a write.
+    if (seen.size() > 1024) {
+        size_t dropped = 0;
         seen.erase(std::remove_if(seen.begin(), seen.end(),
-                                  [&](const Access& p) { return p.lo >= a.lo && p.hi <= a.hi; }),
+                                  [&](const Access& p) { return !p.write && dropped++ < 512; }),
                    seen.end());
     }
-    seen.push_back(a);
-    // Bounded: the oldest are dropped (a race with them goes unseen).
-    if (seen.size() > 512) seen.erase(seen.begin(), seen.begin() + 256);
 }
 
-// A pinned source about to be copied again, `a` (its hash set): if its bytes changed
-// since an earlier copy from the same range was enqueued, the host wrote them, and that
-// copy must have been seen to finish first (call with g_order_mu held).
+// A pinned source about to be copied, `a` (its hash set): an earlier copy from bytes
+// it overlaps, not yet seen finished by the host, must find them as they were when it
+// was enqueued, or the host wrote them while (as far as it knew) that copy could still
+// be reading them (call with g_order_mu held).
 void check_rewrite(const Access& a) {
     uintptr_t start, end;
     if (!races_checked() || !region(a.lo, &start, &end)) return;
     for (const Access& p : g_shadow[start]) {
-        if (!p.hash || p.lo != a.lo || p.hi != a.hi || p.hash == a.hash) continue;
+        if (!p.hash || a.hi <= p.lo || p.hi <= a.lo) continue;
         if ((size_t)p.agent < g_host_clock.size() && p.epoch <= g_host_clock[p.agent]) continue;
+        uint64_t now = fnv1a((const void*)p.lo, p.hi - p.lo);
+        if ((now ? now : 1) == p.hash) continue;
         char y[32];
         fprintf(stderr,
                 "stokehold-emu: race: the host rewrote the pinned bytes [0x%llx, 0x%llx) that %s "
@@ -370,7 +389,12 @@ std::condition_variable& g_ev_cv = *new std::condition_variable;
 struct Event {
     unsigned flags;
     uint64_t recorded = 0;   // records enqueued
-    uint64_t completed = 0;  // records run
+    uint64_t completed = 0;  // the newest record run
+    // Records enqueued and not yet run: a wait is for one record, which a later record
+    // of the event on another stream, run first, does not stand in for.
+    std::set<uint64_t> pending;
+
+    bool done(uint64_t seq) const { return !pending.count(seq); }
     std::chrono::steady_clock::time_point at;
     Clock clock;  // its stream's at the last record (under g_order_mu)
 };
@@ -407,11 +431,9 @@ struct Stream {
             {
                 std::unique_lock<std::mutex> g(mu);
                 cv.wait(g, [&] { return stop || !ops.empty(); });
-                if (ops.empty()) {
-                    g.unlock();
-                    delete this;
-                    return;
-                }
+                // Destroyed and drained: the thread ends, the stream stays (never freed:
+                // a context synchronise may still look at it).
+                if (ops.empty()) return;
                 op = std::move(ops.front());
                 ops.pop_front();
             }
@@ -471,10 +493,7 @@ struct Stream {
         return done == enqueued;
     }
 
-    // Returns at once, as cuStreamDestroy does: the worker finishes the queue, then
-    // deletes the stream.
-    // The worker may delete the stream as soon as it sees `stop`: detach first, and
-    // touch nothing after releasing the lock.
+    // Returns at once, as cuStreamDestroy does: the worker finishes the queue, then ends.
     void shut() {
         worker.detach();
         std::lock_guard<std::mutex> g(mu);
@@ -485,7 +504,10 @@ struct Stream {
 
 namespace {
 
-std::set<Stream*>& g_streams = *new std::set<Stream*>;
+std::set<Stream*>& g_streams = *new std::set<Stream*>;  // live ones
+// Every stream ever made, destroyed ones too (their queued work still runs, and a
+// context synchronise waits for it).
+std::vector<Stream*>& g_every_stream = *new std::vector<Stream*>;
 Stream* g_default = nullptr;
 
 // The stream a handle names: null, CU_STREAM_LEGACY (1) and CU_STREAM_PER_THREAD (2) are
@@ -497,6 +519,7 @@ Stream* stream_of(CUstream s) {
         if (!g_default) {
             g_default = new Stream();
             g_streams.insert(g_default);
+            g_every_stream.push_back(g_default);
         }
         return g_default;
     }
@@ -528,7 +551,7 @@ void sync_all() {
     std::vector<Stream*> all;
     {
         std::lock_guard<std::mutex> g(g_mu);
-        all.assign(g_streams.begin(), g_streams.end());
+        all = g_every_stream;
     }
     for (Stream* s : all) sync_stream(s);
 }
@@ -723,20 +746,25 @@ CUresult alloc_fresh(CUdeviceptr* p, size_t n) {
     return r;
 }
 
+// Frees device memory and forgets its accesses, together: the address may be handed
+// out again at once (from any thread: cuMemFreeAsync's runs on its stream's).
+CUresult free_device(CUdeviceptr p) {
+    std::lock_guard<std::mutex> order(g_order_mu);
+    std::lock_guard<std::mutex> g(g_mu);
+    auto it = g_device.find((uintptr_t)p);
+    if (it == g_device.end()) return CUDA_ERROR_INVALID_VALUE;
+    g_used -= (it->second.bytes + 255) / 256 * 256;
+    size_t bytes = it->second.bytes;
+    g_device.erase(it);
+    g_shadow.erase((uintptr_t)p);
+    quarantine((uintptr_t)p, bytes);
+    return CUDA_SUCCESS;
+}
+
 CUresult cuMemFree_v2(CUdeviceptr p) {
     STICKY();
     NEED_CONTEXT();
-    {
-        std::lock_guard<std::mutex> g(g_mu);
-        auto it = g_device.find((uintptr_t)p);
-        if (it == g_device.end()) return CUDA_ERROR_INVALID_VALUE;
-        g_used -= (it->second.bytes + 255) / 256 * 256;
-        size_t bytes = it->second.bytes;
-        g_device.erase(it);
-        quarantine((uintptr_t)p, bytes);
-    }
-    forget((uintptr_t)p);
-    return CUDA_SUCCESS;
+    return free_device(p);
 }
 
 CUresult cuMemAllocAsync(CUdeviceptr* p, size_t n, CUstream s) {
@@ -775,7 +803,7 @@ CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
         bytes = it->second.bytes;
     }
     // Freed in stream order: every use on another stream must be ordered before it.
-    st->push([p] { cuMemFree_v2(p); }, {access("cuMemFreeAsync", p, bytes, true)});
+    st->push([p] { free_device(p); }, {access("cuMemFreeAsync", p, bytes, true)});
     return CUDA_SUCCESS;
 }
 
@@ -797,11 +825,10 @@ CUresult cuMemHostAlloc(void** pp, size_t n, unsigned) {
 CUresult cuMemFreeHost(void* p) {
     STICKY();
     NEED_CONTEXT();
-    {
-        std::lock_guard<std::mutex> g(g_mu);
-        if (!g_host.erase((uintptr_t)p)) return CUDA_ERROR_INVALID_VALUE;
-    }
-    forget((uintptr_t)p);
+    std::lock_guard<std::mutex> order(g_order_mu);
+    std::lock_guard<std::mutex> g(g_mu);
+    if (!g_host.erase((uintptr_t)p)) return CUDA_ERROR_INVALID_VALUE;
+    g_shadow.erase((uintptr_t)p);
     free(p);
     return CUDA_SUCCESS;
 }
@@ -813,13 +840,6 @@ void fault_when_run(Stream* st, std::string what, const char* why) {
         LOG("%s: faulting as %s asks", what.c_str(), why);
         g_sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
     });
-}
-
-// FNV-1a of `n` bytes at `p`.
-uint64_t fnv1a(const void* p, size_t n) {
-    uint64_t h = 0xcbf29ce484222325ull;
-    for (size_t i = 0; i < n; ++i) h = (h ^ ((const unsigned char*)p)[i]) * 0x100000001b3ull;
-    return h;
 }
 
 // How the host-to-device copy at hand fails: as STOKEHOLD_EMU_FAIL_HTOD (at once) or
@@ -938,10 +958,15 @@ CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream s)
     return CUDA_SUCCESS;
 }
 
-// The synchronous copies wait for the default stream first, then copy.
+// The synchronous calls run on the default stream and return once done, but the host
+// is told only what CUDA promises: a host-to-device copy synchronises the stream before
+// it starts (its own copy may still be under way when it returns), a device-to-host copy
+// is done when it returns, and a memset or a device-to-device copy promises nothing.
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
+    Stream* st = stream_of(nullptr);
+    sync_stream(st);
     CUresult r = cuMemcpyHtoDAsync_v2(dst, src, n, nullptr);
-    if (r == CUDA_SUCCESS) sync_stream(stream_of(nullptr));
+    if (r == CUDA_SUCCESS) st->sync();
     return r;
 }
 
@@ -953,13 +978,13 @@ CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
 
 CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     CUresult r = cuMemcpyDtoDAsync_v2(dst, src, n, nullptr);
-    if (r == CUDA_SUCCESS) sync_stream(stream_of(nullptr));
+    if (r == CUDA_SUCCESS) stream_of(nullptr)->sync();
     return r;
 }
 
 CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
     CUresult r = cuMemsetD8Async(dst, v, n, nullptr);
-    if (r == CUDA_SUCCESS) sync_stream(stream_of(nullptr));
+    if (r == CUDA_SUCCESS) stream_of(nullptr)->sync();
     return r;
 }
 
@@ -971,6 +996,7 @@ CUresult cuStreamCreate(CUstream* s, unsigned) {
     Stream* st = new Stream();
     std::lock_guard<std::mutex> g(g_mu);
     g_streams.insert(st);
+    g_every_stream.push_back(st);
     *s = st;
     return CUDA_SUCCESS;
 }
@@ -1042,10 +1068,12 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
     {
         std::lock_guard<std::mutex> g(g_ev_mu);
         seq = ++e->recorded;
+        e->pending.insert(seq);
     }
     st->enqueue([e, seq] {
         {
             std::lock_guard<std::mutex> g(g_ev_mu);
+            e->pending.erase(seq);
             if (seq > e->completed) {
                 e->completed = seq;
                 e->at = std::chrono::steady_clock::now();
@@ -1078,7 +1106,7 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
     st->tick(none);
     st->enqueue([e, target] {
         std::unique_lock<std::mutex> g(g_ev_mu);
-        g_ev_cv.wait(g, [&] { return e->completed >= target; });
+        g_ev_cv.wait(g, [&] { return e->done(target); });
     });
     return CUDA_SUCCESS;
 }
@@ -1096,7 +1124,7 @@ CUresult cuEventQuery(CUevent e) {
     auto [c, target] = last_record(e);
     {
         std::lock_guard<std::mutex> g(g_ev_mu);
-        if (e->completed < target) return CUDA_ERROR_NOT_READY;
+        if (!e->done(target)) return CUDA_ERROR_NOT_READY;
     }
     host_saw(c);
     return CUDA_SUCCESS;
@@ -1107,7 +1135,7 @@ CUresult cuEventSynchronize(CUevent e) {
     auto [c, target] = last_record(e);
     {
         std::unique_lock<std::mutex> g(g_ev_mu);
-        g_ev_cv.wait(g, [&] { return e->completed >= target; });
+        g_ev_cv.wait(g, [&] { return e->done(target); });
     }
     STICKY();
     host_saw(c);
@@ -1120,7 +1148,7 @@ CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
     std::lock_guard<std::mutex> g(g_ev_mu);
     if ((a->flags | b->flags) & 2) return CUDA_ERROR_INVALID_HANDLE;  // timing disabled
     if (a->recorded == 0 || b->recorded == 0) return CUDA_ERROR_INVALID_HANDLE;
-    if (a->completed < a->recorded || b->completed < b->recorded) return CUDA_ERROR_NOT_READY;
+    if (!a->done(a->recorded) || !b->done(b->recorded)) return CUDA_ERROR_NOT_READY;
     *ms = std::chrono::duration<float, std::milli>(b->at - a->at).count();
     return CUDA_SUCCESS;
 }
@@ -1377,19 +1405,9 @@ CUresult cuLaunchHostFunc(CUstream s, CUhostFn fn, void* data) {
     NEED_CONTEXT();
     Stream* st = stream_of(s);
     if (!st) return CUDA_ERROR_INVALID_HANDLE;
-    // What the host does after the function ran (told by it) comes after the work
-    // before it.
-    Clock c;
-    {
-        std::lock_guard<std::mutex> order(g_order_mu);
-        std::vector<Access> none;
-        st->tick(none);
-        c = st->clock;
-        st->enqueue([fn, data, c] {
-            host_saw(c);
-            fn(data);
-        });
-    }
+    // No edge to the host: what a host function tells the host's threads is out of
+    // the emulator's sight, and an edge taken when it ran would depend on timing.
+    st->push([fn, data] { fn(data); });
     return CUDA_SUCCESS;
 }
 
