@@ -574,6 +574,90 @@ fn a_pinned_buffer_rewritten_after_a_synchronisation_or_not_at_all_passes() {
     );
 }
 
+/// Writes 1024 ones into new device memory on stream handle `writer` (from another
+/// thread if `elsewhere`), held back 50 ms by a host function before the copy, and reads
+/// them back on `reader`, with nothing but CUDA's implicit synchronisation of the
+/// default streams to order the two.
+fn written_then_read(c: &Cuda, writer: usize, elsewhere: bool, reader: usize) -> Vec<f32> {
+    use cudarc::driver::{result, sys};
+    unsafe extern "C" fn late(_: *mut std::ffi::c_void) {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    c.ctx.bind_to_thread().unwrap();
+    // SAFETY: 4096 bytes, written and read below, never freed (the child ends).
+    let ptr = unsafe { result::malloc_sync(4096) }.unwrap();
+    let ones = vec![1.0f32; 1024];
+    let write = || {
+        c.ctx.bind_to_thread().unwrap();
+        let s = writer as sys::CUstream;
+        // SAFETY: the host function takes no argument; the copy's source and destination
+        // hold 4096 bytes (the source is pageable: staged before the call returns).
+        unsafe {
+            result::stream::launch_host_function(s, late, std::ptr::null_mut()).unwrap();
+            result::memcpy_htod_async(ptr, &ones, s).unwrap();
+        }
+    };
+    if elsewhere {
+        std::thread::scope(|t| {
+            t.spawn(write);
+        });
+    } else {
+        write();
+    }
+    let mut out = vec![0.0f32; 1024];
+    let r = reader as sys::CUstream;
+    // SAFETY: as above; the destination is pageable, so the copy is done when it returns.
+    unsafe {
+        result::memcpy_dtoh_async(&mut out, ptr, r).unwrap();
+        result::stream::synchronize(r).unwrap();
+    }
+    out
+}
+
+/// A new stream of `c`: blocking (it synchronises with the legacy default stream) or not.
+fn raw_stream(c: &Cuda, blocking: bool) -> usize {
+    use cudarc::driver::result::stream::{create, StreamKind};
+    c.ctx.bind_to_thread().unwrap();
+    let kind = match blocking {
+        true => StreamKind::Default,
+        false => StreamKind::NonBlocking,
+    };
+    create(kind).unwrap() as usize
+}
+
+#[test]
+fn the_legacy_stream_waits_for_the_blocking_streams() {
+    // CUDA's implicit synchronisation: work on the legacy default stream comes after the
+    // work enqueued before it on every blocking stream, every thread's per-thread
+    // default stream included (which device slots rely on when a batch named on a
+    // per-thread stream is released from another thread).
+    emulated("the_legacy_stream_waits_for_the_blocking_streams", 0, |c| {
+        let blocking = raw_stream(&c, true);
+        assert!(written_then_read(&c, blocking, false, 1)
+            .iter()
+            .all(|&v| v == 1.0));
+        assert!(written_then_read(&c, 2, true, 1).iter().all(|&v| v == 1.0));
+    });
+}
+
+#[test]
+fn the_emulator_catches_a_non_blocking_stream_read_on_the_legacy_stream() {
+    // A non-blocking stream does not synchronise with the legacy stream.
+    let name = "the_emulator_catches_a_non_blocking_stream_read_on_the_legacy_stream";
+    fails_in_child(name, Mode::default(), "race: cuMemcpyDtoHAsync", |c| {
+        written_then_read(&c, raw_stream(&c, false), false, 1);
+    });
+}
+
+#[test]
+fn the_emulator_catches_two_threads_default_streams_unordered() {
+    // Each thread has its own per-thread default stream: two are not one stream.
+    let name = "the_emulator_catches_two_threads_default_streams_unordered";
+    fails_in_child(name, Mode::default(), "race: cuMemcpyDtoHAsync", |c| {
+        written_then_read(&c, 2, true, 2);
+    });
+}
+
 #[test]
 fn first_step_matches_the_cpu_backend() {
     emulated("first_step_matches_the_cpu_backend", 0, |c| {
@@ -648,6 +732,15 @@ fn lent_batches_wait_for_their_consumers() {
     emulated("lent_batches_wait_for_their_consumers", 50, |c| {
         gpu_checks::lent_batches_wait_for_their_consumers(c)
     });
+}
+
+#[test]
+fn a_batch_used_on_another_threads_default_stream_waits_for_it() {
+    emulated(
+        "a_batch_used_on_another_threads_default_stream_waits_for_it",
+        50,
+        gpu_checks::a_batch_used_on_another_threads_default_stream_waits_for_it,
+    );
 }
 
 #[test]

@@ -83,6 +83,11 @@ fn lent_batches_wait_for_their_consumers() {
 }
 
 #[test]
+fn a_batch_used_on_another_threads_default_stream_waits_for_it() {
+    on_gpu(gpu_checks::a_batch_used_on_another_threads_default_stream_waits_for_it);
+}
+
+#[test]
 fn a_slot_wait_stops_for_its_interrupt_check() {
     on_gpu(gpu_checks::a_slot_wait_stops_for_its_interrupt_check);
 }

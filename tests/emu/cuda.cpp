@@ -401,7 +401,18 @@ struct Event {
 
 // ---- streams -----------------------------------------------------------------------
 
+// The legacy default stream (handles 0 and CU_STREAM_LEGACY) and every blocking stream
+// (made without CU_STREAM_NON_BLOCKING, and the per-thread default streams), under
+// g_order_mu: work on the legacy stream waits for the work enqueued before it on every
+// blocking stream, and work on a blocking stream for the work enqueued before it on the
+// legacy stream, as CUDA's implicit synchronisation has it.
+Stream* g_legacy = nullptr;
+std::vector<Stream*>& g_blocking = *new std::vector<Stream*>;
+
 struct Stream {
+    // How it synchronises with the legacy default stream.
+    enum Kind { non_blocking, blocking, legacy };
+    Kind kind;
     std::mutex mu;
     std::condition_variable cv;
     std::deque<std::function<void()>> ops;
@@ -416,8 +427,11 @@ struct Stream {
     // Its agent and clock in the stream order (under g_order_mu).
     int agent;
     Clock clock;
+    // The streams, and how much of each one's work, that the operation being enqueued
+    // waits for implicitly (from `tick` to `enqueue`, under g_order_mu).
+    std::vector<std::pair<Stream*, uint64_t>> implicit;
 
-    Stream() {
+    explicit Stream(Kind k) : kind(k) {
         const char* j = getenv("STOKEHOLD_EMU_JITTER_US");
         jitter_us = j ? (unsigned)strtoul(j, nullptr, 10) : 0;
         agent = g_agents++;
@@ -463,6 +477,15 @@ struct Stream {
     // with g_order_mu held).
     void tick(std::vector<Access>& acc) {
         join(clock, g_host_clock);
+        if (kind == legacy) {
+            for (Stream* b : g_blocking) {
+                join(clock, b->clock);
+                implicit.emplace_back(b, b->count());
+            }
+        } else if (kind == blocking && g_legacy) {
+            join(clock, g_legacy->clock);
+            implicit.emplace_back(g_legacy, g_legacy->count());
+        }
         if (clock.size() <= (size_t)agent) clock.resize(agent + 1, 0);
         ++clock[agent];
         for (Access& a : acc) {
@@ -474,6 +497,13 @@ struct Stream {
     }
 
     void enqueue(std::function<void()> op) {
+        if (!implicit.empty()) {
+            op = [waits = std::move(implicit), op = std::move(op)] {
+                for (auto& [other, target] : waits) other->reach(target);
+                op();
+            };
+            implicit.clear();
+        }
         {
             std::lock_guard<std::mutex> g(mu);
             ops.push_back(std::move(op));
@@ -485,6 +515,18 @@ struct Stream {
     void sync() {
         std::unique_lock<std::mutex> g(mu);
         uint64_t target = enqueued;
+        cv.wait(g, [&] { return done >= target; });
+    }
+
+    // The operations enqueued so far.
+    uint64_t count() {
+        std::lock_guard<std::mutex> g(mu);
+        return enqueued;
+    }
+
+    // Waits until `target` operations have run.
+    void reach(uint64_t target) {
+        std::unique_lock<std::mutex> g(mu);
         cv.wait(g, [&] { return done >= target; });
     }
 
@@ -513,14 +555,32 @@ Stream* g_default = nullptr;
 // The stream a handle names: null, CU_STREAM_LEGACY (1) and CU_STREAM_PER_THREAD (2) are
 // the default stream. (The emulator does not model the legacy stream's implicit
 // synchronisation with other streams; stokehold never uses the default stream.)
+thread_local Stream* t_per_thread = nullptr;
+
+// A new stream of `kind`, known to the context (never freed: see Stream::run).
+Stream* make_stream(Stream::Kind kind) {
+    Stream* st = new Stream(kind);
+    {
+        std::lock_guard<std::mutex> order(g_order_mu);
+        if (kind == Stream::legacy) g_legacy = st;
+        if (kind == Stream::blocking) g_blocking.push_back(st);
+    }
+    std::lock_guard<std::mutex> g(g_mu);
+    g_every_stream.push_back(st);
+    if (kind != Stream::legacy) g_streams.insert(st);
+    return st;
+}
+
+// The stream a handle names: null and CU_STREAM_LEGACY (1) the legacy default stream,
+// CU_STREAM_PER_THREAD (2) the calling thread's own default stream (a blocking one).
 Stream* stream_of(CUstream s) {
-    if ((uintptr_t)s <= 2) {
-        std::lock_guard<std::mutex> g(g_mu);
-        if (!g_default) {
-            g_default = new Stream();
-            g_streams.insert(g_default);
-            g_every_stream.push_back(g_default);
-        }
+    if ((uintptr_t)s == 2) {
+        if (!t_per_thread) t_per_thread = make_stream(Stream::blocking);
+        return t_per_thread;
+    }
+    if ((uintptr_t)s <= 1) {
+        static std::once_flag made;
+        std::call_once(made, [] { g_default = make_stream(Stream::legacy); });
         return g_default;
     }
     std::lock_guard<std::mutex> g(g_mu);
@@ -990,14 +1050,11 @@ CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
 
 // ---- streams and events ------------------------------------------------------------
 
-CUresult cuStreamCreate(CUstream* s, unsigned) {
+CUresult cuStreamCreate(CUstream* s, unsigned flags) {
     STICKY();
     if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;
-    Stream* st = new Stream();
-    std::lock_guard<std::mutex> g(g_mu);
-    g_streams.insert(st);
-    g_every_stream.push_back(st);
-    *s = st;
+    // CU_STREAM_NON_BLOCKING (1): no implicit synchronisation with the legacy stream.
+    *s = make_stream(flags & 1 ? Stream::non_blocking : Stream::blocking);
     return CUDA_SUCCESS;
 }
 

@@ -517,6 +517,89 @@ unsafe extern "C" fn slow(_: *mut std::ffi::c_void) {
     std::thread::sleep(std::time::Duration::from_millis(3));
 }
 
+/// The digits in batches of 100 (a full shuffle by `seed`) and `n` device slots for
+/// them.
+fn digits_in_slots(
+    c: &Cuda,
+    seed: u64,
+    n: usize,
+) -> (Arc<dyn Dataset>, Loader, stokehold::cuda::DeviceSlots) {
+    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(DIGITS).unwrap());
+    let loader = pinned_loader(c, &ds, 100)
+        .shuffle(Shuffle::Full { seed })
+        .build()
+        .unwrap();
+    let slots = stokehold::cuda::DeviceSlots::new(&c.ctx, loader.layout(), n).unwrap();
+    (ds, loader, slots)
+}
+
+/// Each batch's samples against the rows of column 0 its consumer read back from its
+/// slot (into `back`, the copy synchronised): a slot overwritten before its consumer
+/// read it, or read before its copy landed, shows.
+fn read_back_rows(ds: &Arc<dyn Dataset>, seen: &[(Vec<u64>, Box<dyn stokehold::HostMemory>)]) {
+    let row = ds.columns()[0].row_bytes;
+    for (indices, back) in seen {
+        let mut x = vec![0u8; indices.len() * row];
+        let mut y = vec![0u8; indices.len() * 8];
+        ds.gather(0, indices, &mut [&mut x, &mut y]).unwrap();
+        // SAFETY: `back` holds at least this many bytes, written by the synchronised copy.
+        let back = unsafe { std::slice::from_raw_parts(back.as_ptr(), x.len()) };
+        assert!(x == back, "a slot was overwritten or read too early");
+    }
+}
+
+/// Batches used on a consumer thread's per-thread default stream (DLPack's `stream=2`)
+/// and dropped on the loop's thread, whose own per-thread stream is another: the next
+/// copy into the slot must still wait for the consumer's read, which its release,
+/// recorded on the legacy stream (after every blocking stream's work), makes it do. One
+/// slot, so that every copy reuses it; each read held back by a host function.
+pub fn a_batch_used_on_another_threads_default_stream_waits_for_it(c: Cuda) {
+    use cudarc::driver::{result, sys};
+    use stokehold::cuda::{LentBatch, PER_THREAD_STREAM};
+    use stokehold::HostMemory;
+
+    let (ds, mut loader, mut slots) = digits_in_slots(&c, 8, 1);
+    let layout = loader.layout().clone();
+    let pinned = PinnedAlloc::new(Arc::clone(&c.ctx), PinnedKind::Plain);
+    let row = layout.columns()[0].row_bytes;
+    let (to_consumer, lent) = std::sync::mpsc::channel::<(LentBatch, Box<dyn HostMemory>)>();
+    let (to_loop, used) = std::sync::mpsc::channel::<LentBatch>();
+    let ctx = Arc::clone(&c.ctx);
+    let consumer = std::thread::spawn(move || {
+        ctx.bind_to_thread().unwrap();
+        let stream = PER_THREAD_STREAM as sys::CUstream;
+        let mut seen = Vec::new();
+        for (batch, back) in lent {
+            batch.wait_on(PER_THREAD_STREAM).unwrap();
+            let n = batch.len() * row;
+            // SAFETY: the host function takes no argument; the copy writes `n` bytes of
+            // the slot (the batch's rows of column 0) into `back` (at least `n` bytes),
+            // read only after this stream is synchronised below, and kept until then.
+            unsafe {
+                result::stream::launch_host_function(stream, slow, std::ptr::null_mut()).unwrap();
+                let dst = std::slice::from_raw_parts_mut(back.as_ptr(), n);
+                result::memcpy_dtoh_async(dst, batch.column_ptr(0), stream).unwrap();
+            }
+            seen.push((batch.indices().to_vec(), back));
+            to_loop.send(batch).unwrap();
+        }
+        // SAFETY: this thread's per-thread default stream, in its current context.
+        unsafe { result::stream::synchronize(stream) }.unwrap();
+        seen
+    });
+    for batch in loader.epoch(0).unwrap() {
+        let batch = slots.lend(batch.unwrap()).unwrap();
+        let back = pinned.alloc(batch.len() * row).unwrap();
+        to_consumer.send((batch, back)).unwrap();
+        // Released here, on another thread than its consumer's.
+        drop(used.recv().unwrap());
+    }
+    drop(to_consumer);
+    let seen = consumer.join().unwrap();
+    read_back_rows(&ds, &seen);
+    assert_eq!(seen.len() as u64, loader.batches());
+}
+
 /// Lent batches on a consumer stream of their own, released at once while the consumer
 /// still has work on them queued: each batch read back on the consumer's stream (behind
 /// a delay) holds its rows, so no slot was copied into before the consumer was done
@@ -524,15 +607,9 @@ unsafe extern "C" fn slow(_: *mut std::ffi::c_void) {
 /// error, not a hang; a batch used on another thread is waited for.
 pub fn lent_batches_wait_for_their_consumers(c: Cuda) {
     use cudarc::driver::result;
-    use stokehold::cuda::DeviceSlots;
 
-    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(DIGITS).unwrap());
-    let mut loader = pinned_loader(&c, &ds, 100)
-        .shuffle(Shuffle::Full { seed: 4 })
-        .build()
-        .unwrap();
+    let (ds, mut loader, mut slots) = digits_in_slots(&c, 4, 2);
     let layout = loader.layout().clone();
-    let mut slots = DeviceSlots::new(&c.ctx, &layout, 2).unwrap();
     let consumer = c.ctx.new_stream().unwrap();
     let handle = consumer.cu_stream() as usize;
     let pinned = PinnedAlloc::new(Arc::clone(&c.ctx), PinnedKind::Plain);
@@ -572,16 +649,7 @@ pub fn lent_batches_wait_for_their_consumers(c: Cuda) {
         drop(lent);
     }
     consumer.synchronize().unwrap();
-    let row = layout.columns()[0].row_bytes;
-    let mut y = vec![0u8; 8 * 100];
-    for (indices, back) in &seen {
-        let mut x = vec![0u8; indices.len() * row];
-        let ds_y = &mut y[..indices.len() * 8];
-        ds.gather(0, indices, &mut [&mut x, ds_y]).unwrap();
-        // SAFETY: `back` holds at least this many bytes, written by the synchronised copy.
-        let back = unsafe { std::slice::from_raw_parts(back.as_ptr(), x.len()) };
-        assert!(x == back, "a slot was overwritten or read too early");
-    }
+    read_back_rows(&ds, &seen);
     assert_eq!(seen.len() as u64, loader.batches());
 
     // Both slots held on this thread: the third batch is an error within seconds.
