@@ -392,6 +392,47 @@ fn the_emulator_finds_only_kernels_with_c_linkage() {
 }
 
 #[test]
+fn the_emulator_holds_kernels_to_their_launch_bounds() {
+    // A block larger than a kernel's `__launch_bounds__` does not launch on a GPU (too
+    // many resources requested), and the kernel says how many threads it takes.
+    use cudarc::driver::{LaunchConfig, PushKernelArg};
+    emulated(
+        "the_emulator_holds_kernels_to_their_launch_bounds",
+        0,
+        |c| {
+            let src = "extern \"C\" __global__ void __launch_bounds__(128, 2) small(float* x) {\n\
+                   x[threadIdx.x] = 1.0f;\n}\n\
+                   extern \"C\" __global__ void free_size(float* x) { x[threadIdx.x] = 2.0f; }\n";
+            let module = module(&c, src, "bounds.cu");
+            let stream = c.ctx.new_stream().unwrap();
+            let mut x = stream.alloc_zeros::<f32>(1024).unwrap();
+            let launch = |name: &str, threads: u32, x: &mut cudarc::driver::CudaSlice<f32>| {
+                let f = module.load_function(name).unwrap();
+                let mut l = stream.launch_builder(&f);
+                l.arg(x);
+                let cfg = LaunchConfig {
+                    grid_dim: (1, 1, 1),
+                    block_dim: (threads, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: x holds 1024 floats, one a thread at most.
+                unsafe { l.launch(cfg) }.map(|_| ())
+            };
+            let small = module.load_function("small").unwrap();
+            assert_eq!(small.max_threads_per_block().unwrap(), 128);
+            let err = launch("small", 256, &mut x).unwrap_err();
+            assert!(
+                format!("{err:?}").contains("LAUNCH_OUT_OF_RESOURCES"),
+                "{err:?}"
+            );
+            launch("small", 128, &mut x).unwrap();
+            launch("free_size", 1024, &mut x).unwrap();
+            assert_eq!(stream.clone_dtoh(&x).unwrap()[..2], [2.0, 2.0]);
+        },
+    );
+}
+
+#[test]
 fn the_emulator_catches_memory_used_before_its_stream_allocates_it() {
     // cuMemAllocAsync is ordered on its stream: another stream must wait for it. Without
     // cudarc's event tracking (the feeder turns it off), nothing makes it wait here. The
@@ -574,10 +615,10 @@ fn a_pinned_buffer_rewritten_after_a_synchronisation_or_not_at_all_passes() {
     );
 }
 
-/// Writes 1024 ones into new device memory on stream handle `writer` (from another
-/// thread if `elsewhere`), held back 50 ms by a host function before the copy, and reads
-/// them back on `reader`, with nothing but CUDA's implicit synchronisation of the
-/// default streams to order the two.
+/// Zeroes 4096 bytes of new device memory and writes 1024 ones into them on stream
+/// handle `writer` (from another thread if `elsewhere`), held back 50 ms by a host
+/// function before the copy, and reads them back on `reader`, with nothing but CUDA's
+/// implicit synchronisation of the default streams to order the two.
 fn written_then_read(c: &Cuda, writer: usize, elsewhere: bool, reader: usize) -> Vec<f32> {
     use cudarc::driver::{result, sys};
     unsafe extern "C" fn late(_: *mut std::ffi::c_void) {
@@ -593,6 +634,7 @@ fn written_then_read(c: &Cuda, writer: usize, elsewhere: bool, reader: usize) ->
         // SAFETY: the host function takes no argument; the copy's source and destination
         // hold 4096 bytes (the source is pageable: staged before the call returns).
         unsafe {
+            result::memset_d8_async(ptr, 0, 4096, s).unwrap();
             result::stream::launch_host_function(s, late, std::ptr::null_mut()).unwrap();
             result::memcpy_htod_async(ptr, &ones, s).unwrap();
         }
@@ -626,17 +668,29 @@ fn raw_stream(c: &Cuda, blocking: bool) -> usize {
 }
 
 #[test]
-fn the_legacy_stream_waits_for_the_blocking_streams() {
+fn the_legacy_stream_and_the_blocking_streams_wait_for_each_other() {
     // CUDA's implicit synchronisation: work on the legacy default stream comes after the
     // work enqueued before it on every blocking stream, every thread's per-thread
     // default stream included (which device slots rely on when a batch named on a
-    // per-thread stream is released from another thread).
-    emulated("the_legacy_stream_waits_for_the_blocking_streams", 0, |c| {
+    // per-thread stream is released from another thread), and work on a blocking stream
+    // after the legacy stream's.
+    let name = "the_legacy_stream_and_the_blocking_streams_wait_for_each_other";
+    emulated(name, 0, |c| {
+        let ones = |v: Vec<f32>| v.iter().all(|&v| v == 1.0);
         let blocking = raw_stream(&c, true);
-        assert!(written_then_read(&c, blocking, false, 1)
-            .iter()
-            .all(|&v| v == 1.0));
-        assert!(written_then_read(&c, 2, true, 1).iter().all(|&v| v == 1.0));
+        assert!(ones(written_then_read(&c, blocking, false, 1)));
+        assert!(ones(written_then_read(&c, 2, true, 1)));
+        assert!(ones(written_then_read(&c, 1, false, blocking)));
+        assert!(ones(written_then_read(&c, 1, true, 2)));
+    });
+}
+
+#[test]
+fn the_emulator_catches_a_legacy_stream_write_read_on_a_non_blocking_stream() {
+    // Nor the other way round.
+    let name = "the_emulator_catches_a_legacy_stream_write_read_on_a_non_blocking_stream";
+    fails_in_child(name, Mode::default(), "race: cuMemcpyDtoHAsync", |c| {
+        written_then_read(&c, 1, false, raw_stream(&c, false));
     });
 }
 

@@ -318,8 +318,11 @@ void check(const Access& a, const Clock& c) {
     uintptr_t start, end;
     if (!races_checked() || !region(a.lo, &start, &end)) return;
     std::vector<Access>& seen = g_shadow[start];
-    for (const Access& p : seen) {
+    for (Access& p : seen) {
         bool ordered = p.agent == a.agent || ((size_t)p.agent < c.size() && p.epoch <= c[p.agent]);
+        // Bytes a copy read from pinned memory, written since by the device (in order):
+        // no longer the host's to be checked against their hash.
+        if (ordered && a.write && p.hash && a.lo < p.hi && p.lo < a.hi) p.hash = 0;
         if (ordered || !(a.write || p.write) || a.hi <= p.lo || p.hi <= a.lo) continue;
         char x[32], y[32];
         fprintf(stderr,
@@ -406,8 +409,8 @@ struct Event {
 // g_order_mu: work on the legacy stream waits for the work enqueued before it on every
 // blocking stream, and work on a blocking stream for the work enqueued before it on the
 // legacy stream, as CUDA's implicit synchronisation has it.
-Stream* g_legacy = nullptr;
-std::vector<Stream*>& g_blocking = *new std::vector<Stream*>;
+static Stream* g_legacy = nullptr;
+static std::vector<Stream*>& g_blocking = *new std::vector<Stream*>;
 
 struct Stream {
     // How it synchronises with the legacy default stream.
@@ -477,14 +480,22 @@ struct Stream {
     // with g_order_mu held).
     void tick(std::vector<Access>& acc) {
         join(clock, g_host_clock);
+        // (A stream idle now has nothing to wait for; its clock still counts.)
         if (kind == legacy) {
             for (Stream* b : g_blocking) {
+                if (b->capture) {
+                    // A real driver refuses it (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT).
+                    fprintf(stderr,
+                            "stokehold-emu: work on the legacy stream while a blocking stream "
+                            "captures (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT)\n");
+                    abort();
+                }
                 join(clock, b->clock);
-                implicit.emplace_back(b, b->count());
+                if (uint64_t n = b->count(); !b->reached(n)) implicit.emplace_back(b, n);
             }
         } else if (kind == blocking && g_legacy) {
             join(clock, g_legacy->clock);
-            implicit.emplace_back(g_legacy, g_legacy->count());
+            if (uint64_t n = g_legacy->count(); !g_legacy->reached(n)) implicit.emplace_back(g_legacy, n);
         }
         if (clock.size() <= (size_t)agent) clock.resize(agent + 1, 0);
         ++clock[agent];
@@ -524,6 +535,12 @@ struct Stream {
         return enqueued;
     }
 
+    // Whether `target` operations have run.
+    bool reached(uint64_t target) {
+        std::lock_guard<std::mutex> g(mu);
+        return done >= target;
+    }
+
     // Waits until `target` operations have run.
     void reach(uint64_t target) {
         std::unique_lock<std::mutex> g(mu);
@@ -550,11 +567,7 @@ std::set<Stream*>& g_streams = *new std::set<Stream*>;  // live ones
 // Every stream ever made, destroyed ones too (their queued work still runs, and a
 // context synchronise waits for it).
 std::vector<Stream*>& g_every_stream = *new std::vector<Stream*>;
-Stream* g_default = nullptr;
 
-// The stream a handle names: null, CU_STREAM_LEGACY (1) and CU_STREAM_PER_THREAD (2) are
-// the default stream. (The emulator does not model the legacy stream's implicit
-// synchronisation with other streams; stokehold never uses the default stream.)
 thread_local Stream* t_per_thread = nullptr;
 
 // A new stream of `kind`, known to the context (never freed: see Stream::run).
@@ -580,8 +593,9 @@ Stream* stream_of(CUstream s) {
     }
     if ((uintptr_t)s <= 1) {
         static std::once_flag made;
-        std::call_once(made, [] { g_default = make_stream(Stream::legacy); });
-        return g_default;
+        static Stream* legacy = nullptr;
+        std::call_once(made, [] { legacy = make_stream(Stream::legacy); });
+        return legacy;
     }
     std::lock_guard<std::mutex> g(g_mu);
     return g_streams.count(s) ? s : nullptr;
@@ -627,6 +641,8 @@ struct Module {
     void (*run)(int, dim3, dim3, void**);
     // Each parameter's kind: 0 not a pointer, 1 `const T*`, 2 `T*`.
     const unsigned char* (*kinds)(int);
+    // The most threads a block may have (`__launch_bounds__`).
+    unsigned (*max_threads)(int);
 };
 
 struct Function {
@@ -1250,8 +1266,9 @@ static CUresult load_so(CUmodule* m, const std::string& path, bool ptx) {
     Module* mod = new Module{h, (int (*)(const char*))dlsym(h, "emu_find"),
                              (size_t(*)(int, const size_t**))dlsym(h, "emu_params"),
                              (void (*)(int, dim3, dim3, void**))dlsym(h, "emu_run"),
-                             (const unsigned char* (*)(int))dlsym(h, "emu_param_kinds")};
-    if (!mod->find || !mod->params || !mod->run || !mod->kinds) {
+                             (const unsigned char* (*)(int))dlsym(h, "emu_param_kinds"),
+                             (unsigned (*)(int))dlsym(h, "emu_max_threads")};
+    if (!mod->find || !mod->params || !mod->run || !mod->kinds || !mod->max_threads) {
         delete mod;
         return CUDA_ERROR_INVALID_IMAGE;
     }
@@ -1308,7 +1325,7 @@ CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
 
 CUresult cuFuncGetAttribute(int* v, int attr, CUfunction f) {
     if (!f) return CUDA_ERROR_INVALID_HANDLE;
-    *v = attr == 0 ? 1024 : 0;  // max threads per block
+    *v = attr == 0 ? (int)f->module->max_threads(f->id) : 0;  // max threads per block
     return CUDA_SUCCESS;
 }
 
@@ -1327,6 +1344,12 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
         LOG("%s: bad launch <<<(%u,%u,%u), (%u,%u,%u), %u>>>", f->name.c_str(), gx, gy, gz, bx, by, bz,
             shared);
         return CUDA_ERROR_INVALID_VALUE;
+    }
+    // More threads than the kernel's `__launch_bounds__` allow: too many resources.
+    unsigned most = f->module->max_threads(f->id);
+    if ((uint64_t)bx * by * bz > most) {
+        LOG("%s: %u threads a block, over its launch bounds (%u)", f->name.c_str(), bx * by * bz, most);
+        return CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES;
     }
     const size_t* sizes;
     size_t n = f->module->params(f->id, &sizes);
@@ -1394,9 +1417,10 @@ typedef Graph* CUgraphExec;
 CUresult cuStreamBeginCapture_v2(CUstream s, int mode) {
     STICKY();
     Stream* st = stream_of(s);
-    if (!st || (uintptr_t)s <= 2) return CUDA_ERROR_INVALID_HANDLE;  // not the default stream
+    if (!st || (uintptr_t)s <= 1) return CUDA_ERROR_INVALID_HANDLE;  // not the legacy stream
     if (mode < 0 || mode > 2) return CUDA_ERROR_INVALID_VALUE;
     if (st->capture) return CUDA_ERROR_ILLEGAL_STATE;
+    std::lock_guard<std::mutex> order(g_order_mu);  // the legacy stream looks at it
     st->capture = new std::vector<Op>();
     st->captured_events.clear();
     return CUDA_SUCCESS;
@@ -1408,6 +1432,7 @@ CUresult cuStreamEndCapture(CUstream s, CUgraph* g) {
     if (!st || !g) return CUDA_ERROR_INVALID_HANDLE;
     if (!st->capture) return CUDA_ERROR_ILLEGAL_STATE;
     *g = new Graph{std::move(*st->capture)};
+    std::lock_guard<std::mutex> order(g_order_mu);
     delete st->capture;
     st->capture = nullptr;
     st->captured_events.clear();

@@ -42,12 +42,14 @@ struct Program {
 
 namespace {
 
-// A kernel of the source: its name, whether its body holds `__syncthreads`, and whether
-// it has C linkage (`extern "C"`): only those are found by their plain name, as a real
-// module's other kernels go by their mangled names.
+// A kernel of the source: its name, whether its body holds `__syncthreads`, whether it
+// has C linkage (`extern "C"`: only those are found by their plain name, as a real
+// module's other kernels go by their mangled names), and the most threads a block may
+// have (`__launch_bounds__`'s first argument; 1024 without one).
 struct Kernel {
     std::string name;
     bool barriers, c_linkage;
+    long max_threads;
 };
 
 // Whether the `__global__` at `at` is declared `extern "C"`: right before it, or inside an
@@ -81,9 +83,15 @@ std::vector<Kernel> scan(const std::string& s) {
         // `__launch_bounds__(...)` may stand between the return type and the name.
         size_t bounds = s.find("__launch_bounds__", at);
         size_t first_paren = s.find('(', at);
+        long max_threads = 1024;
         if (bounds != std::string::npos && bounds < first_paren) {
             size_t close = s.find(')', bounds);
             if (close == std::string::npos) break;
+            // A literal first argument (a macro or an expression is left at 1024).
+            char* after = nullptr;
+            long n = strtol(s.c_str() + first_paren + 1, &after, 0);
+            if (after && n > 0 && n <= 1024 && (*after == ',' || *after == ')' || isspace((unsigned char)*after)))
+                max_threads = n;
             at = close + 1;
         }
         size_t paren = s.find('(', at);
@@ -102,7 +110,7 @@ std::vector<Kernel> scan(const std::string& s) {
             if (s[i] == '}' && --depth == 0) break;
         }
         bool barrier = s.substr(open, i - open).find("__syncthreads") != std::string::npos;
-        out.push_back(Kernel{name, barrier, c});
+        out.push_back(Kernel{name, barrier, c, max_threads});
         at = i;
     }
     return out;
@@ -224,9 +232,9 @@ nvrtcResult nvrtcCompileProgram(Program* p, int n, const char* const* options) {
         auto kernels = scan(p->source);
         for (auto& k : kernels) {
             f << "    EMU_ENTRY(" << k.name << ", " << (k.barriers ? "true" : "false") << ", "
-              << (k.c_linkage ? "\"\"" : "\"_Z\"") << "),\n";
+              << (k.c_linkage ? "\"\"" : "\"_Z\"") << ", " << k.max_threads << "),\n";
         }
-        f << "    emu::Entry{nullptr, nullptr, false, 0, nullptr, nullptr}};\n";
+        f << "    emu::Entry{nullptr, nullptr, false, 0, nullptr, nullptr, 0}};\n";
         f << "const int emu_entry_count = " << kernels.size() << ";\n";
         int major, minor;
         version(&major, &minor);

@@ -242,6 +242,7 @@ struct Entry {
     size_t nparams;
     const size_t* sizes;
     const unsigned char* kinds;
+    unsigned max_threads;  // per block: `__launch_bounds__`'s, or 1024
 };
 
 // A parameter's kind, for the driver's stream-order checks: 0 not a pointer, 1 a
@@ -273,11 +274,11 @@ struct Invoker<void (*)(A...)> {
 
 // `prefix` is "" for a kernel with C linkage, "_Z" for one without: a real module names
 // those by their C++ mangled names, which a lookup by the plain name does not find.
-#define EMU_ENTRY(name, barriers, prefix)                                              \
+#define EMU_ENTRY(name, barriers, prefix, max_threads)                                 \
     emu::Entry {                                                                       \
         prefix #name, &emu::Invoker<decltype(&name)>::template run<&name>, barriers,   \
             emu::Invoker<decltype(&name)>::count, emu::Invoker<decltype(&name)>::sizes, \
-            emu::Invoker<decltype(&name)>::kinds                                       \
+            emu::Invoker<decltype(&name)>::kinds, max_threads                          \
     }
 
 // Defined after the kernels by the generated table.
@@ -296,6 +297,9 @@ extern "C" size_t emu_params(int id, const size_t** sizes) {
     *sizes = emu_entries[id].sizes;
     return emu_entries[id].nparams;
 }
+
+// The most threads a block of kernel `id` may have.
+extern "C" unsigned emu_max_threads(int id) { return emu_entries[id].max_threads; }
 
 // The kind of each parameter of kernel `id` (see emu::kind).
 extern "C" const unsigned char* emu_param_kinds(int id) { return emu_entries[id].kinds; }

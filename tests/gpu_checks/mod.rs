@@ -540,7 +540,7 @@ fn read_back_rows(ds: &Arc<dyn Dataset>, seen: &[(Vec<u64>, Box<dyn stokehold::H
     let row = ds.columns()[0].row_bytes;
     for (indices, back) in seen {
         let mut x = vec![0u8; indices.len() * row];
-        let mut y = vec![0u8; indices.len() * 8];
+        let mut y = vec![0u8; indices.len() * ds.columns()[1].row_bytes];
         ds.gather(0, indices, &mut [&mut x, &mut y]).unwrap();
         // SAFETY: `back` holds at least this many bytes, written by the synchronised copy.
         let back = unsafe { std::slice::from_raw_parts(back.as_ptr(), x.len()) };
