@@ -217,7 +217,8 @@ pub enum NpyProblem {
 impl From<cudarc::driver::DriverError> for Error {
     /// A failed CUDA driver call, as [`Error::Cuda`] with the driver's name for the error
     /// and its description (`CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was
-    /// encountered`).
+    /// encountered`), and for an error that loses the context
+    /// ([`context_lost`](Error::context_lost)), a word saying so.
     fn from(e: cudarc::driver::DriverError) -> Self {
         let said = match (e.error_name(), e.error_string()) {
             (Ok(name), Ok(text)) if name != text => {
@@ -226,9 +227,13 @@ impl From<cudarc::driver::DriverError> for Error {
             (Ok(name), _) => name.to_string_lossy().into_owned(),
             _ => format!("CUresult {}", e.0 as u32),
         };
+        let lost = CONTEXT_LOST.contains(&e.0);
         Error::Cuda {
             code: Some(e.0 as u32),
-            message: said,
+            message: match lost {
+                true => format!("{said} (the CUDA context is lost: every later CUDA call in this process fails; resume in a new one)"),
+                false => said,
+            },
         }
     }
 }

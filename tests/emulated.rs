@@ -1221,6 +1221,7 @@ fn train_stops_at_a_fault_on_the_device_with_its_error() {
         assert_eq!(out.status.code(), Some(1), "{fault}={n}: {text}");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("CUDA_ERROR_ILLEGAL_ADDRESS"), "{text}");
+        assert!(err.contains("the CUDA context is lost"), "{text}");
         assert!(!err.contains("panicked"), "{text}");
         assert!(!json.exists(), "{fault}={n}: a report was written\n{text}");
     }
