@@ -143,13 +143,23 @@ bool logging() {
         if (!t_current) return CUDA_ERROR_INVALID_CONTEXT;      \
     } while (0)
 
+// The entry of `m` (ranges by their start, each `len(entry)` bytes long) whose range
+// holds [p, p + n), or `m.end()`.
+template <class M, class Len>
+typename M::iterator containing(M& m, uintptr_t p, size_t n, Len len) {
+    auto it = m.upper_bound(p);
+    if (it == m.begin()) return m.end();
+    --it;
+    return p >= it->first && p + n <= it->first + len(it->second) ? it : m.end();
+}
+
+size_t alloc_len(const Alloc& a) { return a.bytes; }
+size_t range_len(size_t n) { return n; }
+
 // The allocation holding [p, p + n), if one does (call with g_mu held).
 Alloc* find_alloc(CUdeviceptr p, size_t n) {
-    auto it = g_device.upper_bound((uintptr_t)p);
-    if (it == g_device.begin()) return nullptr;
-    --it;
-    bool inside = (uintptr_t)p >= it->first && (uintptr_t)p + n <= it->first + it->second.bytes;
-    return inside ? &it->second : nullptr;
+    auto it = containing(g_device, (uintptr_t)p, n, alloc_len);
+    return it == g_device.end() ? nullptr : &it->second;
 }
 
 // Freed device memory, kept poisoned (0xa5 bytes) for a while instead of given back, by
@@ -177,12 +187,7 @@ void quarantine(uintptr_t p, size_t n) {
 }
 
 // Whether `p` lies in freed memory still kept (call with g_mu held).
-bool in_freed(uintptr_t p) {
-    auto it = g_freed.upper_bound(p);
-    if (it == g_freed.begin()) return false;
-    --it;
-    return p >= it->first && p < it->first + it->second;
-}
+bool in_freed(uintptr_t p) { return containing(g_freed, p, 1, range_len) != g_freed.end(); }
 
 // Whether [p, p + n) lies inside one live device allocation.
 bool in_device(CUdeviceptr p, size_t n) {
@@ -207,10 +212,7 @@ void check_live(const char* what, CUdeviceptr p, size_t n) {
 // (pageable) memory are synchronous in the ways the CUDA documentation gives.
 bool pinned(const void* p, size_t n) {
     std::lock_guard<std::mutex> g(g_mu);
-    auto it = g_host.upper_bound((uintptr_t)p);
-    if (it == g_host.begin()) return false;
-    --it;
-    return (uintptr_t)p >= it->first && (uintptr_t)p + n <= it->first + it->second;
+    return containing(g_host, (uintptr_t)p, n, range_len) != g_host.end();
 }
 
 // ---- stream order -------------------------------------------------------------------
@@ -234,11 +236,11 @@ bool pinned(const void* p, size_t n) {
 // pointer arguments are accesses from where they point to the end of their allocation:
 // reads for `const T*`, writes otherwise. STOKEHOLD_EMU_RACES=0 turns the checks off.
 
-// FNV-1a of `n` bytes at `p`.
+// FNV-1a of `n` bytes at `p`, with 0 taken as 1: an access's hash 0 means none.
 uint64_t fnv1a(const void* p, size_t n) {
     uint64_t h = 0xcbf29ce484222325ull;
     for (size_t i = 0; i < n; ++i) h = (h ^ ((const unsigned char*)p)[i]) * 0x100000001b3ull;
-    return h;
+    return h ? h : 1;
 }
 
 // A vector clock, by agent: 0 is the host, streams are numbered from 1.
@@ -276,19 +278,15 @@ std::map<uintptr_t, std::vector<Access>>& g_shadow = *new std::map<uintptr_t, st
 // The allocation (device, or pinned host) holding `p`: its start and end.
 bool region(uintptr_t p, uintptr_t* start, uintptr_t* end) {
     std::lock_guard<std::mutex> g(g_mu);
-    if (Alloc* a = find_alloc(p, 1)) {
-        auto it = g_device.upper_bound(p);
-        --it;
-        *start = it->first;
-        *end = it->first + a->bytes;
+    if (auto d = containing(g_device, p, 1, alloc_len); d != g_device.end()) {
+        *start = d->first;
+        *end = d->first + d->second.bytes;
         return true;
     }
-    auto it = g_host.upper_bound(p);
-    if (it == g_host.begin()) return false;
-    --it;
-    if (p >= it->first + it->second) return false;
-    *start = it->first;
-    *end = it->first + it->second;
+    auto h = containing(g_host, p, 1, range_len);
+    if (h == g_host.end()) return false;
+    *start = h->first;
+    *end = h->first + h->second;
     return true;
 }
 
@@ -312,18 +310,40 @@ bool races_checked() {
     return on;
 }
 
+// Whether clock `c` has seen access `p`: its operation, or a later one of its agent.
+bool saw(const Clock& c, const Access& p) { return (size_t)p.agent < c.size() && p.epoch <= c[p.agent]; }
+
+bool overlap(const Access& a, const Access& b) { return a.lo < b.hi && b.lo < a.hi; }
+
 // Checks `a`, of an operation whose clock is `c`, against the earlier accesses to its
 // allocation, and keeps it (call with g_order_mu held).
+//
+// A pinned source about to be copied (its hash set): an earlier copy from bytes it
+// overlaps, not yet seen finished by the host, must find them as they were when it was
+// enqueued, or the host wrote them while (as far as it knew) that copy could still be
+// reading them.
 void check(const Access& a, const Clock& c) {
     uintptr_t start, end;
     if (!races_checked() || !region(a.lo, &start, &end)) return;
     std::vector<Access>& seen = g_shadow[start];
     for (Access& p : seen) {
-        bool ordered = p.agent == a.agent || ((size_t)p.agent < c.size() && p.epoch <= c[p.agent]);
+        if (!a.hash || !p.hash || !overlap(a, p) || saw(g_host_clock, p)) continue;
+        if (fnv1a((const void*)p.lo, p.hi - p.lo) == p.hash) continue;
+        char y[32];
+        fprintf(stderr,
+                "stokehold-emu: race: the host rewrote the pinned bytes [0x%llx, 0x%llx) that %s "
+                "on %s reads, before it synchronised with that copy (an event synchronise or "
+                "query, a stream synchronise), and copies them again\n",
+                (unsigned long long)a.lo, (unsigned long long)a.hi, p.what.c_str(),
+                agent_name(p.agent, y, sizeof y));
+        abort();
+    }
+    for (Access& p : seen) {
+        bool ordered = p.agent == a.agent || saw(c, p);
         // Bytes a copy read from pinned memory, written since by the device (in order):
         // no longer the host's to be checked against their hash.
-        if (ordered && a.write && p.hash && a.lo < p.hi && p.lo < a.hi) p.hash = 0;
-        if (ordered || !(a.write || p.write) || a.hi <= p.lo || p.hi <= a.lo) continue;
+        if (ordered && a.write && p.hash && overlap(a, p)) p.hash = 0;
+        if (ordered || !(a.write || p.write) || !overlap(a, p)) continue;
         char x[32], y[32];
         fprintf(stderr,
                 "stokehold-emu: race: %s on %s %s [0x%llx, 0x%llx), which %s on %s %s "
@@ -351,29 +371,6 @@ void check(const Access& a, const Clock& c) {
         seen.erase(std::remove_if(seen.begin(), seen.end(),
                                   [&](const Access& p) { return !p.write && dropped++ < 512; }),
                    seen.end());
-    }
-}
-
-// A pinned source about to be copied, `a` (its hash set): an earlier copy from bytes
-// it overlaps, not yet seen finished by the host, must find them as they were when it
-// was enqueued, or the host wrote them while (as far as it knew) that copy could still
-// be reading them (call with g_order_mu held).
-void check_rewrite(const Access& a) {
-    uintptr_t start, end;
-    if (!races_checked() || !region(a.lo, &start, &end)) return;
-    for (const Access& p : g_shadow[start]) {
-        if (!p.hash || a.hi <= p.lo || p.hi <= a.lo) continue;
-        if ((size_t)p.agent < g_host_clock.size() && p.epoch <= g_host_clock[p.agent]) continue;
-        uint64_t now = fnv1a((const void*)p.lo, p.hi - p.lo);
-        if ((now ? now : 1) == p.hash) continue;
-        char y[32];
-        fprintf(stderr,
-                "stokehold-emu: race: the host rewrote the pinned bytes [0x%llx, 0x%llx) that %s "
-                "on %s reads, before it synchronised with that copy (an event synchronise or "
-                "query, a stream synchronise), and copies them again\n",
-                (unsigned long long)a.lo, (unsigned long long)a.hi, p.what.c_str(),
-                agent_name(p.agent, y, sizeof y));
-        abort();
     }
 }
 
@@ -476,6 +473,12 @@ struct Stream {
         enqueue(std::move(op));
     }
 
+    // `tick` for an operation that touches no memory (an event record or wait).
+    void tick() {
+        std::vector<Access> none;
+        tick(none);
+    }
+
     // Advances the clock for one operation enqueued now and checks its accesses (call
     // with g_order_mu held).
     void tick(std::vector<Access>& acc) {
@@ -491,18 +494,17 @@ struct Stream {
                     abort();
                 }
                 join(clock, b->clock);
-                if (uint64_t n = b->count(); !b->reached(n)) implicit.emplace_back(b, n);
+                if (uint64_t n = b->outstanding()) implicit.emplace_back(b, n);
             }
         } else if (kind == blocking && g_legacy) {
             join(clock, g_legacy->clock);
-            if (uint64_t n = g_legacy->count(); !g_legacy->reached(n)) implicit.emplace_back(g_legacy, n);
+            if (uint64_t n = g_legacy->outstanding()) implicit.emplace_back(g_legacy, n);
         }
         if (clock.size() <= (size_t)agent) clock.resize(agent + 1, 0);
         ++clock[agent];
         for (Access& a : acc) {
             a.agent = agent;
             a.epoch = clock[agent];
-            if (a.hash) check_rewrite(a);
             check(a, clock);
         }
     }
@@ -529,16 +531,10 @@ struct Stream {
         cv.wait(g, [&] { return done >= target; });
     }
 
-    // The operations enqueued so far.
-    uint64_t count() {
+    // The operations enqueued so far, if some have not run yet; 0 if all have.
+    uint64_t outstanding() {
         std::lock_guard<std::mutex> g(mu);
-        return enqueued;
-    }
-
-    // Whether `target` operations have run.
-    bool reached(uint64_t target) {
-        std::lock_guard<std::mutex> g(mu);
-        return done >= target;
+        return done < enqueued ? enqueued : 0;
     }
 
     // Waits until `target` operations have run.
@@ -970,7 +966,7 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstre
                 }
                 memcpy((void*)(uintptr_t)dst, src, n);
             },
-            {access("cuMemcpyHtoDAsync", (uintptr_t)src, n, false, hashed ? (before ? before : 1) : 0),
+            {access("cuMemcpyHtoDAsync", (uintptr_t)src, n, false, before),
              access("cuMemcpyHtoDAsync", dst, n, true)});
         return CUDA_SUCCESS;
     }
@@ -1134,8 +1130,7 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
     }
     // The record, its sequence number and its clock are taken together, in stream order.
     std::lock_guard<std::mutex> order(g_order_mu);
-    std::vector<Access> none;
-    st->tick(none);
+    st->tick();
     e->clock = st->clock;
     uint64_t seq;
     {
@@ -1175,8 +1170,7 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
     }
     // What comes after the wait on this stream comes after what came before the record.
     join(st->clock, e->clock);
-    std::vector<Access> none;
-    st->tick(none);
+    st->tick();
     st->enqueue([e, target] {
         std::unique_lock<std::mutex> g(g_ev_mu);
         g_ev_cv.wait(g, [&] { return e->done(target); });
