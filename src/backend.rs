@@ -64,8 +64,7 @@ pub trait Trainer {
     }
 
     /// Fills the device cache from `loader`'s dataset before the first epoch, in large
-    /// copies;
-    /// returns how long it took, or `None` when there is no device cache.
+    /// copies; returns how long it took, or `None` when there is no device cache.
     ///
     /// # Errors
     /// The dataset's error or a device error.

@@ -227,13 +227,16 @@ impl From<cudarc::driver::DriverError> for Error {
             (Ok(name), _) => name.to_string_lossy().into_owned(),
             _ => format!("CUresult {}", e.0 as u32),
         };
-        let lost = CONTEXT_LOST.contains(&e.0);
+        let message = match CONTEXT_LOST.contains(&e.0) {
+            true => format!(
+                "{said} (the CUDA context is lost: every later CUDA call in this process \
+                 fails; resume in a new one)"
+            ),
+            false => said,
+        };
         Error::Cuda {
             code: Some(e.0 as u32),
-            message: match lost {
-                true => format!("{said} (the CUDA context is lost: every later CUDA call in this process fails; resume in a new one)"),
-                false => said,
-            },
+            message,
         }
     }
 }

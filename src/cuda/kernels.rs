@@ -250,9 +250,9 @@ pub(crate) fn load_program<T>(
 }
 
 /// Whether loading an image failed for the context, not the image: a fault's sticky
-/// error, a context that is gone, or a full device. Another image would fail the same way, and the
-/// cache is not to blame. (Any other failure may be the image's: damaged, for another
-/// architecture, PTX too new for the driver.)
+/// error, a context that is gone, or a full device. Another image would fail the same
+/// way, and the cache is not to blame. (Any other failure may be the image's: damaged,
+/// for another architecture, PTX too new for the driver.)
 fn the_context_failed(e: &Error) -> bool {
     const OUT_OF_MEMORY: u32 = cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY as u32;
     e.context_lost() || e.cuda_code() == Some(OUT_OF_MEMORY)

@@ -128,9 +128,8 @@ impl Shared {
 impl Drop for Shared {
     fn drop(&mut self) {
         self.restore = Some(Restore::now());
-        // The memory is freed after the consumers' last work on it has run (an error a
-        // drop left in the context would make the first wait return at once).
-        let _ = self.ctx.check_err();
+        // The memory is freed after the consumers' last work on it has run.
+        super::take_left_error(&self.ctx);
         for r in &self.release {
             for e in &lock(r).events {
                 let _ = e.synchronize();

@@ -74,15 +74,20 @@ fn quietly<R>(f: impl FnOnce() -> R + std::panic::UnwindSafe) -> Result<R, Strin
     })
 }
 
+/// Takes an error a drop left in `ctx`: cudarc keeps it for the next call, which
+/// returns it without doing its work, so a wait made next would return at once.
+pub(crate) fn take_left_error(ctx: &CudaContext) {
+    let _ = ctx.check_err();
+}
+
 /// Waits until the work enqueued in `ctx` so far has run or failed: before host memory
-/// it may read is reused or freed. An error a drop left in the context (cudarc keeps it
-/// for the next call, which returns it without doing its work) is taken first, so that
-/// the wait is not skipped.
+/// it may read is reused or freed. An error a drop left in the context is taken first
+/// ([`take_left_error`]), so that the wait is not skipped.
 ///
 /// # Errors
 /// The driver's error, once the wait is done (a fault's sticky error, say).
 pub(crate) fn settle(ctx: &CudaContext) -> std::result::Result<(), DriverError> {
-    let _ = ctx.check_err();
+    take_left_error(ctx);
     ctx.synchronize()
 }
 
@@ -91,7 +96,7 @@ pub(crate) fn settle(ctx: &CudaContext) -> std::result::Result<(), DriverError> 
 /// # Errors
 /// The driver's error, once the wait is done.
 pub(crate) fn settle_stream(stream: &CudaStream) -> std::result::Result<(), DriverError> {
-    let _ = stream.context().check_err();
+    take_left_error(stream.context());
     stream.synchronize()
 }
 

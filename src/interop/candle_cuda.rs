@@ -130,28 +130,20 @@ impl CudaTensors {
                 col.name
             )));
         }
-        let mut copies = Vec::with_capacity(batch.columns().len());
-        for c in 0..batch.columns().len() {
-            match self.column(&batch, c) {
-                Ok(copy) => copies.push(copy),
-                Err(e) => {
-                    // The batch goes back to the pool on return: the copies enqueued
-                    // from its buffer must be done first.
-                    let _ = crate::cuda::settle_stream(&self.copy);
-                    return Err(e);
-                }
-            }
-        }
-        let ordered = (|| -> Result<CudaEvent> {
+        let enqueued = (|| -> Result<(Vec<Column>, CudaEvent)> {
+            let copies = (0..batch.columns().len())
+                .map(|c| self.column(&batch, c))
+                .collect::<Result<Vec<_>>>()?;
             let copied = self.copy.record_event(None)?;
             // Before any of candle's kernels (the widening below included) is enqueued.
             self.device.cuda_stream().wait(&copied)?;
-            Ok(copied)
+            Ok((copies, copied))
         })();
-        let copied = match ordered {
-            Ok(copied) => copied,
+        let (copies, copied) = match enqueued {
+            Ok(enqueued) => enqueued,
             Err(e) => {
-                // As above: every copy is enqueued, and the batch goes back on return.
+                // The batch goes back to the pool on return: the copies enqueued from its
+                // buffer must be done first.
                 let _ = crate::cuda::settle_stream(&self.copy);
                 return Err(e);
             }
@@ -248,9 +240,8 @@ impl CudaTensors {
 
 impl Drop for CudaTensors {
     fn drop(&mut self) {
-        // The host batches go back to the pool only once no copy reads them (an error a
-        // drop left in the context would make the first wait return at once).
-        let _ = self.copy.context().check_err();
+        // The host batches go back to the pool only once no copy reads them.
+        crate::cuda::take_left_error(self.copy.context());
         for (_, event) in self.in_flight.drain(..) {
             let _ = event.synchronize();
         }
