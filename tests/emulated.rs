@@ -336,6 +336,11 @@ fn the_emulator_catches_a_kernel_using_freed_memory() {
     });
 }
 
+/// A host function that holds its stream back 100 ms: the work after it runs late.
+unsafe extern "C" fn late(_: *mut std::ffi::c_void) {
+    std::thread::sleep(std::time::Duration::from_millis(100));
+}
+
 /// `n` pinned bytes, each 1, in the current context; never freed unless the caller
 /// frees them (`result::free_host`).
 fn pinned_ones(n: usize) -> &'static mut [u8] {
@@ -353,9 +358,6 @@ fn the_emulator_catches_a_pinned_buffer_written_before_its_copy_ran() {
     // The race a loader must never have: a pinned buffer refilled while its asynchronous
     // copy waits on the stream. Caught by the buffer's hash, whatever was written.
     use cudarc::driver::result;
-    unsafe extern "C" fn late(_: *mut std::ffi::c_void) {
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
     let name = "the_emulator_catches_a_pinned_buffer_written_before_its_copy_ran";
     let report = "after their cuMemcpyHtoDAsync was enqueued and before it ran";
     fails_in_child(name, Mode::default(), report, |c| {
@@ -539,9 +541,9 @@ fn a_kernel_ordered_after_its_copy_by_an_event_or_the_host_passes() {
 
 /// Copies 4096 pinned bytes to the device on a stream, then the first `second` of them
 /// again, with `rewrite` writing one byte of both in between, after the host
-/// synchronised with the stream if `synchronised`.
-/// The first copy is done by then either way: a host function after it said so, which
-/// the emulator, as CUDA, does not count as a synchronisation.
+/// synchronised with the stream if `synchronised`. The first copy is done by then
+/// either way: a host function after it said so, which the emulator, as CUDA, does not
+/// count as a synchronisation.
 fn copied_twice(c: &Cuda, synchronised: bool, rewrite: bool, second: usize) {
     use cudarc::driver::result;
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -616,14 +618,11 @@ fn a_pinned_buffer_rewritten_after_a_synchronisation_or_not_at_all_passes() {
 }
 
 /// Zeroes 4096 bytes of new device memory and writes 1024 ones into them on stream
-/// handle `writer` (from another thread if `elsewhere`), held back 50 ms by a host
-/// function before the copy, and reads them back on `reader`, with nothing but CUDA's
+/// handle `writer` (from another thread if `elsewhere`), held back by a host function
+/// ([`late`]) before the copy, and reads them back on `reader`, with nothing but CUDA's
 /// implicit synchronisation of the default streams to order the two.
 fn written_then_read(c: &Cuda, writer: usize, elsewhere: bool, reader: usize) -> Vec<f32> {
     use cudarc::driver::{result, sys};
-    unsafe extern "C" fn late(_: *mut std::ffi::c_void) {
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
     c.ctx.bind_to_thread().unwrap();
     // SAFETY: 4096 bytes, written and read below, never freed (the child ends).
     let ptr = unsafe { result::malloc_sync(4096) }.unwrap();
