@@ -827,17 +827,9 @@ fn a_bad_label_is_an_error() {
 /// loader are let go.
 fn a_faulting_copy_loses_no_batch(c: Cuda, faulting: u64) {
     use std::collections::VecDeque;
-    use std::sync::Arc;
-    use stokehold::cuda::DeviceSlots;
-    use stokehold::{Dataset, Error, NpyDataset, Shuffle};
+    use stokehold::Error;
 
-    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(DIGITS).unwrap());
-    let mut loader = gpu_checks::pinned_loader(&c, &ds, 100)
-        .shuffle(Shuffle::Full { seed: 6 })
-        .build()
-        .unwrap();
-    let layout = loader.layout().clone();
-    let mut slots = DeviceSlots::new(&c.ctx, &layout, 4).unwrap();
+    let (_, mut loader, mut slots) = gpu_checks::digits_in_slots(&c, 6, 4);
     let mut epoch = loader.epoch(0).unwrap();
     // The two last batches stay lent, as a loop that overlaps its steps keeps them.
     let mut lent = VecDeque::new();

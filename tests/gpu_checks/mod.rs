@@ -519,7 +519,7 @@ unsafe extern "C" fn slow(_: *mut std::ffi::c_void) {
 
 /// The digits in batches of 100 (a full shuffle by `seed`) and `n` device slots for
 /// them.
-fn digits_in_slots(
+pub fn digits_in_slots(
     c: &Cuda,
     seed: u64,
     n: usize,
