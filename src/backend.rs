@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::augment::Augmenter;
 use crate::dataset::DType;
 use crate::error::{Error, Result};
 use crate::loader::{BatchLayout, Loader};
@@ -50,11 +51,30 @@ pub trait Trainer {
     /// [`Error::Cuda`] if a launch fails.
     fn warm_up(&mut self) -> Result<Duration>;
 
+    /// Augments each batch on the device, after its copy or its gather from the device
+    /// cache and before the step, drawn per sample from `(seed, epoch, sample)` as the
+    /// loader's workers draw ([`LoaderBuilder::augment`](crate::LoaderBuilder::augment)):
+    /// the loader gathers raw batches, and a device cache keeps the raw images, each
+    /// epoch augmented anew. Returns how long compiling or loading its kernel took.
+    ///
+    /// # Errors
+    /// [`Error::Config`] where the backend cannot (the CPU's augments in the loader's
+    /// workers), for an augmenter bound to other columns than the batches', or for
+    /// augmented columns the model cannot read; [`Error::Cuda`] for the kernel's
+    /// compilation or a driver error.
+    fn augment_on_device(&mut self, augmenter: &Augmenter) -> Result<Duration> {
+        let _ = augmenter;
+        Err(Error::Config(
+            "this backend augments in the loader's workers (LoaderBuilder::augment)".into(),
+        ))
+    }
+
     /// Keeps the dataset of `loader` in device memory if it fits under `share` of the
     /// free device memory, one epoch covers every row and the loader does not augment
-    /// (an augmented epoch differs from the last: a cache would replay epoch 0's draws);
-    /// returns its size in bytes, or `None` where that does not apply (always, on the
-    /// CPU).
+    /// (an augmented epoch differs from the last: a cache would replay epoch 0's draws;
+    /// [`augment_on_device`](Trainer::augment_on_device) augments the cached batches
+    /// instead); returns its size in bytes, or `None` where that does not apply
+    /// (always, on the CPU).
     ///
     /// # Errors
     /// [`Error::Cuda`] if the allocation fails.
@@ -79,7 +99,11 @@ pub trait Trainer {
 ///
 /// # Errors
 /// [`Error::Config`] naming the column and what it holds.
-pub(crate) fn check_columns(mlp: &Mlp, layout: &BatchLayout, (x, y): (usize, usize)) -> Result<()> {
+pub(crate) fn check_columns(
+    inputs: usize,
+    layout: &BatchLayout,
+    (x, y): (usize, usize),
+) -> Result<()> {
     let cols = layout.columns();
     let (Some(xc), Some(yc)) = (cols.get(x), cols.get(y)) else {
         return Err(Error::Config(format!(
@@ -87,11 +111,10 @@ pub(crate) fn check_columns(mlp: &Mlp, layout: &BatchLayout, (x, y): (usize, usi
             cols.len()
         )));
     };
-    if xc.dtype != DType::U8 || xc.row_bytes != mlp.config.inputs {
+    if xc.dtype != DType::U8 || xc.row_bytes != inputs {
         return Err(Error::Config(format!(
-            "column {} must hold {} uint8 values per sample, it holds {} {}",
+            "column {} must hold {inputs} uint8 values per sample, it holds {} {}",
             xc.name,
-            mlp.config.inputs,
             xc.row_bytes / xc.dtype.size(),
             xc.dtype
         )));

@@ -159,6 +159,13 @@ impl Backend {
         &self.device
     }
 
+    /// Whether its trainers augment on the device
+    /// ([`Trainer::augment_on_device`]): on CUDA; the CPU's loader augments in its
+    /// workers.
+    pub fn augments_on_device(&self) -> bool {
+        matches!(self.device, Device::Cuda(_))
+    }
+
     /// The host allocator the loader's buffers should come from: page-locked memory of
     /// `kind` on CUDA, `None` (the loader's default) on the CPU.
     pub fn allocator(&self, kind: PinnedKind) -> Option<Arc<dyn HostAlloc>> {

@@ -76,10 +76,11 @@ pub struct TrainConfig {
     pub device_cache: bool,
     /// On CUDA, the kind of page-locked memory the loader's buffers are.
     pub pinned: PinnedKind,
-    /// Pixels of padding of a random crop of `x`, drawn per sample (0: no crop), in the
-    /// loader's workers. Augmenting turns the device cache off.
+    /// Pixels of padding of a random crop of `x`, drawn per sample (0: no crop): on
+    /// CUDA on the device, after the copy or the gather from the device cache (which
+    /// keeps the raw images); on the CPU in the loader's workers.
     pub crop: u32,
-    /// Flip `x` left to right, for half the samples, in the loader's workers.
+    /// Flip `x` left to right, for half the samples, where [`crop`](Self::crop) says.
     pub flip: bool,
 }
 
@@ -136,7 +137,11 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
     if let Some(alloc) = backend.allocator(config.pinned) {
         builder = builder.allocator(alloc);
     }
-    if let Some(a) = config.augment() {
+    // On CUDA the device augments: the loader gathers raw batches, and a device cache
+    // keeps the raw images.
+    let augment = config.augment();
+    let on_device = augment.is_some() && backend.augments_on_device();
+    if let Some(a) = augment.clone().filter(|_| !on_device) {
         builder = builder.augment(a);
     }
     let mut loader = builder.build()?;
@@ -151,6 +156,10 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
         seed: config.seed,
     })?;
     let mut trainer = backend.trainer(mlp, norm, loader.layout(), (0, 1))?;
+    if let Some(a) = augment.as_ref().filter(|_| on_device) {
+        let augmenter = a.bind(loader.dataset().columns())?;
+        setup.augment_kernel_s = trainer.augment_on_device(&augmenter)?.as_secs_f64();
+    }
     if config.cold {
         // The probe above read a few pages back in; start truly cold.
         pagecache::evict(ds.as_ref())?;
@@ -187,6 +196,10 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
     );
     report.fallback_reason = backend.device().fallback_reason().map(str::to_string);
     report.device_cache_bytes = device_cache;
+    report.augment_on = augment.map(|_| match on_device {
+        true => "device".to_string(),
+        false => "workers".to_string(),
+    });
     report.config = serde_json::to_value(config)
         .unwrap_or_else(|e| serde_json::json!({ "error": e.to_string() }));
     report.setup = setup;
@@ -236,12 +249,15 @@ pub fn summary(report: &TrainReport, config: &TrainConfig) -> String {
             pad => format!("a random crop (padding {pad})"),
         };
         let flip = if config.flip { "a flip" } else { "no flip" };
-        s += &format!("augment: x, {crop}, {flip}, drawn per sample in the loader's workers");
-        let cuda = config.device != DeviceChoice::Cpu && report.fallback_reason.is_none();
-        if cuda && config.device_cache {
-            s += " (no device cache: each epoch's images differ)";
-        }
-        s.push('\n');
+        let place = match (report.augment_on.as_deref(), report.device_cache_bytes) {
+            (Some("device"), Some(_)) => {
+                "on the GPU, after the copy or the gather from the device cache (which keeps \
+                 the raw images)"
+            }
+            (Some("device"), None) => "on the GPU, after the copy",
+            _ => "in the loader's workers",
+        };
+        s += &format!("augment: x, {crop}, {flip}, drawn per sample {place}\n");
     }
     s.push('\n');
     s += &report.table();

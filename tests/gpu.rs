@@ -93,6 +93,11 @@ fn a_slot_wait_stops_for_its_interrupt_check() {
 }
 
 #[test]
+fn the_trainer_augments_on_the_device_as_the_workers_do() {
+    on_gpu(gpu_checks::the_trainer_augments_on_the_device_as_the_workers_do);
+}
+
+#[test]
 fn augmenting_on_the_device_matches_the_workers() {
     on_gpu(gpu_checks::augmenting_on_the_device_matches_the_workers);
 }

@@ -150,7 +150,7 @@ impl CpuTrainer {
         (x_column, y_column): (usize, usize),
         slots: usize,
     ) -> Result<CpuTrainer> {
-        check_columns(&mlp, layout, (x_column, y_column))?;
+        check_columns(mlp.config.inputs, layout, (x_column, y_column))?;
         let workspace = Workspace::new(&mlp.config, layout.batch_size())?;
         let slots = (0..slots.max(2))
             .map(|_| {

@@ -244,7 +244,7 @@ impl DeviceSlots {
 
     /// How the augmentation kernel was obtained (compiled or cached), if there is one.
     pub fn augment_origin(&self) -> Option<&super::KernelOrigin> {
-        self.augment.as_ref().map(|a| &a.origin)
+        self.augment.as_ref().map(DeviceAugment::origin)
     }
 
     /// The slots.

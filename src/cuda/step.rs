@@ -185,6 +185,16 @@ impl Step {
         &self.kernels
     }
 
+    /// The model's inputs per sample (bytes of the `x` column).
+    pub(super) fn inputs(&self) -> usize {
+        self.config.inputs
+    }
+
+    /// The columns it reads: the inputs and the labels.
+    pub(super) fn columns(&self) -> (usize, usize) {
+        self.columns
+    }
+
     /// Launches every kernel once with zero sizes (each guards its indices, so nothing
     /// is read or written) and waits: CUDA's lazy module loading is paid here, not by
     /// the first batch.

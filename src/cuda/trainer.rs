@@ -6,11 +6,13 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{sys, CudaEvent, CudaGraph};
 
+use super::augment::EpochAugment;
 use super::cache::DeviceCache;
-use super::feeder::Feeder;
-use super::kernels::Kernels;
+use super::feeder::{DeviceBatch, Feeder};
+use super::kernels::{KernelOrigin, Kernels};
 use super::step::Step;
 use super::Cuda;
+use crate::augment::Augmenter;
 use crate::backend::{check_columns, Trainer};
 use crate::error::{Error, Result};
 use crate::loader::{BatchLayout, Epoch, HostBatch, Loader};
@@ -23,6 +25,9 @@ pub struct CudaTrainer {
     feeder: Feeder,
     step: Step,
     cache: Option<DeviceCache>,
+    /// The augmentation of each batch on the device, between its copy or gather and its
+    /// step, if any: the loader's batches and the device cache are then raw.
+    augment: Option<EpochAugment>,
     /// Events for trace spans of epochs served by the device cache: an origin, then per
     /// batch the start of its device gather, the start of its step and the step's end.
     marks: Option<(CudaEvent, Vec<[CudaEvent; 3]>)>,
@@ -33,14 +38,35 @@ pub struct CudaTrainer {
     graph: Option<(EpochShape, CudaGraph)>,
 }
 
-/// What a captured cached epoch depends on: its batches and the last one's samples.
-type EpochShape = (u64, usize);
+/// What a captured cached epoch depends on: its batches, the last one's samples, and
+/// where the augmentation's draws are (0 without one).
+type EpochShape = (u64, usize, u64);
 
-fn shape_of(order: &EpochOrder) -> EpochShape {
+fn shape_of(order: &EpochOrder, augment: Option<&EpochAugment>) -> EpochShape {
     (
         order.batches(),
         order.batch_len(order.batches().saturating_sub(1)),
+        augment.map_or(0, EpochAugment::draws_addr),
     )
+}
+
+/// Enqueues `step` on `db`, augmented first when there is an augmentation (its draws
+/// uploaded for `db`'s epoch); `replayed`: as one CUDA graph for a full batch.
+fn step_on(
+    step: &Step,
+    augment: Option<&EpochAugment>,
+    db: &DeviceBatch,
+    replayed: bool,
+) -> Result<()> {
+    let augmented = match augment {
+        Some(a) => Some(a.apply(db, db.number() as usize * db.layout().batch_size())?),
+        None => None,
+    };
+    let db = augmented.as_ref().unwrap_or(db);
+    match replayed {
+        true => step.enqueue_replayed(db),
+        false => step.enqueue(db),
+    }
 }
 
 impl CudaTrainer {
@@ -59,7 +85,7 @@ impl CudaTrainer {
         columns: (usize, usize),
         slots: usize,
     ) -> Result<CudaTrainer> {
-        check_columns(mlp, layout, columns)?;
+        check_columns(mlp.config.inputs, layout, columns)?;
         let feeder = Feeder::new(&cuda, layout, slots)?;
         let batch = layout.batch_size();
         let step = Step::new(feeder.stream(), kernels, (mlp, norm), batch, columns)?;
@@ -67,6 +93,7 @@ impl CudaTrainer {
             feeder,
             step,
             cache: None,
+            augment: None,
             marks: None,
             graph: None,
         })
@@ -82,6 +109,25 @@ impl CudaTrainer {
         self.step.kernels()
     }
 
+    /// The augmentation run on the device, if any.
+    pub fn augmenter(&self) -> Option<&Augmenter> {
+        self.augment.as_ref().map(EpochAugment::augmenter)
+    }
+
+    /// Augments each batch on the device (see [`Trainer::augment_on_device`]); returns
+    /// how the augmentation kernel was obtained.
+    ///
+    /// # Errors
+    /// As [`Trainer::augment_on_device`].
+    pub fn augment_with(&mut self, augmenter: &Augmenter) -> Result<&KernelOrigin> {
+        let cuda = self.feeder.cuda();
+        let a = EpochAugment::new(cuda, self.feeder.stream(), self.feeder.layout(), augmenter)?;
+        check_columns(self.step.inputs(), a.layout(), self.step.columns())?;
+        // A captured epoch has no augmentation in it.
+        self.graph = None;
+        Ok(self.augment.insert(a).origin())
+    }
+
     /// Captures the launches of a cached epoch shaped like `order` into a CUDA graph
     /// (unless one of that shape is kept already) and uploads it, so that the first
     /// cached epoch does not pay for it.
@@ -89,7 +135,11 @@ impl CudaTrainer {
     /// # Errors
     /// A driver error; the stream is left out of capture mode.
     fn capture_cached_epoch(&mut self, order: &EpochOrder) -> Result<()> {
-        let shape = shape_of(order);
+        if let Some(a) = &mut self.augment {
+            // Draws for an epoch of this shape, so that its own upload moves nothing.
+            a.upload_order(order)?;
+        }
+        let shape = shape_of(order, self.augment.as_ref());
         if self.graph.as_ref().is_some_and(|(s, _)| *s == shape) {
             return Ok(());
         }
@@ -104,7 +154,7 @@ impl CudaTrainer {
             for b in 0..order.batches() {
                 let rows = order.batch_len(b);
                 let db = cache.gather(self.step.kernels(), &stream, order.epoch(), b, rows)?;
-                self.step.enqueue(&db)?;
+                step_on(&self.step, self.augment.as_ref(), &db, false)?;
             }
             Ok(())
         })();
@@ -142,6 +192,9 @@ impl CudaTrainer {
         self.step.reset_metrics()?;
         let stream = Arc::clone(self.feeder.stream());
         cache.upload_order(order, &stream)?;
+        if let Some(a) = &mut self.augment {
+            a.upload_order(order)?;
+        }
         let trace = self.feeder.trace().cloned();
         let n = order.batches() as usize;
         let marks = match &trace {
@@ -151,7 +204,7 @@ impl CudaTrainer {
         // The whole epoch in one launch where a graph of its shape was captured; traced
         // epochs launch batch by batch, to place their events.
         let graph = match (&trace, &self.graph) {
-            (None, Some((shape, g))) if *shape == shape_of(order) => Some(g),
+            (None, Some((shape, g))) if *shape == shape_of(order, self.augment.as_ref()) => Some(g),
             _ => None,
         };
         let t0 = Instant::now();
@@ -171,7 +224,7 @@ impl CudaTrainer {
                 mark(b as usize, 0)?;
                 let db = cache.gather(self.step.kernels(), &stream, order.epoch(), b, rows)?;
                 mark(b as usize, 1)?;
-                self.step.enqueue(&db)?;
+                step_on(&self.step, self.augment.as_ref(), &db, false)?;
                 mark(b as usize, 2)?;
             }
             batches += 1;
@@ -203,14 +256,24 @@ impl CudaTrainer {
         Ok(out)
     }
 
-    /// One step on one batch, synchronously (for checking against the CPU backend).
+    /// One step on one batch, synchronously (for checking against the CPU backend),
+    /// augmented first when the trainer augments.
     ///
     /// # Errors
     /// [`Error::Cuda`] on a driver error or a bad label (flagged on the device).
     pub fn step_once(&mut self, batch: &HostBatch) -> Result<Metrics> {
         self.step.reset_metrics()?;
-        let step = &self.step;
-        self.feeder.feed_one(batch, |db| step.enqueue(db))?;
+        if let Some(a) = &mut self.augment {
+            a.upload_batch(batch.epoch(), batch.indices())?;
+        }
+        let (step, augment) = (&self.step, self.augment.as_ref());
+        self.feeder.feed_one(batch, |db| {
+            let augmented = match augment {
+                Some(a) => Some(a.apply(db, 0)?),
+                None => None,
+            };
+            step.enqueue(augmented.as_ref().unwrap_or(db))
+        })?;
         self.step.read_metrics(batch.len() as u64)
     }
 
@@ -231,20 +294,26 @@ impl CudaTrainer {
         let whole = epoch.first_batch() == 0 && epoch.order().start() == 0;
         let filling = whole && self.cache.as_ref().is_some_and(|c| !c.filled());
         let epoch_order = epoch.order().clone();
+        let t = Instant::now();
         if filling {
             if let Some(c) = &mut self.cache {
                 c.upload_order(epoch.order(), self.feeder.stream())?;
             }
         }
-        let (step, cache) = (&self.step, &self.cache);
+        if let Some(a) = &mut self.augment {
+            a.upload_order(epoch.order())?;
+        }
+        let uploads = t.elapsed();
+        let (step, cache, augment) = (&self.step, &self.cache, self.augment.as_ref());
         let fed = self.feeder.run_epoch(
             epoch,
             &mut |db| {
-                step.enqueue_replayed(db)?;
-                match cache {
-                    Some(c) if filling => c.scatter(step.kernels(), db),
-                    _ => Ok(()),
+                // The cache keeps the batch as the loader gathered it: raw, when the
+                // device augments.
+                if let Some(c) = cache.as_ref().filter(|_| filling) {
+                    c.scatter(step.kernels(), db)?;
                 }
+                step_on(step, augment, db, true)
             },
             progress,
         )?;
@@ -259,7 +328,8 @@ impl CudaTrainer {
             batches: fed.batches,
             ..EpochOutcome::default()
         };
-        out.close(fed.loader, fed.wall);
+        // The index and draw uploads are part of the epoch.
+        out.close(fed.loader, fed.wall + uploads);
         out.stages.wait_data = fed.wait_data;
         out.stages.copy = fed.copy;
         out.stages.compute = fed.compute;
@@ -315,9 +385,18 @@ impl Trainer for CudaTrainer {
         self.step.weights()
     }
 
+    fn augment_on_device(&mut self, augmenter: &Augmenter) -> Result<Duration> {
+        let t = Instant::now();
+        self.augment_with(augmenter)?;
+        Ok(t.elapsed())
+    }
+
     fn warm_up(&mut self) -> Result<Duration> {
         let t = Instant::now();
         self.step.warm_up()?;
+        if let Some(a) = &self.augment {
+            a.warm_up()?;
+        }
         Ok(t.elapsed())
     }
 

@@ -119,6 +119,9 @@ pub struct Setup {
     /// Filling the device cache from the files before epoch 0 (`--warmup` on CUDA with
     /// the device cache; 0 otherwise).
     pub device_cache_fill_s: f64,
+    /// Compiling the augmentation kernel or loading it from the disk cache, when the
+    /// device augments (0 otherwise).
+    pub augment_kernel_s: f64,
 }
 
 /// Why the first epoch took longer than the steady ones, each cause measured.
@@ -199,6 +202,9 @@ pub struct TrainReport {
     pub fallback_reason: Option<String>,
     /// Bytes of the device cache, when the dataset was kept on the GPU after epoch 0.
     pub device_cache_bytes: Option<u64>,
+    /// Where the images were augmented: `"device"` (after the copy, or the gather from
+    /// the device cache) or `"workers"` (the loader's); `None` without augmentation.
+    pub augment_on: Option<String>,
     /// The dataset directory.
     pub data: String,
     /// Samples one epoch delivers (this rank's shard, after `drop_last`): the job's and
@@ -254,6 +260,7 @@ impl TrainReport {
             device: device.into(),
             fallback_reason: None,
             device_cache_bytes: None,
+            augment_on: None,
             data: data.into(),
             samples: loader.order().samples(),
             bytes_per_sample: loader.layout().data_bytes(1) as u64,
@@ -339,6 +346,9 @@ impl TrainReport {
                 },
                 st.first_launch_s
             );
+        }
+        if st.augment_kernel_s > 0.0 {
+            s += &format!(", augment kernel {:.3} s", st.augment_kernel_s);
         }
         if st.warmup_s > 0.0 {
             s += &format!(", explicit warm-up {:.3} s", st.warmup_s);

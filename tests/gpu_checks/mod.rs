@@ -24,6 +24,14 @@ pub fn pinned_loader(c: &Cuda, ds: &Arc<dyn Dataset>, batch: usize) -> stokehold
         )))
 }
 
+/// The largest absolute difference between two weight vectors, element by element.
+fn largest_difference(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max)
+}
+
 fn setup(
     c: &Cuda,
     dir: &std::path::Path,
@@ -208,12 +216,7 @@ pub fn the_device_cache_gives_the_same_epochs(c: Cuda) {
     for (a, b) in [(a1, b1), (a3, b3)] {
         assert!((a.loss_sum - b.loss_sum).abs() <= 1e-6 * a.loss_sum.abs().max(1.0));
     }
-    let worst = aw
-        .w1
-        .iter()
-        .zip(&bw.w1)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
+    let worst = largest_difference(&aw.w1, &bw.w1);
     assert!(worst < 1e-5, "weights differ by {worst}");
 
     // A resumed epoch (elastic here, after 5 batches) lacks rows: it must not fill the
@@ -316,11 +319,7 @@ pub fn epochs_match_the_cpu_backend(c: Cuda, serial: bool) {
     }
     let (gw, cw) = (gpu.weights().unwrap(), cpu.model().clone());
     for (name, a, b) in [("w1", &gw.w1, &cw.w1), ("w2", &gw.w2, &cw.w2)] {
-        let worst = a
-            .iter()
-            .zip(b)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let worst = largest_difference(a, b);
         println!("{name}: worst difference {worst:e}");
         assert!(worst < 1e-2, "{name} differs by {worst}");
     }
@@ -808,6 +807,93 @@ pub fn a_slot_wait_stops_for_its_interrupt_check(c: Cuda) {
     assert!(pieces >= 2, "the wait was not cut into pieces ({pieces})");
     drop(held);
     slots.drain().unwrap();
+}
+
+/// The trainer's augmentation on the device (`CudaTrainer::augment_with`) trains as the
+/// loader's workers' does: epoch 0 through the loader fills the device cache with the
+/// raw images; later epochs, gathered from it, are augmented by their own draws (by
+/// graph and batch by batch), a resumed epoch by its batches' own, a single step too.
+/// An augmentation the model cannot read, or bound to other columns, is refused.
+pub fn the_trainer_augments_on_the_device_as_the_workers_do(c: Cuda) {
+    use stokehold::{Augment, LoaderState};
+
+    let augment = Augment::new("x", 9).crop(2).flip(true);
+    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(DIGITS).unwrap());
+    let (_, mlp, norm, kernels) = setup(&c, DIGITS.as_ref(), 64, 32, 0.1);
+    let build = |b: stokehold::LoaderBuilder| b.shuffle(Shuffle::Full { seed: 2 }).build().unwrap();
+    let mut host = build(pinned_loader(&c, &ds, 64).augment(augment.clone()));
+    let mut raw = build(pinned_loader(&c, &ds, 64));
+    let trainer = |layout: &stokehold::BatchLayout| {
+        CudaTrainer::new(c.clone(), kernels.clone(), &mlp, norm, layout, (0, 1), 3).unwrap()
+    };
+    let (mut workers, mut device) = (trainer(host.layout()), trainer(raw.layout()));
+    let augmenter = augment.bind(ds.columns()).unwrap();
+    println!(
+        "augment kernel: {:?}",
+        device.augment_with(&augmenter).unwrap()
+    );
+    assert_eq!(device.augmenter().unwrap().augment(), &augment);
+    assert!(device.enable_device_cache(&raw, 0.5).unwrap().is_some());
+    assert!(workers.enable_device_cache(&host, 0.5).unwrap().is_none());
+    let same = |a: Metrics, b: Metrics, what: &str| {
+        assert_eq!((a.samples, a.correct), (b.samples, b.correct), "{what}");
+        assert!(
+            (a.loss_sum - b.loss_sum).abs() <= 1e-6 * a.loss_sum.abs().max(1.0),
+            "{what}: loss {} by the workers' augmentation, {} by the device's",
+            a.loss_sum,
+            b.loss_sum
+        );
+    };
+    // Epoch 0 fills the cache; 1 and 2 come from it, 2 traced (batch by batch); 3 is
+    // resumed at batch 5 (through the loader); 4 comes from the cache again.
+    for e in 0..5 {
+        if e == 2 {
+            let path = tempfile::NamedTempFile::new().unwrap().into_temp_path();
+            device.set_trace(Arc::new(
+                stokehold::telemetry::Trace::create(&path).unwrap(),
+            ));
+        }
+        if e == 3 {
+            for l in [&mut host, &mut raw] {
+                let at = LoaderState {
+                    batch: 5,
+                    ..l.state()
+                };
+                l.resume(at).unwrap();
+            }
+        }
+        let a = workers.train(&mut host, e, &mut |_, _| {}).unwrap();
+        let b = device.train(&mut raw, e, &mut |_, _| {}).unwrap();
+        same(a.metrics, b.metrics, &format!("epoch {e}"));
+        assert!(device.cache_filled());
+    }
+    let (aw, bw) = (workers.weights().unwrap(), device.weights().unwrap());
+    let worst = largest_difference(&aw.w1, &bw.w1);
+    assert!(worst < 1e-5, "weights differ by {worst}");
+
+    // One step on one batch, augmented the same way.
+    let first = |l: &mut Loader| l.epoch(7).unwrap().nth(3).unwrap().unwrap();
+    let (hb, rb) = (first(&mut host), first(&mut raw));
+    let (a, b) = (
+        workers.step_once(&hb).unwrap(),
+        device.step_once(&rb).unwrap(),
+    );
+    same(a, b, "step_once");
+
+    // Refused: a float32 column the model cannot read, an augmenter of other columns.
+    let mut other = trainer(raw.layout());
+    let normalised = augment.clone().normalize(&[0.5], &[0.25]);
+    let refused = [
+        normalised.bind(ds.columns()).unwrap(),
+        augment.bind(&ds.columns()[..1]).unwrap(),
+    ];
+    for augmenter in refused {
+        match other.augment_with(&augmenter) {
+            Err(stokehold::Error::Config(m)) => println!("refused: {m}"),
+            Err(e) => panic!("another error than Config: {e}"),
+            Ok(_) => panic!("augment_with took {augmenter:?}"),
+        }
+    }
 }
 
 /// Augmenting on the device (`DeviceSlots::augmented`, `kernels/augment.cu`) writes the

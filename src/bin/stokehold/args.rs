@@ -78,8 +78,9 @@ pub(crate) struct TrainArgs {
     pub(crate) pinned: PinnedKind,
     /// Augment x with a random crop: pad each image by this many pixels, then cut it back
     /// to size at an offset drawn per sample and epoch (torchvision's `RandomCrop(32,
-    /// padding=4)` is `--crop 4`). Done in the loader's workers; turns the device cache
-    /// off.
+    /// padding=4)` is `--crop 4`). On CUDA done on the GPU, after the copy or the gather
+    /// from the device cache (which keeps the raw images); on the CPU in the loader's
+    /// workers.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=stokehold::augment::MAX_PAD as i64))]
     pub(crate) crop: u32,
     /// Augment x with a horizontal flip of half the images, drawn per sample and epoch.
