@@ -804,6 +804,15 @@ fn a_slot_wait_stops_for_its_interrupt_check() {
 }
 
 #[test]
+fn a_users_work_reads_cached_and_augmented_epochs_as_the_loader_gives_them() {
+    emulated(
+        "a_users_work_reads_cached_and_augmented_epochs_as_the_loader_gives_them",
+        50,
+        gpu_checks::a_users_work_reads_cached_and_augmented_epochs_as_the_loader_gives_them,
+    );
+}
+
+#[test]
 fn the_trainer_augments_on_the_device_as_the_workers_do() {
     emulated(
         "the_trainer_augments_on_the_device_as_the_workers_do",
@@ -1198,10 +1207,17 @@ fn the_cuda_example_runs_a_users_kernel() {
     let text = shown(&out);
     println!("{text}");
     assert!(out.status.success(), "{text}");
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("stokehold CUDA emulator"),
-        "{text}"
-    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("stokehold CUDA emulator"), "{text}");
+    // Epoch 0 fills the device cache; the kernel's counts of the later ones, read from
+    // it, are checked by the example.
+    for line in [
+        "epoch 0 from the loader",
+        "epoch 1 from the device cache",
+        "epoch 2 from the device cache",
+    ] {
+        assert!(stdout.contains(line), "{line:?} missing: {text}");
+    }
 }
 
 #[test]

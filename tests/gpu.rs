@@ -93,6 +93,11 @@ fn a_slot_wait_stops_for_its_interrupt_check() {
 }
 
 #[test]
+fn a_users_work_reads_cached_and_augmented_epochs_as_the_loader_gives_them() {
+    on_gpu(gpu_checks::a_users_work_reads_cached_and_augmented_epochs_as_the_loader_gives_them);
+}
+
+#[test]
 fn the_trainer_augments_on_the_device_as_the_workers_do() {
     on_gpu(gpu_checks::the_trainer_augments_on_the_device_as_the_workers_do);
 }

@@ -461,15 +461,17 @@ impl EpochAugment {
             self.kernel
                 .launch(stream, (raw.column_ptr(c), dst, draws), rows)
         }?;
-        Ok(DeviceBatch::new(
+        let (epoch, number) = (raw.epoch(), raw.number());
+        let out = DeviceBatch::new(
             base,
             &self.layout,
             stream,
             rows,
-            raw.epoch(),
-            raw.number(),
+            epoch,
+            number,
             raw.indices(),
-        ))
+        );
+        Ok(out.with_cached(raw.from_cache()))
     }
 }
 

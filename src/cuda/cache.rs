@@ -297,15 +297,7 @@ impl DeviceCache {
             )?;
         }
         let indices = &self.host_indices()[at..at + rows];
-        Ok(DeviceBatch::new(
-            base,
-            &self.layout,
-            stream,
-            rows,
-            epoch,
-            b,
-            indices,
-        ))
+        Ok(DeviceBatch::new(base, &self.layout, stream, rows, epoch, b, indices).with_cached(true))
     }
 }
 

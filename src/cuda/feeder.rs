@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 
+use super::resident::Resident;
 use super::Cuda;
 use crate::error::{Error, Result};
 use crate::loader::{BatchLayout, Epoch, EpochStats, HostBatch};
@@ -41,6 +42,7 @@ pub struct DeviceBatch<'a> {
     epoch: u64,
     number: u64,
     indices: &'a [u64],
+    cached: bool,
 }
 
 impl<'a> DeviceBatch<'a> {
@@ -61,7 +63,14 @@ impl<'a> DeviceBatch<'a> {
             epoch,
             number,
             indices,
+            cached: false,
         }
+    }
+
+    /// The same batch, marked as gathered from the device cache or not.
+    pub(crate) fn with_cached(mut self, cached: bool) -> DeviceBatch<'a> {
+        self.cached = cached;
+        self
     }
 }
 
@@ -108,6 +117,13 @@ impl DeviceBatch<'_> {
     pub fn indices(&self) -> &[u64] {
         self.indices
     }
+
+    /// Whether it was gathered from the device cache (a cached epoch, whose work may be
+    /// captured in a CUDA graph: see [`Feeder::replay_cached_epochs`]) rather than
+    /// copied from the host.
+    pub fn from_cache(&self) -> bool {
+        self.cached
+    }
 }
 
 /// What the feeder measured over an epoch.
@@ -129,14 +145,18 @@ pub struct FeedStats {
     pub loader: EpochStats,
     /// Wall time.
     pub wall: Duration,
+    /// Whether the epoch came from the device cache (no loader, no copies).
+    pub cached: bool,
 }
 
-/// Copies batches to the device, overlapped with the work on them.
+/// Copies batches to the device, overlapped with the work on them; optionally keeps the
+/// dataset on the device and augments batches there (see the methods from
+/// [`enable_device_cache`](Feeder::enable_device_cache) on).
 pub struct Feeder {
-    cuda: Cuda,
+    pub(super) cuda: Cuda,
     copy: Arc<CudaStream>,
-    compute: Arc<CudaStream>,
-    layout: BatchLayout,
+    pub(super) compute: Arc<CudaStream>,
+    pub(super) layout: BatchLayout,
     slots: Vec<CudaSlice<u8>>,
     copy_start: Vec<CudaEvent>,
     copied: Vec<CudaEvent>,
@@ -146,7 +166,9 @@ pub struct Feeder {
     epoch_start: CudaEvent,
     /// The batch number each slot last held (for trace spans).
     slot_batch: Vec<u64>,
-    trace: Option<Arc<Trace>>,
+    pub(super) trace: Option<Arc<Trace>>,
+    /// The device cache, the augmentation and the cached epochs' graph.
+    pub(super) resident: Resident,
 }
 
 impl Feeder {
@@ -199,6 +221,7 @@ impl Feeder {
             epoch_start: ctx.new_event(timing)?,
             slot_batch: vec![0; k],
             trace: None,
+            resident: Resident::default(),
             cuda,
             copy_start: events(k)?,
             copied: events(k)?,
@@ -292,11 +315,6 @@ impl Feeder {
         )
     }
 
-    /// The trace spans are recorded into, if any.
-    pub(crate) fn trace(&self) -> Option<&Arc<Trace>> {
-        self.trace.as_ref()
-    }
-
     /// The layout of the batches it feeds.
     pub fn layout(&self) -> &BatchLayout {
         &self.layout
@@ -307,7 +325,8 @@ impl Feeder {
         &self.compute
     }
 
-    /// Copies one batch into slot 0 and waits for it (for one-off steps and tests).
+    /// Copies one batch into slot 0 and waits for it (for one-off steps and tests);
+    /// `work` gets it augmented when the device augments.
     ///
     /// # Errors
     /// [`Error::Cuda`] on a driver error.
@@ -318,6 +337,7 @@ impl Feeder {
     ) -> Result<R> {
         self.layout.check_batch(batch)?;
         self.cuda.ctx.bind_to_thread()?;
+        self.resident.before_one(batch)?;
         let dst = addr(&self.slots[0], &self.copy);
         // SAFETY: slot 0 holds `layout.bytes()` bytes, the batch buffer as many (its
         // layout is the slots', checked above); the copy is waited for before this
@@ -325,15 +345,19 @@ impl Feeder {
         unsafe { result::memcpy_htod_async(dst, batch.as_bytes(), self.copy.cu_stream()) }?;
         self.copy.synchronize()?;
         let db = self.in_slot(0, batch);
-        let worked = work(&db);
+        let worked = match self.resident.for_work(&db, 0) {
+            Ok(augmented) => work(augmented.as_ref().unwrap_or(&db)),
+            Err(e) => Err(e),
+        };
         // What `work` enqueued reads slot 0, error or not: done before the next copy.
         self.compute.synchronize()?;
         worked
     }
 
-    /// Feeds every batch of `epoch`, calling `work` on each once it is on the device.
-    /// `work` must only enqueue (never wait for the device); `progress(samples,
-    /// stalled)` follows each batch.
+    /// Feeds every batch of `epoch`, calling `work` on each once it is on the device
+    /// (augmented, when the device augments). `work` must only enqueue (never wait for
+    /// the device); `progress(samples, stalled)` follows each batch. A whole epoch
+    /// fills an enabled device cache on the way.
     ///
     /// # Errors
     /// The loader's first error, `work`'s first error, or a driver error.
@@ -358,6 +382,8 @@ impl Feeder {
         }
         let t0 = Instant::now();
         self.epoch_start.record(&self.copy)?;
+        let filling = self.resident.before_fed(&epoch, &self.compute)?;
+        let order = epoch.order().clone();
         let epoch_no = epoch.epoch();
         let mut stats = FeedStats::default();
         let mut inflight: VecDeque<(HostBatch, usize)> = VecDeque::with_capacity(k_slots);
@@ -400,7 +426,7 @@ impl Feeder {
                 self.compute.wait(&self.copied[k])?;
                 self.work_start[k].record(&self.compute)?;
                 let db = self.in_slot(k, batch);
-                let worked = work(&db);
+                let worked = self.resident.fed(&db, filling, &mut *work);
                 // Record even after an error, so the slot's ordering stays sound.
                 self.consumed[k].record(&self.compute)?;
                 worked?;
@@ -447,6 +473,10 @@ impl Feeder {
         })();
         result?;
         drained?;
+        if filling {
+            let compute = Arc::clone(&self.compute);
+            self.resident.after_fed(&compute, &order, work)?;
+        }
         stats.loader = epoch.stats();
         stats.copy = Duration::from_secs_f64(copy_ms / 1e3);
         stats.compute = Duration::from_secs_f64(work_ms / 1e3);

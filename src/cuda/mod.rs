@@ -9,6 +9,7 @@ pub(crate) mod kernels;
 mod lease;
 pub(crate) mod nvrtc;
 mod pinned;
+mod resident;
 mod step;
 mod trainer;
 

@@ -809,6 +809,81 @@ pub fn a_slot_wait_stops_for_its_interrupt_check(c: Cuda) {
     slots.drain().unwrap();
 }
 
+/// A user's own work on a [`Feeder`](stokehold::cuda::Feeder) with the device cache and
+/// the augmentation on the device (`enable_device_cache`, `augment_on_device`, `feed`):
+/// every batch it reads back is, byte for byte, the batch a loader augmenting in its
+/// workers gives, in the epoch that fills the cache and in the cached ones, batch by
+/// batch and replayed as one CUDA graph (where the work is called only to capture it).
+pub fn a_users_work_reads_cached_and_augmented_epochs_as_the_loader_gives_them(c: Cuda) {
+    use cudarc::driver::result;
+    use stokehold::cuda::Feeder;
+    use stokehold::{Augment, HostMemory};
+
+    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(DIGITS).unwrap());
+    let augment = Augment::new("x", 5).crop(3).flip(true);
+    let build = |b: stokehold::LoaderBuilder| b.shuffle(Shuffle::Full { seed: 4 }).build().unwrap();
+    for replay in [false, true] {
+        let host = Loader::builder_shared(Arc::clone(&ds)).batch_size(64);
+        let mut host = build(host.augment(augment.clone()));
+        let mut raw = build(pinned_loader(&c, &ds, 64));
+        let mut feeder = Feeder::new(&c, raw.layout(), 3).unwrap();
+        feeder
+            .augment_on_device(&augment.bind(ds.columns()).unwrap())
+            .unwrap();
+        assert!(feeder.enable_device_cache(&raw, 0.5).unwrap().is_some());
+        feeder.replay_cached_epochs(replay);
+        let layout = feeder.work_layout().clone();
+        assert_eq!(&layout, host.layout());
+        let n = raw.order().batches() as usize;
+        let pinned = PinnedAlloc::new(Arc::clone(&c.ctx), PinnedKind::Plain);
+        let back: Vec<Box<dyn HostMemory>> = (0..n)
+            .map(|_| pinned.alloc(layout.bytes()).unwrap())
+            .collect();
+        let mut calls = 0;
+        for e in 0..3 {
+            let fed = feeder
+                .feed(
+                    &mut raw,
+                    e,
+                    &mut |db| {
+                        calls += 1;
+                        let to = &back[db.number() as usize];
+                        // SAFETY: the pinned buffer holds a whole batch of the layout, and
+                        // nothing else touches it until `feed` returns (it waits for the
+                        // device at the epoch's end).
+                        let to = unsafe { std::slice::from_raw_parts_mut(to.as_ptr(), to.len()) };
+                        let (from, s) = (db.column_ptr(0), db.stream().cu_stream());
+                        // SAFETY: the batch's columns are one allocation of the layout's
+                        // bytes from column 0; the copy is on the stream the batch is on.
+                        unsafe { result::memcpy_dtoh_async(&mut to[..layout.bytes()], from, s) }?;
+                        Ok(())
+                    },
+                    &mut |_, _| {},
+                )
+                .unwrap();
+            assert_eq!(fed.cached, e > 0, "epoch {e}");
+            assert_eq!(fed.batches as usize, n);
+            for (b, batch) in host.epoch(e).unwrap().enumerate() {
+                let batch = batch.unwrap();
+                // SAFETY: written by the copies `feed` waited for.
+                let got = unsafe { std::slice::from_raw_parts(back[b].as_ptr(), layout.bytes()) };
+                for (j, col) in layout.columns().iter().enumerate() {
+                    let part = |bytes: &[u8]| {
+                        bytes[layout.offset(j)..][..batch.len() * col.row_bytes].to_vec()
+                    };
+                    assert!(
+                        part(got) == part(batch.as_bytes()),
+                        "replay {replay}, epoch {e}, batch {b}, column {}",
+                        col.name
+                    );
+                }
+            }
+        }
+        // Replayed, the work ran for epoch 0 and once more for the capture.
+        assert_eq!(calls, if replay { 2 * n } else { 3 * n }, "replay {replay}");
+    }
+}
+
 /// The trainer's augmentation on the device (`CudaTrainer::augment_with`) trains as the
 /// loader's workers' does: epoch 0 through the loader fills the device cache with the
 /// raw images; later epochs, gathered from it, are augmented by their own draws (by
