@@ -1105,8 +1105,13 @@ fn train_augments_on_the_device_and_from_the_device_cache_as_the_cpus_workers() 
     let (_, cpu) = run("cpu", "cpu.json", &[]);
     assert_eq!(cpu["augment_on"], "workers", "{cpu}");
     let trace = path("trace.json");
-    for extra in [&[][..], &["--warmup"], &["--trace", &trace]] {
-        let (text, g) = run("cuda", "gpu.json", extra);
+    let runs = [
+        ("gpu.json", &[][..]),
+        ("warm.json", &["--warmup"]),
+        ("traced.json", &["--trace", &trace]),
+    ];
+    for (name, extra) in runs {
+        let (text, g) = run("cuda", name, extra);
         assert!(
             text.contains("augment: x, a random crop (padding 2), a flip, drawn per sample on the GPU, after the copy or the gather from the device cache"),
             "{extra:?}: {text}"
@@ -1123,6 +1128,16 @@ fn train_augments_on_the_device_and_from_the_device_cache_as_the_cpus_workers() 
             (&2.into(), &true.into())
         );
         let epochs = |v: &serde_json::Value| v["epochs"].as_array().unwrap().clone();
+        // From the device cache (no copies, no gathering): every epoch after the first,
+        // and the first too when `--warmup` filled the cache before it.
+        let first_cached = usize::from(extra.is_empty() || extra[0] != "--warmup");
+        for e in &epochs(&g)[first_cached..] {
+            assert_eq!(
+                (e["copy_s"].as_f64(), e["gather_s"].as_f64()),
+                (Some(0.0), Some(0.0)),
+                "{extra:?}: {e}"
+            );
+        }
         for (a, b) in epochs(&g).into_iter().zip(epochs(&cpu)) {
             let (la, lb) = (a["loss"].as_f64().unwrap(), b["loss"].as_f64().unwrap());
             // They agree to 1e-8 here; an epoch with other draws differs by 1e-4 or more.

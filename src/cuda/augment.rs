@@ -412,7 +412,9 @@ impl EpochAugment {
     /// before the next `apply`.
     ///
     /// # Errors
-    /// [`Error::Config`] for a batch of another layout, or draws not uploaded;
+    /// [`Error::Config`] for a batch of another layout or on another stream, or draws
+    /// past those uploaded (that the draws from `at` are this batch's is the caller's
+    /// to see to);
     /// [`Error::Cuda`] on a driver error.
     pub(crate) fn apply<'b>(
         &'b self,

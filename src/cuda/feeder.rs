@@ -145,7 +145,8 @@ pub struct FeedStats {
     pub loader: EpochStats,
     /// Wall time.
     pub wall: Duration,
-    /// Whether the epoch came from the device cache (no loader, no copies).
+    /// Whether the epoch came from the device cache (no loader, no batch copies: only its
+    /// index list, and its draws when the device augments).
     pub cached: bool,
 }
 
@@ -357,10 +358,14 @@ impl Feeder {
     /// Feeds every batch of `epoch`, calling `work` on each once it is on the device
     /// (augmented, when the device augments). `work` must only enqueue (never wait for
     /// the device); `progress(samples, stalled)` follows each batch. A whole epoch
-    /// fills an enabled device cache on the way.
+    /// fills an enabled device cache on the way; with
+    /// [`replay_cached_epochs`](Feeder::replay_cached_epochs) on, it then also captures
+    /// a cached epoch's work (`work` called once more per batch, on batches
+    /// [`from_cache`](DeviceBatch::from_cache)), counted in its wall time.
     ///
     /// # Errors
-    /// The loader's first error, `work`'s first error, or a driver error.
+    /// The loader's first error, `work`'s first error, or a driver error;
+    /// [`Error::Alloc`] for the staging of more draws.
     pub fn run_epoch(
         &mut self,
         mut epoch: Epoch<'_>,

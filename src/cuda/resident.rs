@@ -137,8 +137,9 @@ impl Resident {
         self.augmented(&db, work)
     }
 
-    /// With replay on, captures the work of a cached epoch shaped like `order` into a
-    /// CUDA graph (unless one of that shape is kept already) and uploads it.
+    /// With replay on and the cache filled, captures the work of a cached epoch shaped
+    /// like `order` into a CUDA graph (unless one of that shape is kept already) and
+    /// uploads it.
     ///
     /// # Errors
     /// `work`'s error or a driver error; the stream is left out of capture mode.
@@ -200,18 +201,18 @@ impl Feeder {
     }
 
     /// Keeps the dataset of `loader` on the device if it fits under `share` of the free
-    /// device memory and one epoch covers every row (one shard, no sample dropped by the
-    /// tail rule or `drop_last`), and the loader does not augment (its batches differ
-    /// every epoch; [`augment_on_device`](Self::augment_on_device) augments cached
-    /// batches instead). Returns the cache's size in bytes, or `None` where it does not
-    /// apply. The next whole epoch that [`run_epoch`](Self::run_epoch) feeds fills it,
+    /// device memory, one epoch covers every row (one shard, no sample dropped by the
+    /// tail rule or `drop_last`), the loader's batches have this feeder's layout, and the
+    /// loader does not augment (its batches differ every epoch;
+    /// [`augment_on_device`](Self::augment_on_device) augments cached batches instead).
+    /// Returns the cache's size in bytes, or `None` where it does not apply. The next whole epoch that [`run_epoch`](Self::run_epoch) feeds fills it,
     /// or [`fill_device_cache`](Self::fill_device_cache) does; then
     /// [`feed`](Self::feed) serves epochs from it. A cache enabled again replaces the
     /// last.
     ///
     /// # Errors
-    /// [`Error::Cuda`] if an allocation fails, or for the kernels' compilation (NVRTC's
-    /// log) the first time.
+    /// [`Error::Cuda`] if a device allocation fails, or for the kernels' compilation
+    /// (NVRTC's log) the first time; [`Error::Alloc`] for the page-locked index list.
     pub fn enable_device_cache(&mut self, loader: &Loader, share: f64) -> Result<Option<u64>> {
         let r = &mut self.resident;
         // The graph reads the cache's buffers, which go with it.
@@ -307,11 +308,13 @@ impl Feeder {
 
     /// Whether the work of a cached epoch is captured once as a CUDA graph and replayed
     /// (off by default). The whole epoch is then one launch, but the work is called only
-    /// while capturing (after the epoch that filled the cache, or by
-    /// [`capture_cached_epoch`](Self::capture_cached_epoch)): it must enqueue the same
-    /// launches with the same arguments for every cached epoch, reading what changes
-    /// from device memory it owns, and must not wait for the device. Traced epochs run
-    /// batch by batch.
+    /// while capturing: at the end of the epoch that filled the cache (counted in its
+    /// wall time), by [`capture_cached_epoch`](Self::capture_cached_epoch), or by the
+    /// first cached epoch of a shape no graph was captured for (after
+    /// [`augment_on_device`](Self::augment_on_device), say). It must then enqueue the
+    /// same launches with the same arguments for every cached epoch, reading what
+    /// changes from device memory it owns, and must not wait for the device. Traced
+    /// epochs run batch by batch.
     pub fn replay_cached_epochs(&mut self, yes: bool) {
         self.resident.replay = yes;
         if !yes {
@@ -320,14 +323,16 @@ impl Feeder {
     }
 
     /// With replay on and the cache filled, captures `work` on a cached epoch shaped
-    /// like `order` now, so that the first cached epoch does not pay for it (after
-    /// [`fill_device_cache`](Self::fill_device_cache); an epoch that fills the cache
-    /// captures by itself).
+    /// like `order` now, replacing the graph kept, so that the first cached epoch does
+    /// not pay for it (after [`fill_device_cache`](Self::fill_device_cache); an epoch
+    /// that fills the cache captures by itself).
     ///
     /// # Errors
-    /// `work`'s error or a driver error.
+    /// `work`'s error, [`Error::Config`] for a batch the augmentation refuses, a driver
+    /// error; [`Error::Alloc`] for the staging of more draws.
     pub fn capture_cached_epoch(&mut self, order: &EpochOrder, work: Work<'_>) -> Result<()> {
         let stream = Arc::clone(&self.compute);
+        self.resident.graph = None;
         self.resident.capture(&stream, order, work)
     }
 
@@ -358,10 +363,13 @@ impl Feeder {
 
     /// Runs `work` on every batch of `order` gathered from the filled device cache on
     /// the compute stream: no host gathering, no copy but the epoch's index list (and
-    /// draws). Waits for the device at the end: its stats' `compute` is the wall time.
+    /// draws). With replay on, untraced, the work is one graph launch (captured first if
+    /// no graph of this epoch's shape is kept). Waits for the device at the end: its
+    /// stats' `compute` is the wall time.
     ///
     /// # Errors
-    /// [`Error::Config`] if the cache is not filled; `work`'s error or a driver error.
+    /// [`Error::Config`] if the cache is not filled; `work`'s error or a driver error;
+    /// [`Error::Alloc`] for the staging of more draws.
     pub fn run_cached_epoch(
         &mut self,
         order: &EpochOrder,
@@ -383,6 +391,9 @@ impl Feeder {
         let n = order.batches() as usize;
         if self.trace.is_some() {
             marks_for(&mut r.marks, &self.cuda, n)?;
+        } else {
+            // Replay, with the graph captured now where none of this shape is kept.
+            r.capture(&stream, order, &mut *work)?;
         }
         let r = &self.resident;
         let marks = r.marks.as_ref().filter(|_| self.trace.is_some());

@@ -813,7 +813,8 @@ pub fn a_slot_wait_stops_for_its_interrupt_check(c: Cuda) {
 /// the augmentation on the device (`enable_device_cache`, `augment_on_device`, `feed`):
 /// every batch it reads back is, byte for byte, the batch a loader augmenting in its
 /// workers gives, in the epoch that fills the cache and in the cached ones, batch by
-/// batch and replayed as one CUDA graph (where the work is called only to capture it).
+/// batch and replayed as one CUDA graph (where the work is called only to capture it,
+/// and captured again after the augmentation is replaced).
 pub fn a_users_work_reads_cached_and_augmented_epochs_as_the_loader_gives_them(c: Cuda) {
     use cudarc::driver::result;
     use stokehold::cuda::Feeder;
@@ -827,9 +828,8 @@ pub fn a_users_work_reads_cached_and_augmented_epochs_as_the_loader_gives_them(c
         let mut host = build(host.augment(augment.clone()));
         let mut raw = build(pinned_loader(&c, &ds, 64));
         let mut feeder = Feeder::new(&c, raw.layout(), 3).unwrap();
-        feeder
-            .augment_on_device(&augment.bind(ds.columns()).unwrap())
-            .unwrap();
+        let augmenter = augment.bind(ds.columns()).unwrap();
+        feeder.augment_on_device(&augmenter).unwrap();
         assert!(feeder.enable_device_cache(&raw, 0.5).unwrap().is_some());
         feeder.replay_cached_epochs(replay);
         let layout = feeder.work_layout().clone();
@@ -840,7 +840,11 @@ pub fn a_users_work_reads_cached_and_augmented_epochs_as_the_loader_gives_them(c
             .map(|_| pinned.alloc(layout.bytes()).unwrap())
             .collect();
         let mut calls = 0;
-        for e in 0..3 {
+        for e in 0..4 {
+            if e == 2 {
+                // A new augmentation drops the graph: the next cached epoch captures anew.
+                feeder.augment_on_device(&augmenter).unwrap();
+            }
             let fed = feeder
                 .feed(
                     &mut raw,
@@ -879,15 +883,17 @@ pub fn a_users_work_reads_cached_and_augmented_epochs_as_the_loader_gives_them(c
                 }
             }
         }
-        // Replayed, the work ran for epoch 0 and once more for the capture.
-        assert_eq!(calls, if replay { 2 * n } else { 3 * n }, "replay {replay}");
+        // Replayed, the work ran for epoch 0, once more for the capture after it, and for
+        // the capture in epoch 2; epochs 1 and 3 were one launch each.
+        assert_eq!(calls, if replay { 3 * n } else { 4 * n }, "replay {replay}");
     }
 }
 
 /// The trainer's augmentation on the device (`CudaTrainer::augment_with`) trains as the
 /// loader's workers' does: epoch 0 through the loader fills the device cache with the
-/// raw images; later epochs, gathered from it, are augmented by their own draws (by
-/// graph and batch by batch), a resumed epoch by its batches' own, a single step too.
+/// raw images; later epochs, gathered from it, are augmented by their own draws (epoch
+/// 1 as one CUDA graph, 2 and 4 traced, batch by batch), a resumed epoch by its
+/// batches' own, a single step too.
 /// An augmentation the model cannot read, or bound to other columns, is refused.
 pub fn the_trainer_augments_on_the_device_as_the_workers_do(c: Cuda) {
     use stokehold::{Augment, LoaderState};
@@ -941,6 +947,9 @@ pub fn the_trainer_augments_on_the_device_as_the_workers_do(c: Cuda) {
         let b = device.train(&mut raw, e, &mut |_, _| {}).unwrap();
         same(a.metrics, b.metrics, &format!("epoch {e}"));
         assert!(device.cache_filled());
+        // The cache serves every whole epoch after the first: no copies.
+        let cached = ![0, 3].contains(&e);
+        assert_eq!(b.stages.copy.is_zero(), cached, "epoch {e}: {:?}", b.stages);
     }
     let (aw, bw) = (workers.weights().unwrap(), device.weights().unwrap());
     let worst = largest_difference(&aw.w1, &bw.w1);
