@@ -13,7 +13,7 @@ use super::feeder::{addr, DeviceBatch};
 use super::kernels::{cache_dir, load_program, KernelOrigin, Program};
 use super::pinned::{PinnedAlloc, PinnedKind};
 use super::Cuda;
-use crate::augment::{Augmenter, Draw, MAX_PAD};
+use crate::augment::{Augment, Augmenter, Draw, MAX_PAD};
 use crate::error::{Error, Result};
 use crate::loader::{BatchLayout, HostAlloc, HostBatch, HostMemory};
 use crate::sampler::EpochOrder;
@@ -29,6 +29,14 @@ pub const AUGMENT: Program = Program {
 pub fn packed(d: Draw) -> u32 {
     let at = |v: i32| (v + MAX_PAD as i32) as u32 & 0x3fff;
     at(d.dy) | at(d.dx) << 14 | u32::from(d.flip) << 28
+}
+
+/// Writes the packed draws of samples `indices` of `epoch` into `out` (as many as both
+/// hold).
+fn pack_draws(augment: &Augment, epoch: u64, indices: &[u64], out: &mut [u32]) {
+    for (d, &i) in out.iter_mut().zip(indices) {
+        *d = packed(augment.draw(epoch, i));
+    }
 }
 
 /// The augmentation kernel loaded on a device, with its normalisation table.
@@ -235,9 +243,7 @@ impl DeviceAugment {
         // slot k's earlier copy from it is done (the caller's contract).
         let draws = unsafe { std::slice::from_raw_parts_mut(staged.as_ptr().cast::<u32>(), rows) };
         let augment = self.kernel.augmenter.augment();
-        for (d, &i) in draws.iter_mut().zip(batch.indices()) {
-            *d = packed(augment.draw(batch.epoch(), i));
-        }
+        pack_draws(augment, batch.epoch(), batch.indices(), draws);
         let to = addr(&self.draws[k], stream);
         // SAFETY: the device buffer holds a full batch of draws; the page-locked staging
         // is rewritten only after this copy is done (the caller's contract).
@@ -362,9 +368,7 @@ impl EpochAugment {
                 .enumerate()
                 .for_each_init(Vec::new, |indices, (k, draws)| {
                     order.batch(k as u64, indices);
-                    for (d, &i) in draws.iter_mut().zip(indices.iter()) {
-                        *d = packed(augment.draw(epoch, i));
-                    }
+                    pack_draws(&augment, epoch, indices, draws);
                 });
         })
     }
@@ -376,10 +380,29 @@ impl EpochAugment {
     pub(crate) fn upload_batch(&mut self, epoch: u64, indices: &[u64]) -> Result<()> {
         let augment = self.kernel.augmenter.augment().clone();
         self.upload(indices.len(), |host| {
-            for (d, &i) in host.iter_mut().zip(indices) {
-                *d = packed(augment.draw(epoch, i));
-            }
+            pack_draws(&augment, epoch, indices, host)
         })
+    }
+
+    /// Room for the draws of every batch of `order`, on the device and in the staging:
+    /// when they hold less, both are made anew (the draws' address changes), once the
+    /// stream is idle.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] on a driver error; [`Error::Alloc`] for the staging.
+    pub(crate) fn reserve_for(&mut self, order: &EpochOrder) -> Result<()> {
+        self.reserve(order.batches() as usize * self.raw.batch_size().max(1))
+    }
+
+    /// Room for `n` draws (see [`reserve_for`](Self::reserve_for)).
+    fn reserve(&mut self, n: usize) -> Result<()> {
+        if self.staged.len() < n * 4 {
+            // The staging may still be read by the last upload's copy.
+            self.stream.synchronize()?;
+            self.staged = self.pinned.alloc(n * 4)?;
+            self.draws = alloc::<u32>(&self.stream, n)?;
+        }
+        Ok(())
     }
 
     /// Waits for the stream, has `fill` write `n` draws into the staging (grown if need
@@ -389,10 +412,7 @@ impl EpochAugment {
         if n == 0 {
             return Ok(());
         }
-        if self.staged.len() < n * 4 {
-            self.staged = self.pinned.alloc(n * 4)?;
-            self.draws = alloc::<u32>(&self.stream, n)?;
-        }
+        self.reserve(n)?;
         // SAFETY: the staging holds at least `n` u32 (allocated so, page-aligned); the
         // stream is idle, so no copy reads it, and `&mut self` makes this the only access.
         let host = unsafe { std::slice::from_raw_parts_mut(self.staged.as_ptr().cast(), n) };

@@ -120,13 +120,13 @@ impl Resident {
         self.capture(stream, order, work)
     }
 
-    /// Enqueues the gather of batch `b` of `order` from the cache, its augmentation, and
-    /// `work` on it.
+    /// Enqueues the gather of batch `b` of `order` from the cache, then `gathered()`,
+    /// then its augmentation and `work` on it.
     fn enqueue_cached(
         &self,
         stream: &Arc<CudaStream>,
-        order: &EpochOrder,
-        b: u64,
+        (order, b): (&EpochOrder, u64),
+        gathered: impl FnOnce() -> Result<()>,
         work: Work<'_>,
     ) -> Result<()> {
         let (Some(cache), Some(kernels)) = (&self.cache, &self.kernels) else {
@@ -134,6 +134,7 @@ impl Resident {
         };
         let rows = order.batch_len(b);
         let db = cache.gather(kernels, stream, order.epoch(), b, rows)?;
+        gathered()?;
         self.augmented(&db, work)
     }
 
@@ -153,8 +154,8 @@ impl Resident {
             return Ok(());
         }
         if let Some(a) = &mut self.augment {
-            // Draws for an epoch of this shape, so that its own upload moves nothing.
-            a.upload_order(order)?;
+            // Room for an epoch of this shape's draws, so that its upload moves nothing.
+            a.reserve_for(order)?;
         }
         let shape = self.shape_of(order);
         if self.graph.as_ref().is_some_and(|(s, _)| *s == shape) {
@@ -163,10 +164,8 @@ impl Resident {
         self.graph = None;
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         stream.begin_capture(mode)?;
-        let enqueued = (0..order.batches()).try_for_each(|b| {
-            let work: Work<'_> = &mut *work;
-            self.enqueue_cached(stream, order, b, work)
-        });
+        let enqueued = (0..order.batches())
+            .try_for_each(|b| self.enqueue_cached(stream, (order, b), || Ok(()), &mut *work));
         // End the capture whatever happened, so the stream is usable again.
         let flags = sys::CUgraphInstantiate_flags(0);
         let graph = stream.end_capture(flags).map_err(Error::from);
@@ -422,12 +421,8 @@ impl Feeder {
                 let rows = order.batch_len(b);
                 if graph.is_none() {
                     mark(b as usize, 0)?;
-                    let (Some(cache), Some(kernels)) = (&r.cache, &r.kernels) else {
-                        unreachable!("a filled cache has its kernels");
-                    };
-                    let db = cache.gather(kernels, &stream, order.epoch(), b, rows)?;
-                    mark(b as usize, 1)?;
-                    r.augmented(&db, &mut *work)?;
+                    let gathered = || mark(b as usize, 1);
+                    r.enqueue_cached(&stream, (order, b), gathered, &mut *work)?;
                     mark(b as usize, 2)?;
                 }
                 stats.batches += 1;
