@@ -813,6 +813,15 @@ fn a_users_work_reads_cached_and_augmented_epochs_as_the_loader_gives_them() {
 }
 
 #[test]
+fn lent_batches_come_from_the_device_cache_as_the_loader_gives_them() {
+    emulated(
+        "lent_batches_come_from_the_device_cache_as_the_loader_gives_them",
+        50,
+        gpu_checks::lent_batches_come_from_the_device_cache_as_the_loader_gives_them,
+    );
+}
+
+#[test]
 fn the_trainer_augments_on_the_device_as_the_workers_do() {
     emulated(
         "the_trainer_augments_on_the_device_as_the_workers_do",

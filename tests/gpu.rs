@@ -98,6 +98,11 @@ fn a_users_work_reads_cached_and_augmented_epochs_as_the_loader_gives_them() {
 }
 
 #[test]
+fn lent_batches_come_from_the_device_cache_as_the_loader_gives_them() {
+    on_gpu(gpu_checks::lent_batches_come_from_the_device_cache_as_the_loader_gives_them);
+}
+
+#[test]
 fn the_trainer_augments_on_the_device_as_the_workers_do() {
     on_gpu(gpu_checks::the_trainer_augments_on_the_device_as_the_workers_do);
 }

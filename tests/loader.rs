@@ -716,6 +716,57 @@ fn an_epoch_served_elsewhere_moves_the_state_past_it() {
 }
 
 #[test]
+fn an_epoch_of_indices_reads_nothing_and_keeps_the_order_and_the_state() {
+    let mk = |data: Synth| {
+        Loader::builder(data)
+            .batch_size(7)
+            .workers(2)
+            .shuffle(Shuffle::Full { seed: 9 })
+    };
+    let mut read = mk(Synth::new(50)).build().unwrap();
+    // Any read of sample 0 or 1 fails: a batch of indices only never reads.
+    let mut data = Synth::new(50);
+    data.fail_at = Some(0);
+    data.panic_at = Some(1);
+    let mut indices = mk(data).build().unwrap();
+    for e in [0, 3] {
+        let mut a = read.epoch(e).unwrap();
+        let mut b = indices.epoch_indices(e).unwrap();
+        assert_eq!(a.len(), b.len());
+        loop {
+            match (a.next(), b.next()) {
+                (Some(x), Some(y)) => {
+                    let (x, y) = (x.unwrap(), y.unwrap());
+                    assert!(!x.is_indices_only() && y.is_indices_only());
+                    assert_eq!((x.number(), x.indices()), (y.number(), y.indices()));
+                    assert_eq!(a.state(), b.state());
+                }
+                (None, None) => break,
+                _ => panic!("the epochs have different lengths"),
+            }
+        }
+        assert_eq!(a.state(), b.state());
+        assert_eq!(b.stats().bytes_read, 0);
+    }
+    // A resume works as for an epoch that reads, and a failing read still fails.
+    let state = {
+        let mut it = read.epoch(5).unwrap();
+        it.next().unwrap().unwrap();
+        it.next().unwrap().unwrap();
+        it.state()
+    };
+    indices.resume(state).unwrap();
+    let rest: Vec<u64> = indices
+        .epoch_indices(5)
+        .unwrap()
+        .map(|b| b.unwrap().number())
+        .collect();
+    assert_eq!(rest, (2..8).collect::<Vec<u64>>());
+    let failed = indices.epoch(6).unwrap().find_map(|b| b.err());
+    assert!(failed.is_some(), "the dataset's reads fail");
+}
+
+#[test]
 fn many_workers_over_files_run_an_epoch() {
     // Over 32 workers the planner's read-ahead (two batches a worker at the least) passes
     // its usual cap of 64 batches: it once made `build` panic on a set with files.

@@ -192,6 +192,30 @@ impl DeviceAugment {
         &self.kernel.origin
     }
 
+    /// The layout of the batches it augments, as the loader gathers them.
+    pub(crate) fn raw(&self) -> &BatchLayout {
+        &self.raw
+    }
+
+    /// Where the raw rows of slot `k`'s batch go, column by column of the loader's
+    /// layout: the images to the slot's own buffer, every other column straight to its
+    /// place in the slot (device memory at `slot`, laid out as `out`).
+    pub(crate) fn targets(
+        &self,
+        stream: &CudaStream,
+        k: usize,
+        slot: u64,
+        out: &BatchLayout,
+    ) -> Vec<u64> {
+        let c = self.kernel.augmenter.column();
+        (0..self.raw.columns().len())
+            .map(|j| match j == c {
+                true => addr(&self.images[k], stream),
+                false => slot + out.offset(j) as u64,
+            })
+            .collect()
+    }
+
     /// Enqueues on `stream` the copies of `batch` into slot `k` (its device memory at
     /// `slot`, laid out as `out`): every other column straight to its place, the raw
     /// images and the draws to the slot's own buffers; then the kernel that augments
@@ -213,31 +237,56 @@ impl DeviceAugment {
         slot: u64,
         out: &BatchLayout,
     ) -> Result<()> {
-        let rows = batch.len();
-        let c = self.kernel.augmenter.column();
+        let rows = self.check(batch)?;
         let bytes = batch.as_bytes();
+        let cu = stream.cu_stream();
+        let targets = self.targets(stream, k, slot, out);
+        for (j, col) in self.raw.columns().iter().enumerate() {
+            let from = &bytes[self.raw.offset(j)..][..col.row_bytes * rows];
+            // SAFETY: `targets[j]` holds `rows` rows of this column (the slot by the
+            // caller's contract, the images buffer as allocated for a full batch); the
+            // batch outlives the copy (the caller's contract).
+            unsafe { result::memcpy_htod_async(targets[j], from, cu) }?;
+        }
+        // SAFETY: the raw rows are enqueued above; the rest is the caller's contract.
+        unsafe { self.enqueue_kernel(stream, k, batch, slot, out) }
+    }
+
+    /// The rows of `batch`, checked against the loader's layout the slots were made for.
+    pub(crate) fn check(&self, batch: &HostBatch) -> Result<usize> {
+        let rows = batch.len();
+        let bytes = batch.as_bytes().len();
         let same = batch.layout().columns() == self.raw.columns();
-        if !same || bytes.len() != self.raw.bytes() || rows > self.raw.batch_size() {
+        if !same || bytes != self.raw.bytes() || rows > self.raw.batch_size() {
             return Err(Error::Config(format!(
-                "augment: a batch of {} bytes and {rows} rows, for slots of batches of {} \
+                "augment: a batch of {bytes} bytes and {rows} rows, for slots of batches of {} \
                  bytes and at most {} rows",
-                bytes.len(),
                 self.raw.bytes(),
                 self.raw.batch_size()
             )));
         }
-        let cu = stream.cu_stream();
-        for (j, col) in self.raw.columns().iter().enumerate() {
-            let from = &bytes[self.raw.offset(j)..][..col.row_bytes * rows];
-            let to = match j == c {
-                true => addr(&self.images[k], stream),
-                false => slot + out.offset(j) as u64,
-            };
-            // SAFETY: `to` holds `rows` rows of this column (the slot by the caller's
-            // contract, the images buffer as allocated for a full batch); the batch
-            // outlives the copy (the caller's contract).
-            unsafe { result::memcpy_htod_async(to, from, cu) }?;
-        }
+        Ok(rows)
+    }
+
+    /// Enqueues on `stream` the upload of `batch`'s draws and the kernel that augments
+    /// slot `k`'s raw images (in place already, at [`targets`](Self::targets)) into the
+    /// slot.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] on a driver error.
+    ///
+    /// # Safety
+    /// As [`enqueue`](Self::enqueue); the raw rows are enqueued on `stream` before.
+    pub(crate) unsafe fn enqueue_kernel(
+        &mut self,
+        stream: &CudaStream,
+        k: usize,
+        batch: &HostBatch,
+        slot: u64,
+        out: &BatchLayout,
+    ) -> Result<()> {
+        let rows = batch.len();
+        let c = self.kernel.augmenter.column();
         let staged = &mut self.staged[k];
         // SAFETY: the staging holds `batch_size` u32 (allocated so, page-aligned), and
         // slot k's earlier copy from it is done (the caller's contract).
@@ -247,7 +296,7 @@ impl DeviceAugment {
         let to = addr(&self.draws[k], stream);
         // SAFETY: the device buffer holds a full batch of draws; the page-locked staging
         // is rewritten only after this copy is done (the caller's contract).
-        unsafe { result::memcpy_htod_async(to, &*draws, cu) }?;
+        unsafe { result::memcpy_htod_async(to, &*draws, stream.cu_stream()) }?;
         let raw = addr(&self.images[k], stream);
         let dst = slot + out.offset(c) as u64;
         // SAFETY: the images buffer holds `rows` raw images, the slot's column `rows`

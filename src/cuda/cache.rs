@@ -130,6 +130,15 @@ impl DeviceCache {
         self.filled = true;
     }
 
+    pub(crate) fn set_unfilled(&mut self) {
+        self.filled = false;
+    }
+
+    /// The rows it holds room for.
+    pub(crate) fn rows(&self) -> u64 {
+        self.rows
+    }
+
     /// Fills the cache straight from `dataset`, its rows in order: gathered by rayon's
     /// threads into two pinned staging buffers of about 32 MiB in turn, each copied in a
     /// few large transfers while the other is filled. Sequential reads and large copies
@@ -250,7 +259,8 @@ impl DeviceCache {
         // batch column holds rows * row_bytes bytes, the cache column len * row_bytes,
         // every index is below len (the sampler's indices), and `unit` divides row_bytes
         // while every base address is 256-byte aligned (device allocations, and batch
-        // columns at 256-byte offsets), so the kernel's 16- or 8-byte accesses are aligned.
+        // columns at 256-byte offsets in a batch buffer or a device slot), so the
+        // kernel's 16- or 8-byte accesses are aligned.
         unsafe { l.launch(cfg) }.map(|_| ()).map_err(Error::from)
     }
 
@@ -258,16 +268,62 @@ impl DeviceCache {
     pub(crate) fn scatter(&self, kernels: &Kernels, batch: &DeviceBatch) -> Result<()> {
         let s = batch.stream();
         let idx = addr(&self.idx, s) + batch.number() * self.layout.batch_size() as u64 * 8;
+        let from: Vec<u64> = (0..self.columns.len())
+            .map(|c| batch.column_ptr(c))
+            .collect();
+        self.scatter_from(kernels, s, &from, idx, batch.len())
+    }
+
+    /// Enqueues on `stream` the scatter of `rows` rows into the cache: column `c`'s from
+    /// device address `from[c]`, to the samples listed at device address `idx`.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] on a driver error.
+    pub(crate) fn scatter_from(
+        &self,
+        kernels: &Kernels,
+        stream: &CudaStream,
+        from: &[u64],
+        idx: u64,
+        rows: usize,
+    ) -> Result<()> {
+        self.each_column(&kernels.scatter_rows, stream, (from, idx), rows, true)
+    }
+
+    /// Enqueues on `stream` the gather of `rows` rows from the cache: the samples listed
+    /// at device address `idx`, column `c`'s to device address `to[c]`.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] on a driver error.
+    pub(crate) fn gather_to(
+        &self,
+        kernels: &Kernels,
+        stream: &CudaStream,
+        to: &[u64],
+        idx: u64,
+        rows: usize,
+    ) -> Result<()> {
+        self.each_column(&kernels.gather_rows, stream, (to, idx), rows, false)
+    }
+
+    /// Launches `f` for each column, between the cache's and `batch[c]`: from the batch
+    /// into the cache when `into_cache`, else the other way.
+    fn each_column(
+        &self,
+        f: &cudarc::driver::CudaFunction,
+        stream: &CudaStream,
+        (batch, idx): (&[u64], u64),
+        rows: usize,
+        into_cache: bool,
+    ) -> Result<()> {
         for (c, col) in self.columns.iter().enumerate() {
             let rb = self.layout.columns()[c].row_bytes;
-            let cache = addr(col, s);
-            self.launch_rows(
-                &kernels.scatter_rows,
-                s,
-                (batch.column_ptr(c), cache, idx),
-                batch.len(),
-                rb,
-            )?;
+            let cache = addr(col, stream);
+            let (src, dst) = match into_cache {
+                true => (batch[c], cache),
+                false => (cache, batch[c]),
+            };
+            self.launch_rows(f, stream, (src, dst, idx), rows, rb)?;
         }
         Ok(())
     }
@@ -285,17 +341,10 @@ impl DeviceCache {
         let base = addr(&self.batch, stream);
         let at = b as usize * self.layout.batch_size();
         let idx = addr(&self.idx, stream) + at as u64 * 8;
-        for (c, col) in self.columns.iter().enumerate() {
-            let rb = self.layout.columns()[c].row_bytes;
-            let dst = base + self.layout.offset(c) as u64;
-            self.launch_rows(
-                &kernels.gather_rows,
-                stream,
-                (addr(col, stream), dst, idx),
-                rows,
-                rb,
-            )?;
-        }
+        let to: Vec<u64> = (0..self.columns.len())
+            .map(|c| base + self.layout.offset(c) as u64)
+            .collect();
+        self.gather_to(kernels, stream, &to, idx, rows)?;
         let indices = &self.host_indices()[at..at + rows];
         Ok(DeviceBatch::new(base, &self.layout, stream, rows, epoch, b, indices).with_cached(true))
     }

@@ -23,6 +23,7 @@ use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaSlice, CudaStream}
 
 use super::augment::DeviceAugment;
 use super::feeder::addr;
+use super::slot_cache::SlotCache;
 use super::{Cuda, KeepCurrent, Restore};
 use crate::augment::Augmenter;
 use crate::error::{Error, Result};
@@ -153,6 +154,8 @@ pub struct DeviceSlots {
     /// How long an interrupted wait had waited with every slot lent and none ever handed
     /// on, for the next wait to go on from.
     stuck: Duration,
+    /// The device cache, if enabled ([`enable_device_cache`](DeviceSlots::enable_device_cache)).
+    pub(super) cache: Option<SlotCache>,
     /// Set when dropped, and dropped last: the caller's context is current again once
     /// the stream, the augmentation's module and buffers and the slots (which bind
     /// theirs) are gone.
@@ -208,6 +211,7 @@ impl DeviceSlots {
             augment: None,
             interrupt: None,
             stuck: Duration::ZERO,
+            cache: None,
             restore: None,
         })
     }
@@ -245,6 +249,14 @@ impl DeviceSlots {
     /// How the augmentation kernel was obtained (compiled or cached), if there is one.
     pub fn augment_origin(&self) -> Option<&super::KernelOrigin> {
         self.augment.as_ref().map(DeviceAugment::origin)
+    }
+
+    /// The layout of the batches the slots take (the loader's): the raw one, where the
+    /// device augments.
+    pub(super) fn raw_layout(&self) -> &BatchLayout {
+        self.augment
+            .as_ref()
+            .map_or(&*self.layout, DeviceAugment::raw)
     }
 
     /// The slots.
@@ -328,7 +340,9 @@ impl DeviceSlots {
     }
 
     /// Makes the copy stream wait for slot `k`'s release and enqueues the copy of
-    /// `batch` into it, then the slot's `copied` event.
+    /// `batch` into it (or, for a batch of indices only, its gather from the device
+    /// cache), its augmentation, then the slot's `copied` event; then, while the cache
+    /// is being filled, the scatter of the batch's raw rows into it.
     fn enqueue_copy(&mut self, k: usize, batch: &HostBatch) -> Result<()> {
         let s = &*self.shared;
         s.ctx.bind_to_thread()?;
@@ -341,25 +355,70 @@ impl DeviceSlots {
                 waited?;
             }
         }
-        if let Some(augment) = &mut self.augment {
-            // The slot's staged draws are rewritten: its last copy must be done (it is,
-            // unless the slot's consumer released it before its own stream had waited).
-            s.copied[k].synchronize()?;
-            // SAFETY: slot k holds `layout.bytes()` bytes, the augmented layout; the copy
-            // stream waits for every release of the slot (above), and its earlier copies
-            // are done; the batch stays in `in_flight` until this work has completed.
-            unsafe { augment.enqueue(&self.copy, k, batch, s.ptrs[k], &self.layout) }?;
-            s.copied[k].record(&self.copy)?;
-            return Ok(());
+        let gather = batch.is_indices_only();
+        let fill = !gather && self.cache.as_ref().is_some_and(|c| !c.filled());
+        if gather && !self.cache.as_ref().is_some_and(SlotCache::filled) {
+            return Err(Error::Config(
+                "a batch of indices only (Loader::epoch_indices) was lent to device slots \
+                 whose device cache is not filled"
+                    .into(),
+            ));
         }
-        self.layout.check_batch(batch)?;
-        let bytes = batch.as_bytes();
-        // SAFETY: slot k holds `layout.bytes()` bytes, as does the batch's buffer (its
-        // layout is the slots', checked above); the
-        // copy stream waits for every consumer's release of the slot (just above), and
-        // the batch stays in `in_flight` until the copy has completed.
-        unsafe { result::memcpy_htod_async(s.ptrs[k], bytes, self.copy.cu_stream()) }?;
+        let rows = match &self.augment {
+            Some(a) => a.check(batch)?,
+            None => {
+                self.layout.check_batch(batch)?;
+                batch.len()
+            }
+        };
+        if gather || fill || self.augment.is_some() {
+            // The slot's staged draws and indices are rewritten: its last copy must be
+            // done (it is, unless the slot's consumer released it before its own stream
+            // had waited).
+            s.copied[k].synchronize()?;
+        }
+        // Column by column of the loader's layout, where the batch's raw rows go.
+        let targets = match &self.augment {
+            Some(a) => a.targets(&self.copy, k, s.ptrs[k], &self.layout),
+            None => (0..self.layout.columns().len())
+                .map(|c| s.ptrs[k] + self.layout.offset(c) as u64)
+                .collect(),
+        };
+        let idx = match (&mut self.cache, gather || fill) {
+            // SAFETY: slot k's earlier work is done (above); the slot's indices are used
+            // on the copy stream only.
+            (Some(c), true) => Some(unsafe { c.upload(&self.copy, k, batch.indices()) }?),
+            _ => None,
+        };
+        if let (Some(c), Some(idx), true) = (&self.cache, idx, gather) {
+            c.gather(&self.copy, &targets, idx, rows)?;
+        }
+        match &mut self.augment {
+            // SAFETY: slot k holds `layout.bytes()` bytes, the augmented layout; the
+            // copy stream waits for every release of the slot (above), and its earlier
+            // copies are done; the raw rows were gathered above on the stream; the
+            // batch stays in `in_flight` until this work has completed.
+            Some(a) if gather => {
+                unsafe { a.enqueue_kernel(&self.copy, k, batch, s.ptrs[k], &self.layout) }?
+            }
+            // SAFETY: as above, the raw rows copied by this call.
+            Some(a) => unsafe { a.enqueue(&self.copy, k, batch, s.ptrs[k], &self.layout) }?,
+            None if gather => {}
+            None => {
+                let bytes = batch.as_bytes();
+                // SAFETY: slot k holds `layout.bytes()` bytes, as does the batch's buffer
+                // (its layout is the slots', checked above); the copy stream waits for
+                // every consumer's release of the slot (just above), and the batch stays
+                // in `in_flight` until the copy has completed.
+                unsafe { result::memcpy_htod_async(s.ptrs[k], bytes, self.copy.cu_stream()) }?;
+            }
+        }
         s.copied[k].record(&self.copy)?;
+        // After the event: the consumer need not wait for the scatter, which the next
+        // copy into the slot (on the same stream) comes after.
+        if let (Some(c), Some(idx), true) = (&mut self.cache, idx, fill) {
+            c.fill(&self.copy, &targets, idx, batch.indices())?;
+        }
         Ok(())
     }
 
@@ -390,6 +449,10 @@ impl DeviceSlots {
                     // No host buffer goes back while a copy may still read it.
                     let _ = super::settle(&self.shared.ctx);
                     self.in_flight.clear();
+                    // What the failed copies scattered is not trusted.
+                    if let Some(c) = &mut self.cache {
+                        c.forget();
+                    }
                     let code = e.cuda_code();
                     let message = match e {
                         Error::Cuda { message, .. } => message,

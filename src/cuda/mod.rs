@@ -10,6 +10,7 @@ mod lease;
 pub(crate) mod nvrtc;
 mod pinned;
 mod resident;
+mod slot_cache;
 mod step;
 mod trainer;
 

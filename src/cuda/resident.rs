@@ -219,10 +219,7 @@ impl Feeder {
         r.cache = None;
         let order = loader.order();
         let rows = order.len();
-        let whole = order.shard().world_size() == 1
-            && order.samples() == rows
-            && order.batches() * order.batch_size() >= rows;
-        if loader.augmenter().is_some() || !whole || loader.layout() != &self.layout {
+        if loader.augmenter().is_some() || !order.is_whole() || loader.layout() != &self.layout {
             return Ok(None);
         }
         if r.kernels.is_none() {

@@ -193,6 +193,10 @@ pub struct HostBatch {
     pub(crate) epoch: u64,
     pub(crate) number: u64,
     pub(crate) timing: BatchTiming,
+    /// Whether the batch holds its indices only ([`Loader::epoch_indices`]).
+    ///
+    /// [`Loader::epoch_indices`]: crate::Loader::epoch_indices
+    indices_only: bool,
     /// The thread the epoch delivered it to.
     home: Option<u64>,
 }
@@ -205,6 +209,7 @@ impl HostBatch {
         epoch: u64,
         number: u64,
         timing: BatchTiming,
+        indices_only: bool,
     ) -> HostBatch {
         lease.pool().held.fetch_add(1, Ordering::AcqRel);
         HostBatch {
@@ -214,6 +219,7 @@ impl HostBatch {
             epoch,
             number,
             timing,
+            indices_only,
             home: thread_number(),
         }
     }
@@ -251,6 +257,15 @@ impl HostBatch {
     pub fn indices(&self) -> &[u64] {
         self.touch();
         &self.lease.slot().indices
+    }
+
+    /// Whether the batch holds its [`indices`](HostBatch::indices) only, its columns not
+    /// read: a batch of an epoch started with
+    /// [`Loader::epoch_indices`](crate::Loader::epoch_indices), for a consumer that has
+    /// the rows already (a device cache). Its bytes are then unspecified (what the
+    /// buffer held last).
+    pub fn is_indices_only(&self) -> bool {
+        self.indices_only
     }
 
     /// The layout of the buffer.

@@ -221,6 +221,7 @@ impl<'a> Epoch<'a> {
             self.epoch(),
             done.number,
             timing,
+            self.job.indices_only,
         ))
     }
 }

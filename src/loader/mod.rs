@@ -755,6 +755,23 @@ impl Loader {
     /// [`Error::EpochLeaked`] if an earlier [`Epoch`] was leaked with `mem::forget`
     /// instead of dropped (its buffers are lost; the loader's drop still returns).
     pub fn epoch(&mut self, epoch: u64) -> Result<Epoch<'_>> {
+        self.start(epoch, false)
+    }
+
+    /// Starts epoch `epoch` as [`epoch`](Loader::epoch) does (the same order, resume and
+    /// state), but its batches hold their [`indices`](HostBatch::indices) only: nothing is
+    /// read from the dataset or augmented, and the bytes of each batch are unspecified
+    /// ([`HostBatch::is_indices_only`]). For a consumer that has every row already (the
+    /// device cache of the CUDA slots, which gathers the batches on the GPU): the epoch's
+    /// order, state and resume stay the loader's, at the cost of computing indices.
+    ///
+    /// # Errors
+    /// As [`epoch`](Loader::epoch).
+    pub fn epoch_indices(&mut self, epoch: u64) -> Result<Epoch<'_>> {
+        self.start(epoch, true)
+    }
+
+    fn start(&mut self, epoch: u64, indices_only: bool) -> Result<Epoch<'_>> {
         self.check_last()?;
         let pending = self.pending();
         let (start, from) = match pending {
@@ -773,8 +790,8 @@ impl Loader {
         // the reads they issued at once went missing from the epoch's figure.
         let read_at_start = crate::pagecache::storage_read_bytes();
         let (storage, mut plans) = match self.planner {
-            Some(_) => plan::snapshot(self.dataset.as_ref(), self.budget),
-            None => (Storage::Warm, Vec::new()),
+            Some(_) if !indices_only => plan::snapshot(self.dataset.as_ref(), self.budget),
+            _ => (Storage::Warm, Vec::new()),
         };
         // Direct reads of single rows suit rows scattered over the whole file; a block
         // shuffle's windows are read whole, in runs of its blocks, into extents.
@@ -826,6 +843,7 @@ impl Loader {
                 .and_then(|p| p.handle.as_ref())
                 .map(|h| h.thread().clone()),
             augment: self.augment.clone(),
+            indices_only,
         });
         self.last = Some(Arc::clone(&job));
         for w in &self.workers {

@@ -62,6 +62,9 @@ pub(crate) struct Job {
     pub(crate) planner: Option<std::thread::Thread>,
     /// The augmentation applied to each batch after its gather, if any.
     pub(crate) augment: Option<Arc<Staged>>,
+    /// Whether the batches carry their indices only, nothing read
+    /// ([`Loader::epoch_indices`](crate::Loader::epoch_indices)).
+    pub(crate) indices_only: bool,
 }
 
 /// An augmentation and the layout of the dataset's own columns, which a worker gathers
@@ -139,6 +142,9 @@ impl Job {
         let (bytes, indices) = lease.slot_mut().parts_mut();
         self.order.batch(number, indices);
         let rows = indices.len();
+        if self.indices_only {
+            return Ok(rows);
+        }
         let (mut parts, n) = self.layout.split(bytes, rows);
         let Some(staged) = &self.augment else {
             self.gather(number, indices, &mut parts[..n], local)?;

@@ -316,6 +316,15 @@ impl Order {
         self.batches_of(self.samples())
     }
 
+    /// Whether one epoch on this rank covers every sample of the dataset: one shard, and
+    /// no sample dropped by the shard's tail rule or `drop_last` (what a device cache
+    /// filled by one epoch needs).
+    pub const fn is_whole(&self) -> bool {
+        self.shard.world_size() == 1
+            && self.samples() == self.len
+            && self.batches() * self.batch_size >= self.len
+    }
+
     /// Batches of `samples` samples on this rank (the last one short unless
     /// `drop_last`).
     const fn batches_of(&self, samples: u64) -> u64 {

@@ -984,24 +984,65 @@ pub fn the_trainer_augments_on_the_device_as_the_workers_do(c: Cuda) {
 /// same bytes as the loader's workers do on the CPU: a normalised `float32` column
 /// (channels first) and a `uint8` one (channels last, from the same file), every column
 /// of every batch of two epochs.
-pub fn augmenting_on_the_device_matches_the_workers(c: Cuda) {
-    use cudarc::driver::result;
-    use stokehold::cuda::DeviceSlots;
+/// 150 images of 3 x 20 x 18 bytes (`x.npy`, noise) and their `int64` labels
+/// (`y.npy`, five times the index), in `dir`.
+fn noise_images(dir: &std::path::Path) -> Arc<dyn Dataset> {
     use stokehold::gen::NpyWriter;
-    use stokehold::{Augment, DType};
+    use stokehold::DType;
 
-    let dir = tempfile::tempdir().unwrap();
-    let mut x = NpyWriter::create(dir.path().join("x.npy"), DType::U8, &[150, 3, 20, 18]).unwrap();
+    let mut x = NpyWriter::create(dir.join("x.npy"), DType::U8, &[150, 3, 20, 18]).unwrap();
     for (i, b) in x.data_mut().iter_mut().enumerate() {
         *b = ((i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56) as u8;
     }
     x.finish().unwrap();
-    let mut y = NpyWriter::create(dir.path().join("y.npy"), DType::I64, &[150]).unwrap();
+    let mut y = NpyWriter::create(dir.join("y.npy"), DType::I64, &[150]).unwrap();
     for (i, out) in y.data_mut().chunks_exact_mut(8).enumerate() {
         out.copy_from_slice(&(i as i64 * 5).to_le_bytes());
     }
     y.finish().unwrap();
-    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(dir.path()).unwrap());
+    Arc::new(NpyDataset::open(dir).unwrap())
+}
+
+/// Each column of a lent batch, read back on `stream` after it waited for the copy.
+fn lent_columns(
+    lent: &stokehold::cuda::LentBatch,
+    stream: &cudarc::driver::CudaStream,
+) -> Vec<Vec<u8>> {
+    use cudarc::driver::result;
+
+    lent.wait_on(stream.cu_stream() as usize).unwrap();
+    let columns = lent.layout().columns().iter().enumerate();
+    let back = columns
+        .map(|(k, col)| {
+            let mut back = vec![0u8; lent.len() * col.row_bytes];
+            // SAFETY: column k of the slot holds the batch's rows; `back` as many
+            // bytes, pageable, so the copy is complete when the sync returns.
+            unsafe { result::memcpy_dtoh_async(&mut back, lent.column_ptr(k), stream.cu_stream()) }
+                .unwrap();
+            back
+        })
+        .collect();
+    stream.synchronize().unwrap();
+    back
+}
+
+/// Whether `columns` (a lent batch's, read back) hold the bytes of host batch `want`.
+fn same_rows(columns: &[Vec<u8>], want: &stokehold::HostBatch) -> bool {
+    let layout = want.layout();
+    let bytes = want.as_bytes();
+    columns
+        .iter()
+        .enumerate()
+        .all(|(k, c)| *c == bytes[layout.offset(k)..layout.offset(k) + c.len()])
+}
+
+pub fn augmenting_on_the_device_matches_the_workers(c: Cuda) {
+    use cudarc::driver::result;
+    use stokehold::cuda::DeviceSlots;
+    use stokehold::Augment;
+
+    let dir = tempfile::tempdir().unwrap();
+    let ds = noise_images(dir.path());
     let augments = [
         Augment::new("x", 3)
             .crop(4)
@@ -1035,7 +1076,6 @@ pub fn augmenting_on_the_device_matches_the_workers(c: Cuda) {
             host.layout().columns()
         );
         let consumer = c.ctx.new_stream().unwrap();
-        let offsets: Vec<usize> = (0..2).map(|k| host.layout().offset(k)).collect();
         for epoch in 0..2 {
             let mut want = host.epoch(epoch).unwrap();
             let mut batches = 0;
@@ -1043,28 +1083,11 @@ pub fn augmenting_on_the_device_matches_the_workers(c: Cuda) {
                 let lent = slots.lend(batch.unwrap()).unwrap();
                 let expected = want.next().unwrap().unwrap();
                 assert_eq!(lent.indices(), expected.indices());
-                lent.wait_on(consumer.cu_stream() as usize).unwrap();
-                for (k, col) in lent.layout().columns().iter().enumerate() {
-                    let mut back = vec![0u8; lent.len() * col.row_bytes];
-                    // SAFETY: column k of the slot holds the batch's rows; `back` as many
-                    // bytes, pageable, so the copy is complete when the sync returns.
-                    unsafe {
-                        result::memcpy_dtoh_async(
-                            &mut back,
-                            lent.column_ptr(k),
-                            consumer.cu_stream(),
-                        )
-                    }
-                    .unwrap();
-                    consumer.synchronize().unwrap();
-                    let at = offsets[k];
-                    assert!(
-                        back == expected.as_bytes()[at..at + back.len()],
-                        "epoch {epoch} batch {batches} column {}: the device's augmentation \
-                         differs from the workers'",
-                        col.name
-                    );
-                }
+                assert!(
+                    same_rows(&lent_columns(&lent, &consumer), &expected),
+                    "epoch {epoch} batch {batches}: the device's augmentation differs from \
+                     the workers'"
+                );
                 batches += 1;
             }
             assert!(want.next().is_none());
@@ -1082,5 +1105,124 @@ pub fn augmenting_on_the_device_matches_the_workers(c: Cuda) {
     match DeviceSlots::augmented(&c, raw.layout(), 2, &wrong) {
         Err(e) => assert!(e.to_string().contains("other columns"), "{e}"),
         Ok(_) => panic!("slots for an augmenter of other columns"),
+    }
+}
+
+/// Device slots with a device cache (`DeviceSlots::enable_device_cache`): the batches
+/// lent while it fills are scattered into it, and those of later epochs, from batches of
+/// indices only (`Loader::epoch_indices`), are gathered there, as they are, or augmented
+/// on the device: every column of every batch equals a loader reading the files (and
+/// augmenting in its workers), over four epochs, one resumed in its middle, with a batch
+/// of one epoch held while the next is lent.
+pub fn lent_batches_come_from_the_device_cache_as_the_loader_gives_them(c: Cuda) {
+    use stokehold::cuda::DeviceSlots;
+    use stokehold::{Augment, Shard};
+
+    let dir = tempfile::tempdir().unwrap();
+    let ds = noise_images(dir.path());
+    let consumer = c.ctx.new_stream().unwrap();
+    let build = |b: stokehold::LoaderBuilder| {
+        b.batch_size(32)
+            .shuffle(Shuffle::Full { seed: 3 })
+            .build()
+            .unwrap()
+    };
+    for augment in [None, Some(Augment::new("x", 3).crop(4).flip(true))] {
+        let reference = Loader::builder_shared(Arc::clone(&ds));
+        let mut host = build(match &augment {
+            Some(a) => reference.augment(a.clone()),
+            None => reference,
+        });
+        let mut raw = build(pinned_loader(&c, &ds, 32));
+        let mut slots = match &augment {
+            Some(a) => {
+                let augmenter = a.bind(ds.columns()).unwrap();
+                DeviceSlots::augmented(&c, raw.layout(), 3, &augmenter).unwrap()
+            }
+            None => DeviceSlots::new(&c.ctx, raw.layout(), 3).unwrap(),
+        };
+        // A batch of indices only needs a filled cache: refused, and the slots go on.
+        let early = raw.epoch_indices(0).unwrap().next().unwrap().unwrap();
+        let err = slots.lend(early).unwrap_err();
+        assert!(err.to_string().contains("not filled"), "{err}");
+        let bytes = slots.enable_device_cache(&c, &raw, 0.5).unwrap();
+        assert_eq!(bytes, Some(150 * (3 * 20 * 18 + 8)));
+        let mut held = None;
+        for epoch in 0..4u64 {
+            let mut want = host.epoch(epoch).unwrap();
+            let from = match epoch {
+                // Epoch 3 resumes after its first two batches.
+                3 => {
+                    let state = {
+                        let mut it = raw.epoch_indices(3).unwrap();
+                        it.next().unwrap().unwrap();
+                        it.next().unwrap().unwrap();
+                        it.state()
+                    };
+                    raw.resume(state).unwrap();
+                    want.next().unwrap().unwrap();
+                    want.next().unwrap().unwrap();
+                    2
+                }
+                _ => 0,
+            };
+            let filled = slots.cache_filled();
+            assert_eq!(filled, epoch > 0, "epoch {epoch}");
+            let count = raw.batches();
+            let batches = match filled {
+                true => raw.epoch_indices(epoch).unwrap(),
+                false => raw.epoch(epoch).unwrap(),
+            };
+            let mut n = from;
+            for batch in batches {
+                let batch = batch.unwrap();
+                assert_eq!(batch.is_indices_only(), filled);
+                let lent = slots.lend(batch).unwrap();
+                let expected = want.next().unwrap().unwrap();
+                assert_eq!((lent.number(), lent.indices()), (n, expected.indices()));
+                assert!(
+                    same_rows(&lent_columns(&lent, &consumer), &expected),
+                    "epoch {epoch} batch {n} (augmented: {}): the slot differs from the \
+                     loader's batch",
+                    augment.is_some()
+                );
+                // The cache fills with the first epoch's last batch.
+                let last = n + 1 == count;
+                assert_eq!(
+                    slots.cache_filled(),
+                    filled || last,
+                    "epoch {epoch} batch {n}"
+                );
+                if epoch == 1 && n == 1 {
+                    held = Some((lent, expected));
+                }
+                n += 1;
+            }
+            assert!(want.next().is_none());
+            assert_eq!(n, count);
+            slots.drain().unwrap();
+            if let (2, Some((lent, expected))) = (epoch, held.take()) {
+                // Epoch 1's batch, held while epoch 2's were gathered: as it was.
+                assert!(same_rows(&lent_columns(&lent, &consumer), &expected));
+            }
+        }
+        // Enabled again, the cache starts empty.
+        assert!(slots.enable_device_cache(&c, &raw, 0.5).unwrap().is_some());
+        assert!(!slots.cache_filled());
+        // Where one epoch does not cover every row, or the loader augments, there is none.
+        let sharded = pinned_loader(&c, &ds, 32)
+            .shard(Shard::new(1, 2).unwrap())
+            .build()
+            .unwrap();
+        assert_eq!(slots.enable_device_cache(&c, &sharded, 0.5).unwrap(), None);
+        let dropping = build(pinned_loader(&c, &ds, 32).drop_last(true));
+        assert_eq!(slots.enable_device_cache(&c, &dropping, 0.5).unwrap(), None);
+        let crop = Augment::new("x", 3).crop(2);
+        let augmenting = build(pinned_loader(&c, &ds, 32).augment(crop));
+        assert_eq!(
+            slots.enable_device_cache(&c, &augmenting, 0.5).unwrap(),
+            None
+        );
+        assert!(slots.cache_bytes().is_none());
     }
 }
