@@ -248,3 +248,67 @@ fn a_state_over_the_same_files_opened_otherwise_is_refused() {
         );
     }
 }
+
+#[test]
+fn datasets_say_whether_their_samples_change_each_epoch() {
+    // A device cache keeps the rows one epoch read: a dataset that says its samples
+    // stay must serve the same rows in every epoch, and one that says they change must
+    // serve other rows (the cache refuses it).
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path());
+    let web = dir.path().join("web.bin");
+    let tokens = |w: Windows| -> Arc<dyn Dataset> {
+        Arc::new(TokenDataset::open_bin(&web, DType::U16, SEQ, w).unwrap())
+    };
+    let random = Windows::Random { seed: 1 };
+    let consecutive = Windows::Consecutive;
+    let sets: Vec<(&str, Arc<dyn Dataset>, bool)> = vec![
+        ("random windows", tokens(random), false),
+        ("consecutive windows", tokens(consecutive), true),
+        (
+            "a mix",
+            Arc::new(Mix::new(parts(dir.path()), &[0.5, 0.25, 0.15, 0.1], Some(1000), 3).unwrap()),
+            false,
+        ),
+        (
+            "consecutive parts joined",
+            Arc::new(
+                stokehold::Concat::new(vec![tokens(consecutive), tokens(consecutive)]).unwrap(),
+            ),
+            true,
+        ),
+        (
+            "a random part joined",
+            Arc::new(stokehold::Concat::new(vec![tokens(consecutive), tokens(random)]).unwrap()),
+            false,
+        ),
+        (
+            "a cut of consecutive windows",
+            Arc::new(stokehold::Subset::new(tokens(consecutive), 10..200).unwrap()),
+            true,
+        ),
+        (
+            "a cut of random windows",
+            Arc::new(stokehold::Subset::new(tokens(random), 10..200).unwrap()),
+            false,
+        ),
+    ];
+    for (what, ds, same) in sets {
+        assert_eq!(ds.same_every_epoch(), same, "{what}");
+        // Spread over the whole set, every part of a concatenation included.
+        let indices: Vec<u64> = (0..ds.len())
+            .step_by((ds.len() / 100).max(1) as usize)
+            .collect();
+        let row = ds.columns()[0].row_bytes;
+        let rows = |epoch| {
+            let mut out = vec![0u8; indices.len() * row];
+            ds.gather(epoch, &indices, &mut [&mut out]).unwrap();
+            out
+        };
+        assert_eq!(
+            rows(0) == rows(1),
+            same,
+            "{what}: the rows of epochs 0 and 1"
+        );
+    }
+}

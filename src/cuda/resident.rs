@@ -201,8 +201,10 @@ impl Feeder {
 
     /// Keeps the dataset of `loader` on the device if it fits under `share` of the free
     /// device memory, one epoch covers every row (one shard, no sample dropped by the
-    /// tail rule or `drop_last`), the loader's batches have this feeder's layout, and the
-    /// loader does not augment (its batches differ every epoch;
+    /// tail rule or `drop_last`), its samples are the same every epoch
+    /// ([`Dataset::same_every_epoch`](crate::Dataset::same_every_epoch): not random token
+    /// windows), the loader's batches have this feeder's layout, and the loader does not
+    /// augment (its batches differ every epoch;
     /// [`augment_on_device`](Self::augment_on_device) augments cached batches instead).
     /// Returns the cache's size in bytes, or `None` where it does not apply. The next whole epoch that [`run_epoch`](Self::run_epoch) feeds fills it,
     /// or [`fill_device_cache`](Self::fill_device_cache) does; then
@@ -219,7 +221,11 @@ impl Feeder {
         r.cache = None;
         let order = loader.order();
         let rows = order.len();
-        if loader.augmenter().is_some() || !order.is_whole() || loader.layout() != &self.layout {
+        if loader.augmenter().is_some()
+            || !order.is_whole()
+            || !loader.dataset().same_every_epoch()
+            || loader.layout() != &self.layout
+        {
             return Ok(None);
         }
         if r.kernels.is_none() {

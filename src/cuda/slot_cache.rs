@@ -136,8 +136,10 @@ impl SlotCache {
 impl DeviceSlots {
     /// Keeps the dataset of `loader` on the device, if it fits under `share` of the free
     /// device memory, one epoch covers every row (one shard, no sample dropped by the
-    /// tail rule or `drop_last`), the loader gathers the batches these slots were made
-    /// for, and it does not augment in its workers
+    /// tail rule or `drop_last`), its samples are the same every epoch
+    /// ([`Dataset::same_every_epoch`](crate::Dataset::same_every_epoch): not random token
+    /// windows), the loader gathers the batches these slots were made for, and it does
+    /// not augment in its workers
     /// ([`augmented`](DeviceSlots::augmented) slots augment cached batches). Returns
     /// the cache's size in bytes, or `None` where it does not apply.
     ///
@@ -164,7 +166,10 @@ impl DeviceSlots {
         self.cache = None;
         let order = loader.order();
         let rows = order.len();
-        if loader.augmenter().is_some() || !order.is_whole() || loader.layout() != self.raw_layout()
+        if loader.augmenter().is_some()
+            || !order.is_whole()
+            || !loader.dataset().same_every_epoch()
+            || loader.layout() != self.raw_layout()
         {
             return Ok(None);
         }

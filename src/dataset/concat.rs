@@ -125,6 +125,10 @@ impl Dataset for Concat {
         fold(self.parts.iter().flat_map(|p| [p.len(), p.fingerprint()]))
     }
 
+    fn same_every_epoch(&self) -> bool {
+        self.parts.iter().all(|p| p.same_every_epoch())
+    }
+
     fn len(&self) -> u64 {
         self.ends.last().copied().unwrap_or(0)
     }

@@ -223,6 +223,10 @@ fn apportion(weights: &[f64], total: u64) -> Vec<u64> {
 impl Dataset for Mix {
     /// Covers the parts (as a [`Concat`] of them does), each part's share of an epoch
     /// and the seed of their orders.
+    fn same_every_epoch(&self) -> bool {
+        false
+    }
+
     fn fingerprint(&self) -> u64 {
         fold(
             [self.parts.fingerprint(), self.seed]

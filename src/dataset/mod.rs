@@ -188,6 +188,14 @@ pub trait Dataset: Send + Sync + 'static {
     fn fingerprint(&self) -> u64 {
         0
     }
+
+    /// Whether sample `i` holds the same rows every epoch (the default). Random token
+    /// windows, per-epoch packing of shuffled documents and a mixture's draws are
+    /// datasets whose samples change: a device cache, which keeps the rows one epoch
+    /// read, refuses them.
+    fn same_every_epoch(&self) -> bool {
+        true
+    }
 }
 
 /// Opens `path` for reading if it is a regular file (or a link to one). A FIFO would
@@ -335,5 +343,8 @@ impl<D: Dataset + ?Sized> Dataset for std::sync::Arc<D> {
     }
     fn fingerprint(&self) -> u64 {
         (**self).fingerprint()
+    }
+    fn same_every_epoch(&self) -> bool {
+        (**self).same_every_epoch()
     }
 }

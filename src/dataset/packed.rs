@@ -404,6 +404,10 @@ impl Dataset for Packed {
         fold([kind, seed, self.seq_len as u64, shuffled, shuffle_seed])
     }
 
+    fn same_every_epoch(&self) -> bool {
+        self.windows == Windows::Consecutive && self.shuffled.is_none()
+    }
+
     fn len(&self) -> u64 {
         Windows::count(self.seq_len, self.scan.tokens)
     }

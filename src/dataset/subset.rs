@@ -66,6 +66,10 @@ impl Dataset for Subset {
         fold([self.start, self.inner.len(), self.inner.fingerprint()])
     }
 
+    fn same_every_epoch(&self) -> bool {
+        self.inner.same_every_epoch()
+    }
+
     fn len(&self) -> u64 {
         self.len
     }

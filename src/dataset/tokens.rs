@@ -359,6 +359,10 @@ impl Dataset for TokenDataset {
         fold([kind, seed, self.seq_len as u64])
     }
 
+    fn same_every_epoch(&self) -> bool {
+        self.windows == Windows::Consecutive
+    }
+
     fn len(&self) -> u64 {
         Windows::count(self.seq_len, self.tokens)
     }
