@@ -171,6 +171,8 @@ struct Shape {
     progress: Option<bool>,
     /// The device slots batches are copied into, with `device="cuda"`.
     device: Option<device::Slots>,
+    /// With `device_cache`: the cache's bytes, or why the dataset does not fit.
+    cache: Option<Result<u64, String>>,
     /// The loader's order, to check a resume state before the running epoch is ended.
     order: stokehold::Order,
     /// The process that built the loader: its worker threads live there only.
@@ -674,6 +676,8 @@ struct Options {
     device: Option<String>,
     /// The augmentation of an image column, if any.
     augment: Option<stokehold::Augment>,
+    /// The share of the device's free memory a device cache may take, if one is asked for.
+    device_cache: Option<f64>,
     data: String,
     /// Seconds opening the dataset took.
     open_s: f64,
@@ -696,6 +700,60 @@ fn device_ordinal(device: Option<&str>) -> PyResult<Option<usize>> {
     }
 }
 
+/// Enables the device cache of `slots` for `loader`'s dataset, within `share` of the
+/// device's free memory: its bytes, or why it does not fit (the loader goes on without).
+///
+/// # Errors
+/// `stokehold.Error` where no epoch of the loader could fill a cache (sharded, dropping
+/// a tail, samples that change each epoch), or for a driver or NVRTC error.
+fn enable_cache(
+    slots: &mut stokehold::cuda::DeviceSlots,
+    cuda: &stokehold::cuda::Cuda,
+    loader: &stokehold::Loader,
+    share: f64,
+) -> PyResult<Result<u64, String>> {
+    let order = loader.order();
+    let refused = |why: &str| {
+        Error::new_err(format!(
+            "device_cache: {why}; a device cache needs every sample, the same each epoch"
+        ))
+    };
+    if !order.is_whole() {
+        return Err(refused(&format!(
+            "an epoch of this loader leaves samples out (rank {} of {}, drop_last={})",
+            order.shard().rank(),
+            order.shard().world_size(),
+            loader.batches() * order.batch_size() < order.len()
+        )));
+    }
+    if !loader.dataset().same_every_epoch() {
+        return Err(refused(
+            "this dataset's samples change every epoch (random token windows, a mix)",
+        ));
+    }
+    match slots
+        .enable_device_cache(cuda, loader, share)
+        .map_err(error)?
+    {
+        Some(bytes) => Ok(Ok(bytes)),
+        None => {
+            let rows: u64 = loader
+                .layout()
+                .columns()
+                .iter()
+                .map(|c| c.row_bytes as u64)
+                .sum();
+            let (free, _) = cuda.ctx.mem_get_info().map_err(|e| error(e.into()))?;
+            Ok(Err(format!(
+                "device_cache: the dataset's {:.1} MB do not fit under {share} of the \
+                 device's {:.1} MB free; epochs copy every batch instead",
+                (rows * order.len()) as f64 / 1e6,
+                free as f64 / 1e6
+            )))
+        }
+    }
+}
+
 fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
     let Options {
         batch_size,
@@ -710,6 +768,7 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
         progress,
         device,
         augment,
+        device_cache,
         data,
         open_s,
     } = o;
@@ -722,14 +781,22 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
     // The context's handles bind it as they go, the last ones at the end here on an
     // error: the thread's own context (PyTorch's device) is put back after.
     let _current = device.as_ref().map(|_| stokehold::cuda::KeepCurrent::new());
-    // Augmenting on the device compiles a kernel: NVRTC is needed too, not the driver only.
-    let (ctx, cuda) = match (device_ordinal(device.as_deref())?, &augment) {
+    let ordinal = device_ordinal(device.as_deref())?;
+    if let (Some(_), None) = (device_cache, ordinal) {
+        return Err(Error::new_err(
+            "device_cache keeps the dataset on a CUDA device: it goes with device=\"cuda\"",
+        ));
+    }
+    // Augmenting on the device and the device cache compile kernels: NVRTC is needed
+    // too, not the driver only.
+    let nvrtc = augment.is_some() || device_cache.is_some();
+    let (ctx, cuda) = match (ordinal, nvrtc) {
         (None, _) => (None, None),
-        (Some(n), None) => (
+        (Some(n), false) => (
             Some(stokehold::cuda::probe_driver(n).map_err(named)?.ctx),
             None,
         ),
-        (Some(n), Some(_)) => {
+        (Some(n), true) => {
             let c = stokehold::cuda::probe_device(n).map_err(named)?;
             (Some(Arc::clone(&c.ctx)), Some(c))
         }
@@ -773,6 +840,8 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
     }
     let loader = b.build().map_err(error)?;
     let mut columns = loader.layout().columns().to_vec();
+    // The device cache's size, or why it does not fit.
+    let mut cache = None;
     let device = match (&ctx, &cuda, &augment) {
         (Some(ctx), _, _) => {
             // As many slots as batches the loop may hold, plus the one being copied and
@@ -791,12 +860,16 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
             // Ctrl-C while the loop waits for a slot (a batch kept on another thread):
             // the wait stops every 20 ms for `__next__` to run Python's signal handlers.
             s.interrupt_with(|| true);
+            if let (Some(share), Some(c)) = (device_cache, &cuda) {
+                cache = Some(enable_cache(&mut s, c, &loader, share)?);
+            }
             Some(Arc::new(Mutex::new(s)))
         }
         _ => None,
     };
     let mut report = TrainReport::new("python", data, &loader);
     report.setup = Setup::of_loader(&loader);
+    report.device_cache_bytes = cache.as_ref().and_then(|c| c.as_ref().ok().copied());
     report.setup.dataset_open_s = open_s;
     // The bytes of a sample as the loop gets it (augmented, where the device augments).
     let bytes_per_sample = columns.iter().map(|c| c.row_bytes as u64).sum();
@@ -808,6 +881,7 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
         report,
         progress,
         device,
+        cache,
         order: loader.order().clone(),
         pid: std::process::id(),
     };
@@ -859,7 +933,7 @@ impl Loader {
     /// Builds a loader over `dataset` (from `_Dataset.npy`, `_Dataset.tokens` or
     /// `_Dataset.documents`); `group` sets a grouped shuffle's group.
     #[new]
-    #[pyo3(signature = (dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held, rank, world_size, page_cache_budget, progress, device=None, direct_reads=true, group=None, augment=None))]
+    #[pyo3(signature = (dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held, rank, world_size, page_cache_budget, progress, device=None, direct_reads=true, group=None, augment=None, device_cache=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -879,7 +953,14 @@ impl Loader {
         direct_reads: bool,
         group: Option<u64>,
         augment: Option<augment::Args>,
+        device_cache: Option<f64>,
     ) -> PyResult<Loader> {
+        if device_cache.is_some_and(|s| !(s > 0.0 && s <= 1.0)) {
+            return Err(PyValueError::new_err(format!(
+                "device_cache={}: a share of the device's free memory, in (0, 1]",
+                device_cache.unwrap_or_default()
+            )));
+        }
         let shuffle = match (shuffle_named(shuffle, seed)?, group) {
             (Shuffle::Grouped { seed, .. }, Some(group)) => Shuffle::Grouped { seed, group },
             (_, Some(_)) => {
@@ -900,6 +981,7 @@ impl Loader {
             progress,
             device,
             augment: augment.map(augment::Args::augment),
+            device_cache,
             data: dataset.data.clone(),
             open_s: dataset.open_s,
         };
@@ -907,7 +989,29 @@ impl Loader {
         // Without the GIL: allocating and touching the pool, starting the threads and,
         // for a device, creating its context and compiling kernels take up to seconds,
         // in which the interpreter's other threads (a heartbeat, a watchdog) run on.
-        py.detach(move || build(dataset, options))
+        let loader = py.detach(move || build(dataset, options))?;
+        if let Some(Err(why)) = &loader.shape.cache {
+            let warning = py.get_type::<pyo3::exceptions::PyRuntimeWarning>();
+            PyErr::warn(py, &warning, &std::ffi::CString::new(why.as_str())?, 1)?;
+        }
+        Ok(loader)
+    }
+
+    /// Bytes of the device cache (`device_cache`), or `None` without one.
+    fn device_cache_bytes(&self) -> Option<u64> {
+        self.shape
+            .cache
+            .as_ref()
+            .and_then(|c| c.as_ref().ok().copied())
+    }
+
+    /// Whether the device cache holds every sample: epochs started from now on gather
+    /// their batches there.
+    fn device_cache_filled(&self, py: Python<'_>) -> bool {
+        let Some(slots) = self.shape.device.clone() else {
+            return false;
+        };
+        py.detach(move || lock(&slots).cache_filled())
     }
 
     /// Batches per epoch for this rank.
@@ -932,11 +1036,23 @@ impl Loader {
         let mut turn = slf.control.take(py);
         let loader: *mut stokehold::Loader = slf.idle(py, &mut turn)?;
         let loader = SendPtr(loader);
-        // SAFETY: `idle` emptied the slot, and the turn is held until the epoch is in
-        // it: this is the only borrow of the loader; it is stored in the slot, which
-        // `Drop` empties before freeing the loader, and the epoch object holds a
-        // reference to this object, so the loader outlives every use of the borrow.
-        let started = py.detach(move || unsafe { (*loader.get()).epoch(epoch) });
+        // Once the device cache holds every sample, the epoch's batches carry their
+        // indices only, and the slots gather them on the device.
+        let slots = slf.shape.device.clone();
+        let started = py.detach(move || {
+            let cached = slots.is_some_and(|s| lock(&s).cache_filled());
+            // SAFETY: `idle` emptied the slot, and the turn is held until the epoch is
+            // in it: this is the only borrow of the loader; it is stored in the slot,
+            // which `Drop` empties before freeing the loader, and the epoch object holds
+            // a reference to this object, so the loader outlives every use of the borrow.
+            let loader = unsafe { &mut *loader.get() };
+            let started = match cached {
+                true => loader.epoch_indices(epoch),
+                false => loader.epoch(epoch),
+            };
+            (cached, started)
+        });
+        let (cached, started) = started;
         let mut started: stokehold::Epoch<'static> = started.map_err(error)?;
         // Ctrl-C while the loop waits for a batch: the wait stops every 50 ms for
         // `__next__` to run Python's signal handlers.
@@ -993,6 +1109,7 @@ impl Loader {
             generation,
             number: epoch,
             len,
+            cached,
             columns: columns.into(),
             progress: Mutex::new(progress),
             pid,
@@ -1097,6 +1214,9 @@ struct Epoch {
     generation: u64,
     number: u64,
     len: usize,
+    /// Whether its batches are gathered from the device cache (indices only from the
+    /// loader).
+    cached: bool,
     columns: Arc<[Column]>,
     progress: Mutex<Option<Mutex<EpochProgress>>>,
     /// The process that built the loader (see [`forked`]).
@@ -1365,6 +1485,7 @@ impl Epoch {
         d.set_item("first_batch_s", s.first_batch.map(|d| d.as_secs_f64()))?;
         d.set_item("storage", s.storage.name())?;
         d.set_item("bytes_read", s.bytes_read)?;
+        d.set_item("device_cache", self.cached)?;
         Ok(d)
     }
 

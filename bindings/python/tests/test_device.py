@@ -458,6 +458,86 @@ def test_the_device_augments_as_the_workers_do(emulator: Path) -> None:
     """)
 
 
+def test_the_device_cache_serves_later_epochs_as_the_files_do(emulator: Path) -> None:
+    run_child(emulator, """
+        import json, warnings
+        raw = stokehold.Loader(sys.argv[1], batch_size=100)
+        row = sum(d.itemsize * int(np.prod(s)) for d, s in raw.columns.values())
+        aug = stokehold.Augment("x", crop=2, flip=True, mean=0.3, std=0.2, seed=5)
+        import shutil, tempfile
+        for augment in (None, aug):
+            # The GPU's loader reads a copy of the files, which is overwritten once the
+            # cache is filled: later epochs must still serve the rows as they were.
+            copy = shutil.copytree(sys.argv[1], tempfile.mkdtemp() + "/digits")
+            on_gpu = stokehold.Loader(copy, batch_size=100, seed=3, workers=2,
+                                      device="cuda", augment=augment, device_cache=True)
+            on_cpu = stokehold.Loader(sys.argv[1], batch_size=100, seed=3, workers=2,
+                                      augment=augment)
+            # The raw rows, before the augmentation.
+            assert on_gpu.device_cache_bytes == 1797 * row, on_gpu.device_cache_bytes
+            state = None
+            for epoch in range(4):
+                filled = on_gpu.device_cache_filled
+                assert filled == (epoch > 0), (epoch, filled)
+                mine, want = on_gpu.epoch(epoch), on_cpu.epoch(epoch)
+                if epoch == 3:
+                    # Three batches taken, then a resume from the saved state.
+                    for _ in range(3):
+                        next(mine), next(want)
+                    state = mine.state_dict()
+                    on_gpu.load_state_dict(json.loads(json.dumps(state)))
+                    mine = on_gpu.epoch(3)
+                assert mine.stats()["device_cache"] == filled
+                compared = 0
+                for batch, expected in zip(mine, want):
+                    compared += 1
+                    assert np.array_equal(batch.indices, expected.indices)
+                    for name in ("x", "y"):
+                        capsule = batch[name].__dlpack__(stream=None)
+                        t = tensor(capsule).contents.dl_tensor
+                        e = np.ascontiguousarray(expected[name])
+                        got = device_bytes(t.data, e.nbytes).view(e.dtype).reshape(e.shape)
+                        assert np.array_equal(got, e), f"epoch {epoch}: {name} differs"
+                assert compared == len(mine) == (15 if epoch == 3 else 18), (epoch, compared)
+                assert on_gpu.device_cache_filled
+                if epoch == 0:
+                    x = np.load(copy + "/x.npy", mmap_mode="r+")
+                    x[:] = 255
+                    x.flush()
+                    del x
+            assert on_gpu.state_dict()["epoch"] == 4
+        # What cannot have a cache is refused, naming why; what does not fit runs
+        # without one, saying so.
+        raises(lambda: stokehold.Loader(sys.argv[1], device_cache=True), 'device="cuda"')
+        raises(lambda: stokehold.Loader(sys.argv[1], device="cuda", device_cache=True,
+                                        rank=0, world_size=2), "rank 0 of 2")
+        raises(lambda: stokehold.Loader(sys.argv[1], batch_size=100, drop_last=True,
+                                        device="cuda", device_cache=True), "drop_last")
+        tokens = tempfile.mkdtemp() + "/tokens.bin"
+        np.arange(5000, dtype=np.uint16).tofile(tokens)
+        raises(lambda: stokehold.TokenLoader(tokens, seq_len=16, device="cuda",
+                                             device_cache=True), "change every epoch")
+        same = stokehold.TokenLoader(tokens, seq_len=16, windows="consecutive",
+                                     device="cuda", device_cache=True)
+        windows = sum(len(b) for b in same.epoch(0))
+        assert same.device_cache_bytes == windows * 17 * 2, (same.device_cache_bytes, windows)
+        for bad in (0, 1.5, -1):
+            try:
+                stokehold.Loader(sys.argv[1], device="cuda", device_cache=bad)
+            except ValueError as e:
+                assert "share" in str(e), e
+            else:
+                raise AssertionError(f"device_cache={bad} accepted")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            small = stokehold.Loader(sys.argv[1], device="cuda", device_cache=1e-12)
+        assert small.device_cache_bytes is None
+        assert any("do not fit" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        assert sum(len(b) for b in small.epoch(0)) == 1797
+        print("child passed")
+    """)
+
+
 def test_device_cuda_without_a_driver_says_why() -> None:
     # This process has no emulator on its path: where no real driver is either, the
     # loader refuses with the reason (where one is, it builds).

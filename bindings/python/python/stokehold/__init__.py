@@ -277,6 +277,17 @@ class Loader:
 
     ``augment`` (an ``Augment``) crops, flips and normalises an image column.
 
+    ``device_cache=True`` (with ``device="cuda"``) keeps the dataset on the GPU, within
+    half its free memory (a float in (0, 1] sets another share): the batches of the
+    epochs that fill it are scattered there as they are copied, raw (before
+    ``augment``), and once every sample is there each later epoch gathers its batches
+    on the GPU, augmented there, with no host gathering and no copy but the indices.
+    Order, ``state_dict`` and resume are the same. A dataset too large for its share
+    runs without (a ``RuntimeWarning`` says so); a loader whose epochs leave samples
+    out (``rank``/``world_size``, ``drop_last``) or change them (random token windows)
+    raises ``stokehold.Error``. ``device_cache_bytes`` and ``Epoch.stats()["device_cache"]``
+    say what it does.
+
     Raises ``stokehold.Error`` naming the file and the problem for bad input.
     """
 
@@ -298,6 +309,7 @@ class Loader:
         device: Optional[str] = None,
         direct_reads: bool = True,
         augment: Optional[Augment] = None,
+        device_cache: Union[bool, float] = False,
     ):
         cols = None if columns is None else [str(c) for c in columns]
         if augment is not None and not isinstance(augment, Augment):
@@ -306,15 +318,18 @@ class Loader:
         self._build(
             dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
             rank, world_size, page_cache_budget, progress, device,
-            direct_reads=direct_reads, augment=augment,
+            direct_reads=direct_reads, augment=augment, device_cache=device_cache,
         )
 
     def _build(self, dataset: Any, *options: Any, direct_reads: bool = True,
-               group: Optional[int] = None, augment: Optional[Augment] = None) -> None:
+               group: Optional[int] = None, augment: Optional[Augment] = None,
+               device_cache: Union[bool, float] = False) -> None:
         self._dataset = dataset
         args = None if augment is None else augment._args()
+        share = _cache_share(device_cache)
         self._start = lambda: _stokehold._Loader(
-            dataset, *options, direct_reads=direct_reads, group=group, augment=args)
+            dataset, *options, direct_reads=direct_reads, group=group, augment=args,
+            device_cache=share)
         self._running: Any = self._start()
         self._used = False
         self._next = 0
@@ -347,6 +362,18 @@ class Loader:
     def columns(self) -> Dict[str, Tuple[np.dtype, Tuple[int, ...]]]:
         """Column name -> (dtype, shape of one sample)."""
         return dict(self._columns)
+
+    @property
+    def device_cache_bytes(self) -> Optional[int]:
+        """Bytes of GPU memory the device cache takes (``device_cache``), or ``None``
+        without one."""
+        return self._raw.device_cache_bytes()
+
+    @property
+    def device_cache_filled(self) -> bool:
+        """Whether the device cache holds every sample: epochs started from now on
+        gather their batches on the GPU."""
+        return self._raw.device_cache_filled()
 
     def epoch(self, epoch: int) -> Epoch:
         """The batches of ``epoch``, in order: a pure function of the seed, the epoch
@@ -427,7 +454,8 @@ class TokenLoader(Loader):
     targets), the column ``"tokens"``. ``windows="random"`` starts each window at a
     random offset per epoch (from ``seed``); ``"consecutive"`` cuts the stream in order.
     The token type of an llm.c file, a ``.npy`` or a LitData set is the file's own
-    (``dtype``, if given, must agree)."""
+    (``dtype``, if given, must agree). ``device_cache`` is as for ``Loader``, with
+    ``windows="consecutive"`` (random windows change every epoch)."""
 
     def __init__(
         self,
@@ -448,14 +476,27 @@ class TokenLoader(Loader):
         progress: Optional[bool] = None,
         device: Optional[str] = None,
         direct_reads: bool = True,
+        device_cache: Union[bool, float] = False,
     ):
         dataset = _stokehold._Dataset.tokens(str(path), seq_len, windows, seed, dtype)
         self._build(
             dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
             rank, world_size, page_cache_budget, progress, device,
-            direct_reads=direct_reads,
+            direct_reads=direct_reads, device_cache=device_cache,
         )
 
+
+
+def _cache_share(device_cache: Union[bool, float, None]) -> Optional[float]:
+    """The share of the GPU's free memory ``device_cache`` asks for: ``None`` for no
+    cache, half for ``True``."""
+    if device_cache is None or device_cache is False:
+        return None
+    if device_cache is True:
+        return 0.5
+    if not isinstance(device_cache, (int, float)):
+        raise TypeError(f"device_cache is a bool or a float, not {type(device_cache).__name__}")
+    return float(device_cache)
 
 
 def _document_paths(path: Union[PathLike, Sequence[PathLike]]) -> List[str]:
