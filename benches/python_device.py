@@ -4,6 +4,9 @@ bytes are used on the device and nothing else limits the rate):
 
 - ``stokehold_device``: ``Loader(device="cuda")``, the batch gathered into pinned memory
   by the workers, copied on stokehold's own stream, and handed to torch through DLPack;
+- ``stokehold_device_cache``: ``Loader(device="cuda", device_cache=True)`` after the
+  epoch that fills the cache: each batch gathered on the GPU from the device copy of the
+  dataset (no host gathering, no copy but the indices);
 - ``stokehold_host``: the host loader, each batch then copied by torch
   (``torch.from_dlpack(b["x"]).to("cuda", non_blocking=True)``);
 - ``torch_pinned``: PyTorch's DataLoader (2 worker processes, ``pin_memory=True``), then
@@ -13,6 +16,8 @@ and, with a random crop (padding 4), a flip and a normalisation to ``float32``:
 
 - ``stokehold_device_augment``: ``device="cuda", augment=``: the raw bytes copied, the
   GPU augments them;
+- ``stokehold_device_cache_augment``: the same, from the device cache (the raw images
+  gathered there, then augmented);
 - ``stokehold_host_augment``: ``augment=`` on the host loader (the workers augment),
   then four times the bytes copied by torch;
 - ``torch_gpu_augment``: PyTorch's DataLoader with pinned memory, the ``uint8`` batch
@@ -90,8 +95,20 @@ def main() -> None:
     def copy(x):
         return x.to(dev, non_blocking=True)
 
+    def cached(**kw):
+        """A loader with a device cache, filled by a whole epoch 0."""
+        loader = stokehold.Loader(root, device=device, device_cache=True, **kw, **common)
+        assert loader.device_cache_bytes, "the dataset does not fit the device cache"
+        for _ in loader.epoch(0):
+            pass
+        assert loader.device_cache_filled
+        return loader
+
     results = {}
     results["stokehold_device"] = stoke(stokehold.Loader(root, device=device, **common), lambda x: x)
+    if on_gpu:
+        results["stokehold_device_cache"] = stoke(cached(), lambda x: x)
+        results["stokehold_device_cache_augment"] = stoke(cached(augment=aug), lambda x: x)
     results["stokehold_host"] = stoke(stokehold.Loader(root, **common), copy)
     results["stokehold_device_augment"] = stoke(
         stokehold.Loader(root, device=device, augment=aug, **common), lambda x: x)
@@ -117,6 +134,10 @@ def main() -> None:
             rate["stokehold_device_augment"] / rate["torch_gpu_augment"],
         "device_augment_vs_device": rate["stokehold_device_augment"] / rate["stokehold_device"],
     }
+    if on_gpu:
+        out["device_cache_vs_device"] = rate["stokehold_device_cache"] / rate["stokehold_device"]
+        out["device_cache_augment_vs_device_augment"] = (
+            rate["stokehold_device_cache_augment"] / rate["stokehold_device_augment"])
     emit(out, args)
 
 
