@@ -75,7 +75,9 @@ fn copy_unit(row_bytes: usize) -> usize {
 
 impl DeviceCache {
     /// A cache for `rows` samples of `layout`'s columns and epochs of up to `samples`
-    /// indices, if its size fits under `share` of the device's free memory.
+    /// indices, if its size fits under `share` of the device's free memory. `samples`
+    /// 0: a cache that is only scattered into and gathered from at addresses given
+    /// (the device slots'), with no index list or batch buffer of its own.
     ///
     /// # Errors
     /// [`Error::Cuda`] if an allocation fails after the size check.
@@ -108,7 +110,7 @@ impl DeviceCache {
             columns,
             idx: stream.alloc_zeros::<u64>(n)?,
             host_idx,
-            batch: stream.alloc_zeros::<u8>(layout.bytes())?,
+            batch: stream.alloc_zeros::<u8>(if samples > 0 { layout.bytes() } else { 1 })?,
             layout: layout.clone(),
             rows,
             filled: false,

@@ -259,6 +259,11 @@ impl DeviceSlots {
             .map_or(&*self.layout, DeviceAugment::raw)
     }
 
+    /// The context the slots live in.
+    pub(super) fn context(&self) -> &Arc<CudaContext> {
+        &self.shared.ctx
+    }
+
     /// The slots.
     pub fn slots(&self) -> usize {
         self.shared.memory.len()
@@ -278,7 +283,10 @@ impl DeviceSlots {
     /// of the slots ever having been used on another thread (waiting would never end);
     /// [`Error::CopyFailed`] when an earlier batch's copy failed, naming it or a batch
     /// before it (the copies in flight are then waited for and let go: the next lend
-    /// starts afresh; see the error); [`Error::Cuda`] on a driver error. On an error the batch goes back to its pool, but its epoch has
+    /// starts afresh; see the error); [`Error::Config`] for a batch of another layout,
+    /// or of indices only while the device cache is not filled
+    /// ([`enable_device_cache`](DeviceSlots::enable_device_cache)), or with a sample
+    /// past the cached rows; [`Error::Cuda`] on a driver error. On an error the batch goes back to its pool, but its epoch has
     /// counted it: a loop that goes on (or saves a checkpoint) resumes its loader from
     /// the epoch's [`state`](crate::Epoch::state) taken before the batch (Python's
     /// loader does so itself). A slot [`reserve`](DeviceSlots::reserve)d before the
@@ -341,8 +349,8 @@ impl DeviceSlots {
 
     /// Makes the copy stream wait for slot `k`'s release and enqueues the copy of
     /// `batch` into it (or, for a batch of indices only, its gather from the device
-    /// cache), its augmentation, then the slot's `copied` event; then, while the cache
-    /// is being filled, the scatter of the batch's raw rows into it.
+    /// cache), its augmentation, and, while the cache is being filled, the scatter of the
+    /// batch's raw rows into it; then the slot's `copied` event.
     fn enqueue_copy(&mut self, k: usize, batch: &HostBatch) -> Result<()> {
         let s = &*self.shared;
         s.ctx.bind_to_thread()?;
@@ -359,8 +367,9 @@ impl DeviceSlots {
         let fill = !gather && self.cache.as_ref().is_some_and(|c| !c.filled());
         if gather && !self.cache.as_ref().is_some_and(SlotCache::filled) {
             return Err(Error::Config(
-                "a batch of indices only (Loader::epoch_indices) was lent to device slots \
-                 whose device cache is not filled"
+                "a batch of indices only (Loader::epoch_indices) needs the device slots' \
+                 cache filled, and it is not (never filled, or emptied after a failed copy): \
+                 take the epoch from Loader::epoch, which fills it"
                     .into(),
             ));
         }
@@ -413,12 +422,12 @@ impl DeviceSlots {
                 unsafe { result::memcpy_htod_async(s.ptrs[k], bytes, self.copy.cu_stream()) }?;
             }
         }
-        s.copied[k].record(&self.copy)?;
-        // After the event: the consumer need not wait for the scatter, which the next
-        // copy into the slot (on the same stream) comes after.
+        // Before the event: a consumer may write to the batch in place (its arrays are
+        // writeable), and the cache must keep the rows as the loader gave them.
         if let (Some(c), Some(idx), true) = (&mut self.cache, idx, fill) {
             c.fill(&self.copy, &targets, idx, batch.indices())?;
         }
+        s.copied[k].record(&self.copy)?;
         Ok(())
     }
 
@@ -551,7 +560,13 @@ impl DeviceSlots {
     pub fn drain(&mut self) -> Result<()> {
         let _current = KeepCurrent::new();
         self.retire(0)?;
-        self.copy.synchronize()?;
+        if let Err(e) = self.copy.synchronize() {
+            // A scatter into the device cache may be what failed.
+            if let Some(c) = &mut self.cache {
+                c.forget();
+            }
+            return Err(e.into());
+        }
         Ok(())
     }
 }

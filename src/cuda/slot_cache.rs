@@ -45,11 +45,12 @@ impl SlotCache {
     /// part of the index buffer; returns its device address.
     ///
     /// # Errors
-    /// [`Error::Config`] for more indices than a batch holds; [`Error::Cuda`] on a
-    /// driver error.
+    /// [`Error::Config`] for more indices than a batch holds, or a sample past the
+    /// cached rows (a batch of another loader: the kernels would reach outside the
+    /// cache); [`Error::Cuda`] on a driver error.
     ///
     /// # Safety
-    /// Slot `k`'s earlier work on the stream has completed (its page-locked indices are
+    /// Slot `k`'s earlier index upload has completed (its page-locked indices are
     /// rewritten here), and the stream is the one every use of the slot's indices is
     /// enqueued on.
     pub(super) unsafe fn upload(
@@ -63,6 +64,13 @@ impl SlotCache {
             return Err(Error::Config(format!(
                 "device cache: a batch of {} samples, for slots of {b}",
                 indices.len()
+            )));
+        }
+        let rows = self.cache.rows();
+        if let Some(i) = indices.iter().find(|&&i| i >= rows) {
+            return Err(Error::Config(format!(
+                "device cache: sample {i} of a batch lent to slots caching {rows} rows \
+                 (a batch of another loader than the cache's)"
             )));
         }
         let cap = self.host_idx.len() / 8;
@@ -152,8 +160,11 @@ impl DeviceSlots {
     /// A cache enabled again starts empty.
     ///
     /// # Errors
-    /// [`Error::Cuda`] if a device allocation fails, or for the kernels' compilation
-    /// (NVRTC's log) the first time; [`Error::Alloc`] for the page-locked indices.
+    /// [`Error::Config`] for `cuda` of another context than the slots';
+    /// [`Error::CopyFailed`] from the copies still in flight ([`drain`](Self::drain),
+    /// called first); [`Error::Cuda`] if a device allocation fails, or for the kernels'
+    /// compilation (NVRTC's log) the first time; [`Error::Alloc`] for the page-locked
+    /// indices.
     pub fn enable_device_cache(
         &mut self,
         cuda: &Cuda,
@@ -161,6 +172,11 @@ impl DeviceSlots {
         share: f64,
     ) -> Result<Option<u64>> {
         let _current = super::KeepCurrent::new();
+        if cuda.ctx.cu_ctx() != self.context().cu_ctx() {
+            return Err(Error::Config(
+                "enable_device_cache: a CUDA context other than the device slots'".into(),
+            ));
+        }
         // Copies in flight may still scatter into the cache this replaces.
         self.drain()?;
         self.cache = None;

@@ -984,18 +984,18 @@ pub fn the_trainer_augments_on_the_device_as_the_workers_do(c: Cuda) {
 /// same bytes as the loader's workers do on the CPU: a normalised `float32` column
 /// (channels first) and a `uint8` one (channels last, from the same file), every column
 /// of every batch of two epochs.
-/// 150 images of 3 x 20 x 18 bytes (`x.npy`, noise) and their `int64` labels
+/// `n` images of 3 x 20 x 18 bytes (`x.npy`, noise) and their `int64` labels
 /// (`y.npy`, five times the index), in `dir`.
-fn noise_images(dir: &std::path::Path) -> Arc<dyn Dataset> {
+fn noise_images(dir: &std::path::Path, n: u64) -> Arc<dyn Dataset> {
     use stokehold::gen::NpyWriter;
     use stokehold::DType;
 
-    let mut x = NpyWriter::create(dir.join("x.npy"), DType::U8, &[150, 3, 20, 18]).unwrap();
+    let mut x = NpyWriter::create(dir.join("x.npy"), DType::U8, &[n, 3, 20, 18]).unwrap();
     for (i, b) in x.data_mut().iter_mut().enumerate() {
         *b = ((i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56) as u8;
     }
     x.finish().unwrap();
-    let mut y = NpyWriter::create(dir.join("y.npy"), DType::I64, &[150]).unwrap();
+    let mut y = NpyWriter::create(dir.join("y.npy"), DType::I64, &[n]).unwrap();
     for (i, out) in y.data_mut().chunks_exact_mut(8).enumerate() {
         out.copy_from_slice(&(i as i64 * 5).to_le_bytes());
     }
@@ -1042,7 +1042,7 @@ pub fn augmenting_on_the_device_matches_the_workers(c: Cuda) {
     use stokehold::Augment;
 
     let dir = tempfile::tempdir().unwrap();
-    let ds = noise_images(dir.path());
+    let ds = noise_images(dir.path(), 150);
     let augments = [
         Augment::new("x", 3)
             .crop(4)
@@ -1113,13 +1113,17 @@ pub fn augmenting_on_the_device_matches_the_workers(c: Cuda) {
 /// indices only (`Loader::epoch_indices`), are gathered there, as they are, or augmented
 /// on the device: every column of every batch equals a loader reading the files (and
 /// augmenting in its workers), over four epochs, one resumed in its middle, with a batch
-/// of one epoch held while the next is lent.
+/// of one epoch held while the next is lent, and every batch of the filling epoch
+/// overwritten by its consumer at once (the cache keeps the rows the loader gave).
 pub fn lent_batches_come_from_the_device_cache_as_the_loader_gives_them(c: Cuda) {
+    use cudarc::driver::result;
     use stokehold::cuda::DeviceSlots;
     use stokehold::{Augment, Shard};
 
     let dir = tempfile::tempdir().unwrap();
-    let ds = noise_images(dir.path());
+    let ds = noise_images(dir.path(), 150);
+    let larger = tempfile::tempdir().unwrap();
+    let other = noise_images(larger.path(), 300);
     let consumer = c.ctx.new_stream().unwrap();
     let build = |b: stokehold::LoaderBuilder| {
         b.batch_size(32)
@@ -1144,9 +1148,18 @@ pub fn lent_batches_come_from_the_device_cache_as_the_loader_gives_them(c: Cuda)
         // A batch of indices only needs a filled cache: refused, and the slots go on.
         let early = raw.epoch_indices(0).unwrap().next().unwrap().unwrap();
         let err = slots.lend(early).unwrap_err();
-        assert!(err.to_string().contains("not filled"), "{err}");
+        assert!(
+            err.to_string().contains("cache filled, and it is not"),
+            "{err}"
+        );
         let bytes = slots.enable_device_cache(&c, &raw, 0.5).unwrap();
         assert_eq!(bytes, Some(150 * (3 * 20 * 18 + 8)));
+        // A batch of another loader, whose samples reach past the cached rows: refused
+        // before the kernels would write outside the cache.
+        let mut wider = build(pinned_loader(&c, &other, 32).shuffle(Shuffle::None));
+        let last = wider.epoch(0).unwrap().nth(8).unwrap().unwrap();
+        let err = slots.lend(last).unwrap_err();
+        assert!(err.to_string().contains("another loader"), "{err}");
         let mut held = None;
         for epoch in 0..4u64 {
             let mut want = host.epoch(epoch).unwrap();
@@ -1180,12 +1193,27 @@ pub fn lent_batches_come_from_the_device_cache_as_the_loader_gives_them(c: Cuda)
                 let lent = slots.lend(batch).unwrap();
                 let expected = want.next().unwrap().unwrap();
                 assert_eq!((lent.number(), lent.indices()), (n, expected.indices()));
-                assert!(
-                    same_rows(&lent_columns(&lent, &consumer), &expected),
-                    "epoch {epoch} batch {n} (augmented: {}): the slot differs from the \
-                     loader's batch",
-                    augment.is_some()
-                );
+                if filled {
+                    assert!(
+                        same_rows(&lent_columns(&lent, &consumer), &expected),
+                        "epoch {epoch} batch {n} (augmented: {}): the slot differs from the \
+                         loader's batch",
+                        augment.is_some()
+                    );
+                } else {
+                    // The consumer writes to the batch in place (its arrays are
+                    // writeable) as soon as its copy is done: the rows scattered into the
+                    // cache must not see it (the later epochs, from the cache, show it).
+                    let cu = consumer.cu_stream();
+                    lent.wait_on(cu as usize).unwrap();
+                    for k in 0..lent.layout().columns().len() {
+                        let len = lent.len() * lent.layout().columns()[k].row_bytes;
+                        // SAFETY: column k of the slot holds `len` bytes, lent to this
+                        // consumer, whose stream waited for the copy.
+                        unsafe { result::memset_d8_async(lent.column_ptr(k), 0xa5, len, cu) }
+                            .unwrap();
+                    }
+                }
                 // The cache fills with the first epoch's last batch.
                 let last = n + 1 == count;
                 assert_eq!(

@@ -1471,7 +1471,7 @@ impl Epoch {
     }
 
     /// The epoch's figures so far, as a dict: batches, samples, gather_s, waited_s,
-    /// stalls, first_batch_s, storage, bytes_read.
+    /// stalls, first_batch_s, storage, bytes_read, device_cache.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let Some(s) = self.loader_stats(py) else {
             return Err(Error::new_err("this epoch was ended"));
