@@ -590,3 +590,24 @@ def test_torch_reads_augmented_device_batches_on_a_gpu() -> None:
         assert x.is_cuda and x.dtype == torch.float32 and x.shape == (len(batch), 8, 8)
         assert torch.equal(x.cpu(), torch.from_numpy(want["x"].copy()))
         del x, batch
+
+
+def test_torch_reads_device_cached_batches_on_a_gpu() -> None:
+    torch = torch_on_a_gpu()
+    aug = stokehold.Augment("x", crop=2, flip=True, mean=0.3, std=0.2, seed=1)
+    on_gpu = stokehold.Loader(DIGITS, batch_size=100, seed=1, device="cuda", augment=aug,
+                              device_cache=True)
+    on_cpu = stokehold.Loader(DIGITS, batch_size=100, seed=1, augment=aug)
+    for epoch in range(3):
+        mine = on_gpu.epoch(epoch)
+        assert mine.stats()["device_cache"] == (epoch > 0)
+        for batch, want in zip(mine, on_cpu.epoch(epoch)):
+            for name in ("x", "y"):
+                t = torch.from_dlpack(batch[name])
+                assert t.is_cuda
+                assert torch.equal(t.cpu(), torch.from_numpy(want[name].copy())), (epoch, name)
+                # The consumer writes in place: the cache keeps the rows as they were.
+                t.zero_()
+                del t
+            del batch
+        assert on_gpu.device_cache_filled
