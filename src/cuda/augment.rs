@@ -216,40 +216,33 @@ impl DeviceAugment {
             .collect()
     }
 
-    /// Enqueues on `stream` the copies of `batch` into slot `k` (its device memory at
-    /// `slot`, laid out as `out`): every other column straight to its place, the raw
-    /// images and the draws to the slot's own buffers; then the kernel that augments
-    /// the images into their place.
+    /// Enqueues on `stream` the copies of `batch`'s raw rows to `targets` (from
+    /// [`targets`](Self::targets)): every other column straight to its place in the
+    /// slot, the images to the slot's own buffer, for
+    /// [`enqueue_kernel`](Self::enqueue_kernel) to augment.
     ///
     /// # Errors
-    /// [`Error::Config`] for a batch of another layout than the slots were made for;
     /// [`Error::Cuda`] on a driver error.
     ///
     /// # Safety
-    /// `slot` is a device allocation of `out.bytes()` bytes that nothing else uses until
-    /// `stream` has run this work; slot `k`'s earlier copies have completed (its staged
-    /// draws are rewritten here); `batch` stays alive until they have.
-    pub(crate) unsafe fn enqueue(
-        &mut self,
+    /// `batch` passed [`check`](Self::check); each target holds its column's rows and
+    /// nothing else uses it until `stream` has run this work; `batch` stays alive until
+    /// then.
+    pub(crate) unsafe fn copy_raw(
+        &self,
         stream: &CudaStream,
-        k: usize,
         batch: &HostBatch,
-        slot: u64,
-        out: &BatchLayout,
+        targets: &[u64],
     ) -> Result<()> {
-        let rows = self.check(batch)?;
         let bytes = batch.as_bytes();
-        let cu = stream.cu_stream();
-        let targets = self.targets(stream, k, slot, out);
         for (j, col) in self.raw.columns().iter().enumerate() {
-            let from = &bytes[self.raw.offset(j)..][..col.row_bytes * rows];
-            // SAFETY: `targets[j]` holds `rows` rows of this column (the slot by the
-            // caller's contract, the images buffer as allocated for a full batch); the
-            // batch outlives the copy (the caller's contract).
-            unsafe { result::memcpy_htod_async(targets[j], from, cu) }?;
+            let from = &bytes[self.raw.offset(j)..][..col.row_bytes * batch.len()];
+            // SAFETY: `targets[j]` holds `rows` rows of this column (the slot's column,
+            // or the images buffer allocated for a full batch, by the caller's
+            // contract); the batch outlives the copy (the caller's contract).
+            unsafe { result::memcpy_htod_async(targets[j], from, stream.cu_stream()) }?;
         }
-        // SAFETY: the raw rows are enqueued above; the rest is the caller's contract.
-        unsafe { self.enqueue_kernel(stream, k, batch, slot, out) }
+        Ok(())
     }
 
     /// The rows of `batch`, checked against the loader's layout the slots were made for.
@@ -276,7 +269,10 @@ impl DeviceAugment {
     /// [`Error::Cuda`] on a driver error.
     ///
     /// # Safety
-    /// As [`enqueue`](Self::enqueue); the raw rows are enqueued on `stream` before.
+    /// `slot` is a device allocation of `out.bytes()` bytes that nothing else uses until
+    /// `stream` has run this work; slot `k`'s earlier copies have completed (its staged
+    /// draws are rewritten here); its raw rows are enqueued on `stream` before
+    /// ([`copy_raw`](Self::copy_raw), or a gather from a device cache).
     pub(crate) unsafe fn enqueue_kernel(
         &mut self,
         stream: &CudaStream,

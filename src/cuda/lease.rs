@@ -386,12 +386,14 @@ impl DeviceSlots {
             // had waited).
             s.copied[k].synchronize()?;
         }
-        // Column by column of the loader's layout, where the batch's raw rows go.
+        // Column by column of the loader's layout, where the batch's raw rows go (a plain
+        // copy, neither cached nor augmented, moves the whole buffer at once).
         let targets = match &self.augment {
             Some(a) => a.targets(&self.copy, k, s.ptrs[k], &self.layout),
-            None => (0..self.layout.columns().len())
+            None if gather || fill => (0..self.layout.columns().len())
                 .map(|c| s.ptrs[k] + self.layout.offset(c) as u64)
                 .collect(),
+            None => Vec::new(),
         };
         let idx = match (&mut self.cache, gather || fill) {
             // SAFETY: slot k's earlier work is done (above); the slot's indices are used
@@ -399,21 +401,16 @@ impl DeviceSlots {
             (Some(c), true) => Some(unsafe { c.upload(&self.copy, k, batch.indices()) }?),
             _ => None,
         };
-        if let (Some(c), Some(idx), true) = (&self.cache, idx, gather) {
-            c.gather(&self.copy, &targets, idx, rows)?;
-        }
-        match &mut self.augment {
-            // SAFETY: slot k holds `layout.bytes()` bytes, the augmented layout; the
-            // copy stream waits for every release of the slot (above), and its earlier
-            // copies are done; the raw rows were gathered above on the stream; the
-            // batch stays in `in_flight` until this work has completed.
-            Some(a) if gather => {
-                unsafe { a.enqueue_kernel(&self.copy, k, batch, s.ptrs[k], &self.layout) }?
-            }
-            // SAFETY: as above, the raw rows copied by this call.
-            Some(a) => unsafe { a.enqueue(&self.copy, k, batch, s.ptrs[k], &self.layout) }?,
-            None if gather => {}
-            None => {
+        // The batch's raw rows in place: gathered from the cache, or copied (column by
+        // column where the device augments, the images to the slot's own buffer).
+        match (&self.cache, idx, &self.augment) {
+            (Some(c), Some(idx), _) if gather => c.gather(&self.copy, &targets, idx, rows)?,
+            // SAFETY: the batch passed the augmentation's check (above); each target
+            // holds its column's rows, this lend's until the stream has run it (the
+            // copy stream waits for every release of the slot, above); the batch stays
+            // in `in_flight` until the copy has completed.
+            (_, _, Some(a)) => unsafe { a.copy_raw(&self.copy, batch, &targets) }?,
+            (_, _, None) => {
                 let bytes = batch.as_bytes();
                 // SAFETY: slot k holds `layout.bytes()` bytes, as does the batch's buffer
                 // (its layout is the slots', checked above); the copy stream waits for
@@ -421,6 +418,13 @@ impl DeviceSlots {
                 // in `in_flight` until the copy has completed.
                 unsafe { result::memcpy_htod_async(s.ptrs[k], bytes, self.copy.cu_stream()) }?;
             }
+        }
+        if let Some(a) = &mut self.augment {
+            // SAFETY: slot k holds `layout.bytes()` bytes, the augmented layout; the copy
+            // stream waits for every release of the slot (above), and its earlier copies
+            // are done; its raw rows are enqueued just above; the batch stays in
+            // `in_flight` until this work has completed.
+            unsafe { a.enqueue_kernel(&self.copy, k, batch, s.ptrs[k], &self.layout) }?;
         }
         // Before the event: a consumer may write to the batch in place (its arrays are
         // writeable), and the cache must keep the rows as the loader gave them.
