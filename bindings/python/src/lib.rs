@@ -171,8 +171,9 @@ struct Shape {
     progress: Option<bool>,
     /// The device slots batches are copied into, with `device="cuda"`.
     device: Option<device::Slots>,
-    /// With `device_cache`: the cache's bytes, or why the dataset does not fit.
-    cache: Option<Result<u64, String>>,
+    /// With `device_cache`, why the dataset does not fit (the cache's bytes are the
+    /// report's `device_cache_bytes`).
+    cache_refused: Option<String>,
     /// The loader's order, to check a resume state before the running epoch is ended.
     order: stokehold::Order,
     /// The process that built the loader: its worker threads live there only.
@@ -737,7 +738,7 @@ fn enable_cache(
     {
         Some(bytes) => Ok(Ok(bytes)),
         None => {
-            let rows: u64 = loader
+            let row_bytes: u64 = loader
                 .layout()
                 .columns()
                 .iter()
@@ -747,7 +748,7 @@ fn enable_cache(
             Ok(Err(format!(
                 "device_cache: the dataset's {:.1} MB do not fit under {share} of the \
                  device's {:.1} MB free; epochs copy every batch instead",
-                (rows * order.len()) as f64 / 1e6,
+                (row_bytes * order.len()) as f64 / 1e6,
                 free as f64 / 1e6
             )))
         }
@@ -841,7 +842,7 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
     let loader = b.build().map_err(error)?;
     let mut columns = loader.layout().columns().to_vec();
     // The device cache's size, or why it does not fit.
-    let mut cache = None;
+    let mut cache = Ok(None);
     let device = match (&ctx, &cuda, &augment) {
         (Some(ctx), _, _) => {
             // As many slots as batches the loop may hold, plus the one being copied and
@@ -861,7 +862,7 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
             // the wait stops every 20 ms for `__next__` to run Python's signal handlers.
             s.interrupt_with(|| true);
             if let (Some(share), Some(c)) = (device_cache, &cuda) {
-                cache = Some(enable_cache(&mut s, c, &loader, share)?);
+                cache = enable_cache(&mut s, c, &loader, share)?.map(Some);
             }
             Some(Arc::new(Mutex::new(s)))
         }
@@ -869,7 +870,11 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
     };
     let mut report = TrainReport::new("python", data, &loader);
     report.setup = Setup::of_loader(&loader);
-    report.device_cache_bytes = cache.as_ref().and_then(|c| c.as_ref().ok().copied());
+    let (cache_bytes, cache_refused) = match cache {
+        Ok(bytes) => (bytes, None),
+        Err(why) => (None, Some(why)),
+    };
+    report.device_cache_bytes = cache_bytes;
     report.setup.dataset_open_s = open_s;
     // The bytes of a sample as the loop gets it (augmented, where the device augments).
     let bytes_per_sample = columns.iter().map(|c| c.row_bytes as u64).sum();
@@ -881,7 +886,7 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
         report,
         progress,
         device,
-        cache,
+        cache_refused,
         order: loader.order().clone(),
         pid: std::process::id(),
     };
@@ -990,7 +995,7 @@ impl Loader {
         // for a device, creating its context and compiling kernels take up to seconds,
         // in which the interpreter's other threads (a heartbeat, a watchdog) run on.
         let loader = py.detach(move || build(dataset, options))?;
-        if let Some(Err(why)) = &loader.shape.cache {
+        if let Some(why) = &loader.shape.cache_refused {
             let warning = py.get_type::<pyo3::exceptions::PyRuntimeWarning>();
             PyErr::warn(py, &warning, &std::ffi::CString::new(why.as_str())?, 1)?;
         }
@@ -999,10 +1004,7 @@ impl Loader {
 
     /// Bytes of the device cache (`device_cache`), or `None` without one.
     fn device_cache_bytes(&self) -> Option<u64> {
-        self.shape
-            .cache
-            .as_ref()
-            .and_then(|c| c.as_ref().ok().copied())
+        self.shape.report.device_cache_bytes
     }
 
     /// Whether the device cache holds every sample: epochs started from now on gather
