@@ -538,6 +538,59 @@ def test_the_device_cache_serves_later_epochs_as_the_files_do(emulator: Path) ->
     """)
 
 
+def test_documents_and_packed_windows_are_device_cached_too(emulator: Path) -> None:
+    run_child(emulator, """
+        import shutil, tempfile
+        from pathlib import Path
+        fixtures = Path(sys.argv[1]).parents[1] / "tests" / "fixtures" / "npy"
+
+        def copy_of_megatron():
+            d = Path(tempfile.mkdtemp())
+            for ext in ("bin", "idx"):
+                shutil.copy(fixtures / f"megatron_u16.{ext}", d / f"megatron_u16.{ext}")
+            return d / "megatron_u16"
+
+        def check(make, columns):
+            # The GPU's loader reads a copy whose tokens are overwritten once the cache
+            # is filled: later epochs must serve the documents as they were.
+            copy = copy_of_megatron()
+            on_gpu, on_cpu = make(copy, device="cuda", device_cache=True), make(fixtures / "megatron_u16")
+            assert on_gpu.device_cache_bytes is not None
+            for epoch in range(3):
+                assert on_gpu.device_cache_filled == (epoch > 0), epoch
+                mine, want = on_gpu.epoch(epoch), on_cpu.epoch(epoch)
+                assert mine.stats()["device_cache"] == (epoch > 0)
+                compared = 0
+                for batch, expected in zip(mine, want):
+                    compared += 1
+                    assert np.array_equal(batch.indices, expected.indices)
+                    for name in columns:
+                        capsule = batch[name].__dlpack__(stream=None)
+                        t = tensor(capsule).contents.dl_tensor
+                        e = np.ascontiguousarray(expected[name])
+                        got = device_bytes(t.data, e.nbytes).view(e.dtype).reshape(e.shape)
+                        assert np.array_equal(got, e), f"epoch {epoch}: {name} differs"
+                assert compared == len(on_cpu), (epoch, compared)
+                if epoch == 0:
+                    bin = Path(str(copy) + ".bin")
+                    bin.write_bytes(bytes([255]) * bin.stat().st_size)
+
+        # Documents, padded, in a length-grouped order: 6 documents of up to 40 tokens.
+        check(lambda p, **kw: stokehold.DocumentLoader(p, max_len=16, batch_size=4, seed=2,
+                                                       shuffle="grouped", group=4, **kw),
+              ("tokens", "len"))
+        # Packed windows cut in order, shuffled.
+        check(lambda p, **kw: stokehold.PackedLoader(p, seq_len=7, batch_size=3, seed=2,
+                                                     windows="consecutive", **kw),
+              ("tokens", "positions"))
+        # Windows that change every epoch are refused, naming why.
+        for kw in ({"windows": "random"}, {"windows": "consecutive", "shuffle_documents": True}):
+            raises(lambda: stokehold.PackedLoader(copy_of_megatron(), seq_len=7, device="cuda",
+                                                  device_cache=True, **kw), "change every epoch")
+        print("child passed")
+    """)
+
+
 def test_device_cuda_without_a_driver_says_why() -> None:
     # This process has no emulator on its path: where no real driver is either, the
     # loader refuses with the reason (where one is, it builds).

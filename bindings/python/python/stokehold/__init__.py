@@ -580,7 +580,8 @@ class DocumentLoader(Loader):
     order by length (by default 64 training steps: ``64 * batch_size * world_size``), so
     each step's batches hold documents of similar lengths and little padding. The group
     is part of the order: give it to resume elastically on another world size or batch
-    size (``load_state_dict(state, elastic=True)``)."""
+    size (``load_state_dict(state, elastic=True)``). ``device_cache`` is as for
+    ``Loader``: the cache holds each document as its padded row (``max_len`` tokens)."""
 
     def __init__(
         self,
@@ -604,6 +605,7 @@ class DocumentLoader(Loader):
         device: Optional[str] = None,
         direct_reads: bool = True,
         dtype: Optional[str] = None,
+        device_cache: Union[bool, float] = False,
     ):
         dataset = _stokehold._Dataset.documents(
             _document_paths(path), max_len, pad, None if offsets is None else str(offsets),
@@ -612,7 +614,7 @@ class DocumentLoader(Loader):
         self._build(
             dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
             rank, world_size, page_cache_budget, progress, device,
-            direct_reads=direct_reads, group=group,
+            direct_reads=direct_reads, group=group, device_cache=device_cache,
         )
 
 
@@ -636,7 +638,9 @@ class PackedLoader(Loader):
     ``tokens[:, j + 1]`` lies in another document than its input where
     ``positions[:, j + 1] == 0``. ``windows="random"`` starts each window at a random
     offset per epoch (from ``seed``); ``"consecutive"`` cuts the concatenation in
-    order. The other options are ``Loader``'s."""
+    order. The other options are ``Loader``'s; ``device_cache`` is as for ``Loader``,
+    with ``windows="consecutive"`` and the documents in their stored order (random
+    windows and shuffled documents change the windows every epoch)."""
 
     def __init__(
         self,
@@ -660,6 +664,7 @@ class PackedLoader(Loader):
         direct_reads: bool = True,
         shuffle_documents: bool = False,
         dtype: Optional[str] = None,
+        device_cache: Union[bool, float] = False,
     ):
         dataset = _stokehold._Dataset.packed(
             _document_paths(path), seq_len, windows, seed,
@@ -668,7 +673,7 @@ class PackedLoader(Loader):
         self._build(
             dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
             rank, world_size, page_cache_budget, progress, device,
-            direct_reads=direct_reads,
+            direct_reads=direct_reads, device_cache=device_cache,
         )
 
 
