@@ -422,3 +422,61 @@ fn random_token_windows_in_file_order_are_read_row_by_row() {
     let amplification = it.stats().bytes_read as f64 / rows;
     assert!(amplification <= 1.5, "read {amplification:.2}x the windows");
 }
+
+/// A dataset whose `locate` panics (a bug of its own): the rest is `inner`'s.
+struct PanicsToLocate(Arc<dyn Dataset>);
+
+impl Dataset for PanicsToLocate {
+    fn len(&self) -> u64 {
+        self.0.len()
+    }
+    fn columns(&self) -> &[stokehold::Column] {
+        self.0.columns()
+    }
+    fn gather(&self, epoch: u64, indices: &[u64], out: &mut [&mut [u8]]) -> stokehold::Result<()> {
+        self.0.gather(epoch, indices, out)
+    }
+    fn files(&self) -> Vec<stokehold::MappedFile<'_>> {
+        self.0.files()
+    }
+    fn locate(&self, _: u64, index: u64, _: &mut dyn FnMut(usize, usize, usize)) {
+        panic!("locate({index}) is broken");
+    }
+}
+
+#[test]
+fn a_dataset_whose_locate_panics_is_read_from_its_mapping() {
+    let _turn = turn();
+    let dir = tempdir();
+    let ds = dataset(dir.path(), 3000);
+    if !evicts(ds.as_ref()) {
+        skip_cold("the page cache cannot be evicted on this file system");
+        return;
+    }
+    let broken: Arc<dyn Dataset> = Arc::new(PanicsToLocate(Arc::clone(&ds)));
+    // Resumed mid-epoch, streamed (budget 0) in file order: the plan asks `locate`
+    // where the rows are on the thread starting the epoch.
+    let build = |ds: &Arc<dyn Dataset>, resume| {
+        Loader::builder_shared(Arc::clone(ds))
+            .batch_size(64)
+            .workers(2)
+            .shuffle(Shuffle::None)
+            .page_cache_budget(0)
+            .resume(resume)
+            .build()
+            .unwrap()
+    };
+    let state = stokehold::LoaderState::new(1, 5);
+    let mut want = build(&ds, state);
+    let want = epoch_bytes(&mut want, 1, false);
+    let mut loader = build(&broken, state);
+    pagecache::evict(broken.as_ref()).unwrap();
+    let got: Vec<Vec<u8>> = loader
+        .epoch(1)
+        .unwrap()
+        .map(|b| bytes(&b.unwrap()))
+        .collect();
+    assert_eq!(got.len(), want.len());
+    assert!(got == want, "the batches differ");
+    assert_eq!(loader.state().epoch, 2);
+}

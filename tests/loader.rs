@@ -318,6 +318,32 @@ fn two_buffers(n: u64) -> Loader {
 }
 
 #[test]
+fn holding_every_buffer_is_an_error_after_batches_were_read_elsewhere() {
+    let mut loader = two_buffers(100);
+    {
+        // Epoch 0 hands a batch to another thread, which reads it.
+        let mut it = loader.epoch(0).unwrap();
+        let b = it.next().unwrap().unwrap();
+        std::thread::spawn(move || drop(b.indices().to_vec()))
+            .join()
+            .unwrap();
+    }
+    // Epoch 1 keeps every batch on this thread: a deadlock, reported, not a hang.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let got: Vec<_> = loader.epoch(1).unwrap().collect();
+        let _ = tx.send(got.last().map(|r| r.as_ref().err().map(|e| e.to_string())));
+    });
+    let last = rx
+        .recv_timeout(std::time::Duration::from_secs(30))
+        .expect("holding every buffer hung");
+    assert!(
+        last.clone().flatten().is_some_and(|e| e.contains("buffer")),
+        "{last:?}"
+    );
+}
+
+#[test]
 fn holding_every_buffer_is_an_error_not_a_hang() {
     let mut loader = two_buffers(100);
     let mut it = loader.epoch(0).unwrap();
@@ -675,6 +701,65 @@ fn a_resume_is_neither_lost_nor_misapplied() {
     let misspelt = json.replace("\"order\"", "\"ordr\"");
     let err = serde_json::from_str::<LoaderState>(&misspelt).unwrap_err();
     assert!(err.to_string().contains("ordr"), "{err}");
+    // A start or a global order changed on its own would skip or repeat samples:
+    // refused, exactly and elastically, naming why.
+    for tampered in [
+        LoaderState { start: 7, ..state },
+        LoaderState {
+            start: 7,
+            taken: 8,
+            ..state
+        },
+        LoaderState {
+            global: state.global ^ 1,
+            ..state
+        },
+    ] {
+        let err = mk(1).resume(tampered).build().unwrap_err();
+        assert!(
+            err.to_string().contains("does not hold together"),
+            "{tampered:?}: {err}"
+        );
+        if tampered.global == state.global {
+            let err = mk(1).resume_elastic(tampered).build().unwrap_err();
+            assert!(err.to_string().contains("does not hold together"), "{err}");
+        }
+    }
+    // A batch set by hand resumes there (the positions taken follow from it).
+    let mut at = mk(1)
+        .resume(LoaderState { batch: 4, ..state })
+        .build()
+        .unwrap();
+    assert_eq!(at.epoch(3).unwrap().len(), 6);
+    assert_eq!(at.state().taken, 40);
+}
+
+#[test]
+fn a_resume_at_the_end_of_its_epoch_is_spent_by_it() {
+    let mk = || {
+        Loader::builder(Synth::new(100))
+            .batch_size(10)
+            .shuffle(Shuffle::Full { seed: 1 })
+    };
+    // Saved after the epoch's last step, before the loop asked for the end.
+    let state = {
+        let mut saved = mk().build().unwrap();
+        let mut it = saved.epoch(3).unwrap();
+        for _ in 0..10 {
+            it.next().unwrap().unwrap();
+        }
+        it.state()
+    };
+    assert_eq!((state.epoch, state.batch), (3, 10));
+    let mut resumed = mk().resume(state).build().unwrap();
+    assert!(resumed.resumes(3));
+    assert_eq!(resumed.epoch(3).unwrap().count(), 0);
+    // Nothing of it was left: the loader now stands where a whole epoch 3 leaves it.
+    assert_eq!(resumed.state().epoch, 4);
+    assert!(!resumed.resumes(3));
+    assert!(resumed.can_serve(3).is_ok());
+    assert_eq!(resumed.epoch(3).unwrap().len(), 10);
+    assert!(resumed.epoch(2).is_ok());
 }
 
 #[test]

@@ -14,6 +14,7 @@ mod plan;
 mod pool;
 mod worker;
 
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -560,6 +561,51 @@ pub(crate) fn direct_align(path: &std::path::Path) -> Option<u64> {
     direct::path_align(path)
 }
 
+/// What storage does for an epoch's files, and how its workers read them.
+#[derive(Default)]
+struct Planned {
+    storage: Storage,
+    plans: Vec<plan::FilePlan>,
+    /// Rows scattered over the files (a full shuffle), rather than runs of them.
+    scattered: bool,
+    direct: Option<Vec<direct::Source>>,
+    extents: Option<Arc<extents::Extents>>,
+}
+
+/// Plans the reads of `order` from batch `start` on, for a loader with a planner.
+fn plan_epoch(
+    dataset: &dyn Dataset,
+    budget: u64,
+    order: &EpochOrder,
+    start: u64,
+    direct: bool,
+    uring: bool,
+) -> Planned {
+    let (storage, mut plans) = plan::snapshot(dataset, budget);
+    // Direct reads of single rows suit rows scattered over the whole file; a block
+    // shuffle's windows are read whole, in runs of its blocks, into extents.
+    let scattered = storage == Storage::Streaming && {
+        let streamed: Vec<bool> = plans.iter().map(|p| p.mode == plan::Mode::Stream).collect();
+        plan::scattered(dataset, order, start, &streamed)
+    };
+    let streaming = storage == Storage::Streaming && direct;
+    let direct = match streaming && scattered && uring {
+        true => direct_sources(dataset, &mut plans),
+        false => None,
+    };
+    let extents = match streaming && !scattered {
+        true => window_sources(dataset, &mut plans),
+        false => None,
+    };
+    Planned {
+        storage,
+        plans,
+        scattered,
+        direct,
+        extents,
+    }
+}
+
 /// The shortest row a streamed file is read directly for: a quarter of a page.
 const DIRECT_ROW: usize = 1024;
 
@@ -626,7 +672,21 @@ fn check_resume(order: &Order, r: LoaderState, how: Resume) -> Result<LoaderStat
             epoch.batches()
         )));
     }
-    Ok(LoaderState::of(order, &epoch, r.batch))
+    let state = LoaderState::of(order, &epoch, r.batch);
+    // A state this loader saved (it records its global order) and resumed elastically
+    // (`start`) says where the global order stands as its batch and start do: a start
+    // changed on its own would skip or repeat samples. (`taken` follows from them; a
+    // state's `batch` set by hand, its `start` 0, resumes at that batch.)
+    let inconsistent = r.global != state.global || (r.start != 0 && r.taken != state.taken);
+    if r.order != 0 && r.global != 0 && inconsistent {
+        return Err(Error::Config(format!(
+            "the resume state does not hold together: batch {} of epoch {} from position {} \
+             has taken {} positions of the global order {:#x}, the state says {} of {:#x} \
+             (a field was changed, or the state was pieced together from two)",
+            r.batch, r.epoch, r.start, state.taken, state.global, r.taken, r.global
+        )));
+    }
+    Ok(state)
 }
 
 /// Refuses a pool of `buffers` buffers of `bytes` for batches of `rows` rows that the
@@ -784,31 +844,35 @@ impl Loader {
             Some(r) if epoch == r.epoch => (r.batch, r.start),
             _ => (0, 0),
         };
-        self.resume = None;
-        self.resumed = pending.filter(|r| r.epoch == epoch);
         // Storage's count before any worker or the planner has the job: counted after,
         // the reads they issued at once went missing from the epoch's figure.
         let read_at_start = crate::pagecache::storage_read_bytes();
-        let (storage, mut plans) = match self.planner {
-            Some(_) if !indices_only => plan::snapshot(self.dataset.as_ref(), self.budget),
-            _ => (Storage::Warm, Vec::new()),
-        };
-        // Direct reads of single rows suit rows scattered over the whole file; a block
-        // shuffle's windows are read whole, in runs of its blocks, into extents.
         let order = self.order.epoch_from(epoch, from);
-        let scattered = storage == Storage::Streaming && {
-            let streamed: Vec<bool> = plans.iter().map(|p| p.mode == plan::Mode::Stream).collect();
-            plan::scattered(self.dataset.as_ref(), &order, start, &streamed)
-        };
-        let streaming = storage == Storage::Streaming && self.direct;
-        let direct = match streaming && scattered && self.uring {
-            true => direct_sources(self.dataset.as_ref(), &mut plans),
-            false => None,
-        };
-        let extents = match streaming && !scattered {
-            true => window_sources(self.dataset.as_ref(), &mut plans),
-            false => None,
-        };
+        // The plan is advice: a dataset whose `locate` panics here (the workers catch
+        // their own calls) gets an epoch read from its mapping, not a panic.
+        let planned = (self.planner.is_some() && !indices_only).then(|| {
+            let dataset = self.dataset.as_ref();
+            let (direct, uring) = (self.direct, self.uring);
+            let budget = self.budget;
+            std::panic::catch_unwind(AssertUnwindSafe(|| {
+                plan_epoch(dataset, budget, &order, start, direct, uring)
+            }))
+        });
+        let Planned {
+            storage,
+            plans,
+            scattered,
+            direct,
+            extents,
+        } = planned.and_then(|p| p.ok()).unwrap_or_default();
+        self.resume = None;
+        // A resume is spent once its epoch has nothing left to deliver.
+        self.resumed = pending.filter(|r| r.epoch == epoch && start < order.batches());
+        // Each epoch decides anew whether its batches are read on other threads: once
+        // every buffer is back, those of earlier epochs prove nothing.
+        if self.pool.held.load(Ordering::Acquire) == 0 {
+            self.pool.handed_on.store(false, Ordering::Release);
+        }
         // The planner joins only an epoch with files to read: in a warm one it would be
         // woken for every batch claimed, for nothing.
         let planned = plans.iter().any(|p| {

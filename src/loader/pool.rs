@@ -147,7 +147,7 @@ pub(crate) struct Pool {
     /// Set once a batch of this pool was read or dropped on a thread other than the one
     /// it was delivered to: its consumer hands batches on (a queue to a training
     /// thread), so batches held and not yet read there are no proof that waiting for a
-    /// buffer would never end.
+    /// buffer would never end. Cleared when an epoch starts with every buffer back.
     pub(crate) handed_on: AtomicBool,
     allocator: &'static str,
     alloc_time: Duration,
