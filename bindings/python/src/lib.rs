@@ -260,11 +260,14 @@ impl OpenDataset {
     ) -> PyResult<OpenDataset> {
         let windows = windows_named(windows, seed)?;
         let litdata = path.is_dir() || path.file_name().is_some_and(|n| n == "index.json");
+        let npy = path.extension().is_some_and(|e| e == "npy");
         let named = dtype.as_deref().map(|name| match DType::from_name(name) {
-            Some(d) if litdata && d.is_integer() => Ok(d),
+            // A set of its own type: checked against it once open.
+            Some(d) if (litdata || npy) && d.is_integer() => Ok(d),
             Some(d) if matches!(d, DType::U16 | DType::U32) => Ok(d),
-            _ if litdata => Err(PyValueError::new_err(format!(
-                "dtype {name:?}: a LitData set holds integer tokens (\"uint16\", \"int32\"...)"
+            _ if litdata || npy => Err(PyValueError::new_err(format!(
+                "dtype {name:?}: a LitData set or a .npy stream holds integer tokens \
+                 (\"uint16\", \"int32\"...)"
             ))),
             _ => Err(PyValueError::new_err(format!(
                 "dtype {name:?}: token files hold \"uint16\" or \"uint32\""
@@ -273,7 +276,7 @@ impl OpenDataset {
         let named = named.transpose()?;
         let data = path.display().to_string();
         Self::opened(py, data, move || {
-            let ds: Arc<dyn Dataset> = match path.extension().is_some_and(|e| e == "npy") {
+            let ds: Arc<dyn Dataset> = match npy {
                 _ if litdata => Arc::new(LitData::open(&path)?.windows(seq_len, windows)?),
                 true => Arc::new(TokenDataset::open_npy(&path, seq_len, windows)?),
                 false => {
@@ -847,7 +850,9 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
         (Some(ctx), _, _) => {
             // As many slots as batches the loop may hold, plus the one being copied and
             // the one being read.
-            let slots = held_by_loop + 2;
+            let slots = held_by_loop.checked_add(2).ok_or_else(|| {
+                PyValueError::new_err(format!("held={held_by_loop}: too many device slots"))
+            })?;
             let layout = loader.layout();
             let mut s = match (&cuda, &augment) {
                 (Some(c), Some(a)) => {
@@ -967,6 +972,11 @@ impl Loader {
             )));
         }
         let shuffle = match (shuffle_named(shuffle, seed)?, group) {
+            (Shuffle::Grouped { .. }, Some(0)) => {
+                return Err(PyValueError::new_err(
+                    "group=0: a group is 1 position or more (None: the loader's default)",
+                ))
+            }
             (Shuffle::Grouped { seed, .. }, Some(group)) => Shuffle::Grouped { seed, group },
             (_, Some(_)) => {
                 return Err(PyValueError::new_err("group goes with shuffle=\"grouped\""))
@@ -1116,6 +1126,7 @@ impl Loader {
             progress: Mutex::new(progress),
             pid,
             exhausted: AtomicBool::new(false),
+            failed: Mutex::new(None),
             last: Mutex::new(None),
         })
     }
@@ -1226,6 +1237,10 @@ struct Epoch {
     /// Set once the epoch has yielded its last batch: `__next__` stops from then on,
     /// even after the loader has started another epoch.
     exhausted: AtomicBool,
+    /// Why the epoch ended before its last batch, if an error ended it: `__next__`
+    /// raises it again rather than stop, so that a loop that caught it does not go on
+    /// as if the epoch were whole.
+    failed: Mutex<Option<String>>,
     /// The loader's figures when the epoch yielded its last batch: its row can still be
     /// had once the loader has started another epoch.
     last: Mutex<Option<stokehold::EpochStats>>,
@@ -1262,11 +1277,12 @@ impl Epoch {
         self.end_progress();
     }
 
-    /// After a batch taken from this epoch was lost (its copy to the device failed):
-    /// ends the epoch with the loader's state at `before`, the state before that batch,
-    /// as a failed read on the host leaves it, so that a resume (or the next
-    /// `epoch(e)`) yields the lost batch again; iterating this epoch again stops, and
-    /// its figures stay. Nothing happens once the loader has moved on to another epoch.
+    /// After an error ended this epoch (a failed read, every buffer held) or lost a
+    /// batch taken from it (its copy to the device failed): ends the epoch with the
+    /// loader's state at `before`, the state before that batch, resumed there, so that
+    /// the next `epoch(e)` (or a resume from the state) yields the batch again;
+    /// iterating this epoch again raises the error again, and its figures stay. Once
+    /// the loader has moved on to another epoch, its state is left as it is.
     ///
     /// Where `failed` says the copy of an earlier batch of this epoch failed (found by
     /// a later lend, or by the drain at the epoch's end, `before` being its end), the
@@ -1275,6 +1291,7 @@ impl Epoch {
         // Its figures stay readable, as at its end (`exhaust`).
         let last = self.loader_stats(py);
         *lock(&self.last) = last;
+        *lock(&self.failed) = Some(format!("this epoch ended with an error: {failed}"));
         let loader = self._loader.borrow(py);
         let mut turn = loader.control.take(py);
         let (slot, generation) = (Arc::clone(&self.slot), self.generation);
@@ -1304,11 +1321,16 @@ impl Epoch {
         let Some(state) = state else {
             return;
         };
-        // Ended by its own error, as a failed read ends it: iterating it again stops.
+        // Ended by its own error: iterating it again raises it again.
         self.exhausted.store(true, Ordering::Release);
         if let Ok(l) = loader.idle(py, &mut turn) {
             if l.resume(state).is_ok() {
                 loader.note_state(l.state());
+                *lock(&self.failed) = Some(format!(
+                    "epoch {} ended with an error at batch {}: {failed}; the loader's \
+                     epoch({}) goes on from there (its state_dict() stands there)",
+                    state.epoch, state.batch, state.epoch
+                ));
             }
         }
     }
@@ -1363,7 +1385,10 @@ impl Epoch {
     /// The next batch (a `_Batch`, or a `_DeviceBatch` on a device); `None` at the end.
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
         if self.exhausted.load(Ordering::Acquire) {
-            return Ok(None);
+            return match lock(&self.failed).clone() {
+                Some(why) => Err(Error::new_err(why)),
+                None => Ok(None),
+            };
         }
         forked(self.pid)?;
         let (slot, seen) = (Arc::clone(&self.slot), Arc::clone(&self.seen));
@@ -1436,8 +1461,9 @@ impl Epoch {
                 self.exhaust(py);
                 Ok(None)
             }
-            Ok((Some((Err(e), ..)), _)) => {
+            Ok((Some((Err(e), before, _)), _)) => {
                 self.end_progress();
+                self.rewind(py, before, &e);
                 Err(error(e))
             }
             Ok((Some((Ok(batch), before, after)), _)) => {

@@ -249,6 +249,14 @@ def test_holding_every_slot_is_an_error_not_a_hang(emulator: Path) -> None:
         # Dropping them frees the slots: the next epoch runs whole.
         del held, epoch, fourth
         assert sum(len(b) for b in loader.epoch(1)) == 1797
+        # More slots than the device holds are refused before any is allocated.
+        for many in (2**40, 2**64 - 1):
+            try:
+                stokehold.Loader(sys.argv[1], batch_size=100, device="cuda", held=many)
+            except (ValueError, stokehold.Error) as e:
+                assert "slots" in str(e), e
+            else:
+                raise AssertionError(f"held={many} accepted")
         # Token streams go to the device too, and the interface for CuPy/Numba answers.
         tokens = np.arange(5000, dtype=np.uint16)
         path = sys.argv[1] + "/../../target/tokens-device-test.bin"
@@ -317,9 +325,10 @@ def test_a_batch_whose_copy_failed_comes_again_after_a_resume(emulator: Path) ->
         assert (e.cuda_code, e.context_lost) == (1, False), (e.cuda_code, e.context_lost)
         state = loader.state_dict()
         assert (state["epoch"], state["batch"]) == (0, 2), state
-        # The epoch ended there; its figures are still there to read.
+        # The epoch ended there; its figures are still there to read, and going on
+        # with it raises the error again rather than stop as if it were whole.
         assert it.stats()["batches"] == 3, it.stats()
-        assert next(it, None) is None
+        raises(lambda: next(it), "epoch 0 ended with an error at batch 2")
         fresh = stokehold.Loader(sys.argv[1], batch_size=100, seed=5, device="cuda")
         fresh.load_state_dict(state)
         rest = [b.indices.copy() for b in fresh.epoch(0)]

@@ -328,6 +328,26 @@ def test_bad_input_raises_naming_the_file(tmp_path):
         stokehold.TokenLoader(d / "x.npy", seq_len=2, windows="sometimes")
     with pytest.raises(stokehold.Error, match="batch"):
         stokehold.Loader(d, batch_size=0)
+    # Counts, sizes, seeds and epochs out of range raise naming the argument (not an
+    # OverflowError naming nothing); a float or a string is a TypeError.
+    for kw in ({"batch_size": -1}, {"seed": -1}, {"workers": -1}, {"prefetch": -2},
+               {"held": -1}, {"page_cache_budget": -1}, {"seed": 2**64}):
+        with pytest.raises(ValueError, match=list(kw)[0]):
+            stokehold.Loader(d, **kw)
+    with pytest.raises(TypeError, match="batch_size"):
+        stokehold.Loader(d, batch_size=2.5)
+    with pytest.raises(ValueError, match="seq_len"):
+        stokehold.TokenLoader(d / "x.npy", seq_len=-1)
+    loader = stokehold.Loader(d, batch_size=5)
+    for bad in (-1, 2**64):
+        with pytest.raises(ValueError, match="epoch"):
+            loader.epoch(bad)
+        with pytest.raises(ValueError, match="epoch"):
+            loader.set_epoch(bad)
+    # The largest epoch runs; the one after it cannot be asked for.
+    assert sum(len(b) for b in loader.epoch(2**64 - 1)) == 10
+    with pytest.raises(ValueError, match="epoch"):
+        next(iter(loader))
 
 
 def test_views_keep_their_buffer_and_the_pool_refills(cols):
@@ -365,22 +385,24 @@ def test_a_loop_that_keeps_batches_sizes_held(cols):
 def test_batches_consumed_on_another_thread(cols):
     loader = stokehold.Loader(cols, batch_size=50, workers=2, prefetch=2)
     q = queue.Queue(maxsize=2)
-    got = []
+    got, wrong = [], []
 
     y = expected(cols, "y")
 
     def consume():
         while (b := q.get()) is not None:
             # Still the batch's own rows: its buffer was not reused while it queued.
-            assert np.array_equal(b["y"], y[b.indices]), b.indices
+            if not np.array_equal(b["y"], y[b.indices]):
+                wrong.append(b.indices.copy())
             got.append(len(b))
 
-    t = threading.Thread(target=consume)
+    t = threading.Thread(target=consume, daemon=True)
     t.start()
     for batch in loader.epoch(0):
-        q.put(batch)
-    q.put(None)
-    t.join()
+        q.put(batch, timeout=30)
+    q.put(None, timeout=30)
+    t.join(30)
+    assert not wrong, wrong
     assert got == [50] * 20
 
 
@@ -564,6 +586,25 @@ def test_the_gil_is_released_while_waiting(cols):
     assert out.returncode == 0 and "child passed" in out.stdout, out.stdout + out.stderr
 
 
+def test_an_epoch_ended_by_an_error_says_so_again_and_goes_on_where_it_stopped(cols):
+    loader = stokehold.Loader(cols, batch_size=50, workers=1, prefetch=1, held=1, seed=4)
+    want = [b.indices.copy() for b in stokehold.Loader(cols, batch_size=50, seed=4).epoch(0)]
+    it = loader.epoch(0)
+    kept = [next(it), next(it)]
+    # Every buffer is held here: an error, not a hang; it ends the epoch.
+    with pytest.raises(stokehold.Error, match="buffers are held"):
+        next(it)
+    # A loop that caught it and goes on gets it again, never a short epoch's end.
+    for _ in range(2):
+        with pytest.raises(stokehold.Error, match="epoch 0 ended with an error at batch 2"):
+            next(it)
+    assert (loader.state_dict()["epoch"], loader.state_dict()["batch"]) == (0, 2)
+    del kept
+    rest = [b.indices.copy() for b in loader.epoch(0)]
+    assert len(rest) == len(want) - 2
+    assert all(np.array_equal(a, b) for a, b in zip(rest, want[2:]))
+
+
 def test_starting_an_epoch_ends_the_last(cols):
     loader = stokehold.Loader(cols, batch_size=100)
     old = loader.epoch(0)
@@ -654,6 +695,13 @@ def test_token_loader(tmp_path):
         stokehold.TokenLoader(raw, seq_len=8, dtype="int64")
     with pytest.raises(stokehold.Error, match="dtype uint16 was asked for, and .*tokens.npy holds uint32"):
         stokehold.TokenLoader(npy, seq_len=8, dtype="uint16")
+    # A .npy of signed tokens, named by its own type.
+    np.save(npy, tokens.astype(np.int32))
+    signed = stokehold.TokenLoader(npy, seq_len=8, dtype="int32", windows="consecutive",
+                                   shuffle="none")
+    assert signed.columns["tokens"] == (np.dtype(np.int32), (9,))
+    with pytest.raises(ValueError, match="integer tokens"):
+        stokehold.TokenLoader(npy, seq_len=8, dtype="float32")
     # An llm.c file gives its own token type: uint32 (LLaMA-3, version 7) here.
     header = np.zeros(256, dtype=np.int32)
     header[:3] = (20240801, 7, len(tokens))
@@ -718,6 +766,12 @@ def test_document_loader_reads_megatron_and_offsets_in_place():
                                  offsets=FIXTURES / "docs_bad_falling.npy")
     with pytest.raises(stokehold.Error, match="pad -1 does not fit"):
         stokehold.DocumentLoader(FIXTURES / "megatron_u16", max_len=16, pad=-1)
+    # A group of 0 would silently be the default one.
+    with pytest.raises(ValueError, match="group=0"):
+        stokehold.DocumentLoader(FIXTURES / "megatron_u16", max_len=16, shuffle="grouped",
+                                 group=0)
+    with pytest.raises(ValueError, match="max_len"):
+        stokehold.DocumentLoader(FIXTURES / "megatron_u16", max_len=-16)
 
 
 def test_packed_loader_concatenates_documents_with_positions():

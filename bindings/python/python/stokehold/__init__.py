@@ -53,6 +53,22 @@ __all__ = [
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+def _count(name: str, value: Any) -> Any:
+    """``value`` as an integer from 0 to 2**64 - 1 (``None`` stays ``None``): what the
+    loader's counts, sizes, seeds and epochs are. ``TypeError`` or ``ValueError``
+    naming ``name`` otherwise (a negative int would reach Rust as an ``OverflowError``
+    that names nothing)."""
+    if value is None:
+        return None
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} is an integer, not {type(value).__name__}") from None
+    if not 0 <= v < 2**64:
+        raise ValueError(f"{name}={v}: an integer from 0 to 2**64 - 1")
+    return v
+
+
 class _Columns:
     """What host and device batches share: the column names, the length, the samples,
     the epoch and the batch's number in it. ``batch[name]`` is left to each."""
@@ -240,7 +256,7 @@ class Augment:
         pixel ``(y, x)`` is input pixel ``(y + dy, x' + dx)``, ``x' = width - 1 - x`` where
         ``flip`` and ``x`` otherwise (``fill`` outside the image)."""
         positions = [int(i) for i in np.asarray(indices, dtype=np.uint64).ravel()]
-        return _stokehold._augment_draws(self._args(), int(epoch), positions)
+        return _stokehold._augment_draws(self._args(), _count("epoch", epoch), positions)
 
     def __repr__(self) -> str:
         norm = "" if self.mean is None else f", mean={self.mean}, std={self.std}"
@@ -269,9 +285,10 @@ class Loader:
     ``device="cuda"`` (or ``"cuda:N"``) gathers batches into page-locked memory and
     copies each to the GPU on stokehold's own stream: the epoch yields ``DeviceBatch``es,
     whose columns export DLPack (``torch.from_dlpack``) without a copy. The device holds
-    ``held + 2`` batch slots; a loop keeping more device batches alive than ``held``
-    gets ``stokehold.Error`` (after a second) instead of waiting forever, unless a batch
-    it keeps is in use on another thread, which is waited for. The batch it asked for
+    ``held + 2`` batch slots (the batches a loop keeps, the one it works on and the one
+    being copied); a loop that keeps all ``held + 2`` alive and asks for another gets
+    ``stokehold.Error`` (after a second) instead of waiting forever, unless a batch it
+    keeps is in use on another thread, which is waited for. The batch it asked for
     stays in the epoch: once it lets one go, the epoch goes on from there. Without a
     usable CUDA driver and device, ``device="cuda"`` raises ``stokehold.Error`` saying
     why.
@@ -322,10 +339,21 @@ class Loader:
             direct_reads=direct_reads, augment=augment, device_cache=device_cache,
         )
 
-    def _build(self, dataset: Any, *options: Any, direct_reads: bool = True,
+    def _build(self, dataset: Any, batch_size: int, shuffle: str, seed: int,
+               workers: Optional[int], drop_last: bool, prefetch: Optional[int],
+               held: Optional[int], rank: Optional[int], world_size: Optional[int],
+               page_cache_budget: Optional[int], progress: Optional[bool],
+               device: Optional[str], direct_reads: bool = True,
                group: Optional[int] = None, augment: Optional[Augment] = None,
                device_cache: Union[bool, float] = False) -> None:
         self._dataset = dataset
+        options = (
+            _count("batch_size", batch_size), shuffle, _count("seed", seed),
+            _count("workers", workers), drop_last, _count("prefetch", prefetch),
+            _count("held", held), _count("rank", rank), _count("world_size", world_size),
+            _count("page_cache_budget", page_cache_budget), progress, device,
+        )
+        group = _count("group", group)
         args = None if augment is None else augment._args()
         share = _cache_share(device_cache)
         self._start = lambda: _stokehold._Loader(
@@ -334,7 +362,6 @@ class Loader:
         self._running: Any = self._start()
         self._used = False
         self._next = 0
-        device = options[-1]
         self._device = None if device in (None, "cpu") else device
         self._columns = {
             name: (np.dtype(descr), tuple(int(d) for d in shape))
@@ -380,6 +407,7 @@ class Loader:
         """The batches of ``epoch``, in order: a pure function of the seed, the epoch
         and the shard. After ``load_state_dict``, the saved epoch yields only the batches
         after the saved one."""
+        epoch = _count("epoch", epoch)
         self._used = True
         running = Epoch(self._raw.epoch(epoch), self)
         self._next = epoch + 1
@@ -398,10 +426,7 @@ class Loader:
     def set_epoch(self, epoch: int) -> None:
         """Makes ``epoch`` the one ``iter(loader)`` runs next (as
         ``DistributedSampler.set_epoch`` does for a ``DataLoader``)."""
-        epoch = operator.index(epoch)
-        if epoch < 0:
-            raise ValueError(f"an epoch is 0 or more, not {epoch}")
-        self._next = epoch
+        self._next = _count("epoch", epoch)
 
     def state_dict(self) -> Dict[str, int]:
         """Where the loader is, as a plain JSON-serialisable dict: ``epoch``, ``batch``
@@ -479,7 +504,8 @@ class TokenLoader(Loader):
         direct_reads: bool = True,
         device_cache: Union[bool, float] = False,
     ):
-        dataset = _stokehold._Dataset.tokens(str(path), seq_len, windows, seed, dtype)
+        dataset = _stokehold._Dataset.tokens(
+            str(path), _count("seq_len", seq_len), windows, _count("seed", seed), dtype)
         self._build(
             dataset, batch_size, shuffle, seed, workers, drop_last, prefetch, held,
             rank, world_size, page_cache_budget, progress, device,
@@ -608,7 +634,8 @@ class DocumentLoader(Loader):
         device_cache: Union[bool, float] = False,
     ):
         dataset = _stokehold._Dataset.documents(
-            _document_paths(path), max_len, pad, None if offsets is None else str(offsets),
+            _document_paths(path), _count("max_len", max_len), pad,
+            None if offsets is None else str(offsets),
             column, dtype,
         )
         self._build(
@@ -667,7 +694,7 @@ class PackedLoader(Loader):
         device_cache: Union[bool, float] = False,
     ):
         dataset = _stokehold._Dataset.packed(
-            _document_paths(path), seq_len, windows, seed,
+            _document_paths(path), _count("seq_len", seq_len), windows, _count("seed", seed),
             None if offsets is None else str(offsets), column, shuffle_documents, dtype,
         )
         self._build(
@@ -722,7 +749,8 @@ class MixLoader(Loader):
         if bad:
             raise Error(f"a mix's sources are stokehold loaders, not {', '.join(bad)}")
         dataset = _stokehold._Dataset.mix(
-            [s._dataset for s in sources], [float(w) for w in weights], samples, seed,
+            [s._dataset for s in sources], [float(w) for w in weights],
+            _count("samples", samples), _count("seed", seed),
         )
         for s in sources:
             s._give_back()
@@ -746,7 +774,7 @@ class MixLoader(Loader):
         if given.size and given.dtype.kind == "i" and given.min() < 0:
             raise IndexError(f"position {given.min()} of a mix")
         flat = given.astype(np.uint64).ravel()
-        parts, samples = self._dataset.sources(epoch, flat.tolist())
+        parts, samples = self._dataset.sources(_count("epoch", epoch), flat.tolist())
         return np.asarray(parts, dtype=np.int64), np.asarray(samples, dtype=np.uint64)
 
 
