@@ -77,8 +77,8 @@ pub enum Error {
         message: String,
     },
     /// The thread asking for the next batch holds every host buffer and released none
-    /// for a second, and no batch was read or dropped on another thread since the
-    /// epoch started with every buffer back: waiting would never end.
+    /// for a second, and no batch of the loader was ever read or dropped on another
+    /// thread: waiting would never end.
     #[error(
         "all {buffers} host buffers are held by the consumer; drop a batch before asking \
          for the next one, or raise `held` on the loader builder"
@@ -88,8 +88,8 @@ pub enum Error {
         buffers: usize,
     },
     /// Every device slot is lent to a batch still alive, none was released for a
-    /// second, and no batch was used or dropped on another thread since every slot was
-    /// last free: waiting would never end.
+    /// second, and no batch of the slots was ever used or dropped on another thread:
+    /// waiting would never end.
     #[error(
         "all {slots} device slots are held by live batches; drop a batch (and the tensors \
          viewing it) before asking for the next one, or lend more slots (`held`)"

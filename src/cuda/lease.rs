@@ -40,8 +40,8 @@ pub const LEGACY_STREAM: StreamHandle = 1;
 pub const PER_THREAD_STREAM: StreamHandle = 2;
 
 /// How long [`DeviceSlots::lend`] waits for a slot while every one is lent and none comes
-/// back, before it reports that waiting would never end (where no batch was used or
-/// dropped on another thread since every slot was last free).
+/// back, before it reports that waiting would never end (where no batch of the slots was
+/// ever used or dropped on another thread).
 const EXHAUSTED_GRACE: Duration = Duration::from_secs(1);
 
 /// Host batches whose copies may still be running, at most.
@@ -70,8 +70,9 @@ struct Shared {
     /// Set once a batch was used or dropped on a thread other than the one it was lent
     /// to: its consumer hands batches on, so batches lent there (used or not yet) are
     /// released however long the asking thread waits, and slots all lent are no proof
-    /// that waiting for one would never end. Cleared when a slot is taken with every
-    /// slot free.
+    /// that waiting for one would never end. Never cleared: such a consumer may have
+    /// dropped every batch before a long step (validation between epochs), and the
+    /// batches lent meanwhile wait in its queue, unread, however long that takes.
     handed_on: AtomicBool,
     /// Set when dropped, and dropped last: the caller's context is current again once
     /// the memory, the events and the context's handle (which bind theirs) are gone.
@@ -291,8 +292,7 @@ impl DeviceSlots {
     ///
     /// # Errors
     /// [`Error::SlotsExhausted`] when every slot stays lent and none comes back, no batch
-    /// having been used on another thread since every slot was last free (waiting would
-    /// never end);
+    /// of the slots ever having been used on another thread (waiting would never end);
     /// [`Error::CopyFailed`] when an earlier batch's copy failed, naming it or a batch
     /// before it (the copies in flight are then waited for and let go: the next lend
     /// starts afresh; see the error); [`Error::Config`] for a batch of another layout,
@@ -535,15 +535,10 @@ impl DeviceSlots {
         loop {
             let started = Instant::now();
             let mut free = lock(&shared.free);
-            if free.len() == slots {
-                // No batch is lent (none can be touched): those used elsewhere before
-                // prove nothing about the ones lent from now on.
-                shared.handed_on.store(false, Ordering::Release);
-            }
             if let Some(k) = free.pop() {
                 return Ok(k);
             }
-            // Once set, the wait ends in an error only after every slot came back.
+            // Sticky: once set, the wait never ends in an error.
             let alone = !shared.handed_on.load(Ordering::Acquire);
             if alone && stuck >= EXHAUSTED_GRACE {
                 return Err(Error::SlotsExhausted { slots });

@@ -15,8 +15,8 @@ use crate::error::{Error, Result};
 const STALL_CHECK: Duration = Duration::from_millis(50);
 
 /// How long the consumer may hold every buffer, releasing none, before `next()` calls it
-/// a deadlock (where no batch was read or dropped on another thread since the epoch
-/// started with every buffer back). Long enough for a thread that was handed a batch to start reading it.
+/// a deadlock (where no batch of the loader was ever read or dropped on another
+/// thread). Long enough for a thread that was handed a batch to start reading it.
 const EXHAUSTED_GRACE: Duration = Duration::from_secs(1);
 
 /// What the consumer side of an epoch measured.
@@ -272,12 +272,11 @@ impl Iterator for Epoch<'_> {
                 }
                 Err(RecvTimeoutError::Timeout) => {
                     let pool = &self.job.pool;
-                    // Every buffer held, and no batch read or dropped on another
-                    // thread (since the epoch started with every buffer back): only
-                    // this thread can release one, and it waits here. Once one was (a
-                    // training thread fed through a queue), batches held there, or
-                    // still queued unread for it, will be released however slow its
-                    // step is (it may drop its batch before its step).
+                    // Every buffer held, and no batch ever read or dropped on another
+                    // thread: only this thread can release one, and it waits here. Once
+                    // one was (a training thread fed through a queue), batches held
+                    // there, or still queued unread for it, will be released however
+                    // slow its step is (it may drop its batch before its step).
                     if pool.held.load(Ordering::Acquire) >= pool.size()
                         && !pool.handed_on.load(Ordering::Acquire)
                     {

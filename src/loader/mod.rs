@@ -868,11 +868,6 @@ impl Loader {
         self.resume = None;
         // A resume is spent once its epoch has nothing left to deliver.
         self.resumed = pending.filter(|r| r.epoch == epoch && start < order.batches());
-        // Each epoch decides anew whether its batches are read on other threads: once
-        // every buffer is back, those of earlier epochs prove nothing.
-        if self.pool.held.load(Ordering::Acquire) == 0 {
-            self.pool.handed_on.store(false, Ordering::Release);
-        }
         // The planner joins only an epoch with files to read: in a warm one it would be
         // woken for every batch claimed, for nothing.
         let planned = plans.iter().any(|p| {

@@ -147,7 +147,9 @@ pub(crate) struct Pool {
     /// Set once a batch of this pool was read or dropped on a thread other than the one
     /// it was delivered to: its consumer hands batches on (a queue to a training
     /// thread), so batches held and not yet read there are no proof that waiting for a
-    /// buffer would never end. Cleared when an epoch starts with every buffer back.
+    /// buffer would never end. Never cleared: such a consumer may drop every batch
+    /// before a long step (validation between epochs) while the next epoch's batches
+    /// wait in its queue, unread, however long that takes.
     pub(crate) handed_on: AtomicBool,
     allocator: &'static str,
     alloc_time: Duration,
