@@ -60,6 +60,9 @@ struct Partial {
 
 impl Partial {
     fn create(path: &Path, len: u64) -> Result<Partial> {
+        // Through a symbolic link to the file it names.
+        let dest = crate::util::destination(path);
+        let path = dest.as_path();
         let Claimed { path: tmp, file } = partial::claim(path).map_err(|e| Error::io(path, e))?;
         let mut partial = Partial {
             path: path.to_path_buf(),
@@ -265,6 +268,60 @@ pub fn classification(
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<(PathBuf, PathBuf)> {
     let dir = dir.as_ref();
+    let row = check_spec(spec)?;
+    let _turn = DirLock::take(dir)?;
+    write_classification(dir, spec, row, progress)
+}
+
+/// Makes the default set ([`ClassificationSpec::default`]) in `dir` unless it is there
+/// once this process has its turn at the directory: of several runs that find it
+/// missing at once (two `stokehold train` started together), one writes it and the
+/// others then use it. Returns whether this call wrote it.
+///
+/// # Errors
+/// As [`classification`].
+pub fn default_set(dir: impl AsRef<Path>, progress: &(dyn Fn(u64) + Sync)) -> Result<bool> {
+    let dir = dir.as_ref();
+    let spec = ClassificationSpec::default();
+    let row = check_spec(&spec)?;
+    let _turn = DirLock::take(dir)?;
+    if dir.join("x.npy").is_file() && dir.join("y.npy").is_file() {
+        return Ok(false);
+    }
+    write_classification(dir, &spec, row, progress).map(|_| true)
+}
+
+/// An exclusive `flock` on the directory `DIR` itself, held while a set is written into
+/// it: two writers of one directory take turns, so its `x.npy` and `y.npy` always come
+/// from one of them. Where the file system has no locks, writers go on without.
+struct DirLock(#[allow(dead_code)] Option<std::fs::File>);
+
+impl DirLock {
+    /// Makes `dir` if need be, and waits for its lock.
+    fn take(dir: &Path) -> Result<DirLock> {
+        use std::os::fd::AsRawFd;
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let path = dir;
+        let file = std::fs::File::open(dir).map_err(|e| Error::io(dir, e))?;
+        loop {
+            // SAFETY: flock on a descriptor this function owns; it reads no memory.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
+                return Ok(DirLock(Some(file)));
+            }
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                // No locks on this file system (some FUSE mounts).
+                Some(libc::ENOLCK | libc::EOPNOTSUPP) => return Ok(DirLock(None)),
+                _ => return Err(Error::io(path, e)),
+            }
+        }
+    }
+}
+
+/// The bytes of one sample of `spec`, or why `spec` cannot be written: checked before
+/// anything is made on disk.
+fn check_spec(spec: &ClassificationSpec) -> Result<u64> {
     if spec.samples == 0 || spec.classes == 0 || spec.classes > 256 {
         return Err(Error::Config(
             "need at least one sample and 1 to 256 classes".into(),
@@ -277,7 +334,22 @@ pub fn classification(
             shape_string(&spec.shape)
         )));
     };
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    if spec.samples.checked_mul(row).is_none() || spec.samples.checked_mul(8).is_none() {
+        return Err(Error::Config(format!(
+            "{} samples of {row} bytes overflow 64 bits",
+            spec.samples
+        )));
+    }
+    Ok(row)
+}
+
+/// [`classification`], with `dir` made and its lock held.
+fn write_classification(
+    dir: &Path,
+    spec: &ClassificationSpec,
+    row: u64,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<(PathBuf, PathBuf)> {
     let mut x_shape = vec![spec.samples];
     x_shape.extend_from_slice(&spec.shape);
     // Both files are sized (and their space reserved) before anything else is allocated.

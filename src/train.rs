@@ -103,7 +103,7 @@ impl TrainConfig {
 /// [`Error::Cuda`]: crate::Error::Cuda
 pub fn run(config: &TrainConfig) -> Result<TrainReport> {
     if let Some(path) = &config.trace {
-        crate::util::check_writable(path)?;
+        crate::report::check_trace_output(path)?;
     }
     let backend = Backend::open(config.device)?;
     let mut setup = Setup {

@@ -39,6 +39,18 @@ pub fn megabytes(bytes: u64) -> String {
 /// [`Error::Io`] naming `path`; the temporary file is removed.
 pub fn write_whole(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
+    let dest = destination(path);
+    if std::fs::metadata(&dest).is_ok_and(|m| !m.is_file() && !m.is_dir()) {
+        // A stream (`/dev/stdout`, a FIFO, `/dev/null`): written in place, as a shell
+        // redirection would; renamed over, it would be replaced by a regular file.
+        let written = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&dest)
+            .and_then(|mut f| f.write_all(bytes));
+        return written.map_err(|e| Error::io(path, e));
+    }
+    // A symbolic link is written through: its target is replaced, not the link.
+    let path = dest.as_path();
     let crate::partial::Claimed {
         path: tmp,
         mut file,
@@ -54,22 +66,58 @@ pub fn write_whole(path: &Path, bytes: &[u8]) -> Result<()> {
     })
 }
 
-/// Checks, before a long run, that a file can be written at `path` later: its directory
-/// exists and takes a new file, and `path` is not a directory.
+/// Where a write to `path` lands: `path`, or the file its symbolic links lead to (at
+/// most 40 of them, as the kernel follows; a dangling link leads to the file it names).
+pub fn destination(path: &Path) -> std::path::PathBuf {
+    let mut at = path.to_path_buf();
+    for _ in 0..40 {
+        let is_link = std::fs::symlink_metadata(&at).is_ok_and(|m| m.file_type().is_symlink());
+        let Some(target) = is_link.then(|| std::fs::read_link(&at).ok()).flatten() else {
+            break;
+        };
+        at = match at.parent() {
+            Some(dir) if target.is_relative() => dir.join(target),
+            _ => target,
+        };
+    }
+    at
+}
+
+/// Checks, before a long run, that a file can be written at `path` later: it names a
+/// file (not a directory, nor a path ending in `/`), and its directory exists and takes
+/// a new file; or, where `streams`, it is an existing stream ([`write_whole`] writes
+/// `/dev/stdout`, a FIFO in place).
 ///
 /// # Errors
 /// [`Error::Io`] naming `path` with the reason.
-pub fn check_writable(path: &Path) -> Result<()> {
-    if path.is_dir() {
-        let e = std::io::Error::other("is a directory");
+pub fn check_writable(path: &Path, streams: bool) -> Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let dest = destination(path);
+    let ends_in_slash = path.as_os_str().as_bytes().last() == Some(&b'/');
+    if dest.is_dir() || ends_in_slash || dest.file_name().is_none() {
+        let e = std::io::Error::other("is a directory, not a file");
         return Err(Error::io(path, e));
     }
-    let name = path
+    if std::fs::metadata(&dest).is_ok_and(|m| !m.is_file()) {
+        // A stream: opening it now could block (a FIFO waits for its reader).
+        return match streams {
+            true => Ok(()),
+            false => Err(Error::io(
+                path,
+                std::io::Error::other("is not a regular file"),
+            )),
+        };
+    }
+    let name = dest
         .file_name()
         .map(|n| n.to_string_lossy())
         .unwrap_or_default();
-    let probe = path.with_file_name(format!(".{name}.{}.check", std::process::id()));
-    std::fs::File::create(&probe).map_err(|e| Error::io(path, e))?;
+    let probe = dest.with_file_name(format!(".{name}.{}.check", std::process::id()));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+        .map_err(|e| Error::io(path, e))?;
     let _ = std::fs::remove_file(&probe);
     Ok(())
 }

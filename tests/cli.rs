@@ -276,3 +276,150 @@ fn train_augments_x_when_asked_and_refuses_a_crop_too_large() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("4097"));
 }
+
+/// `stokehold train` on the digits, on the CPU, for one epoch, with `extra` flags.
+fn train_digits(extra: &[&str]) -> std::process::Output {
+    let digits = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
+    let mut args = vec![
+        "train", "--data", digits, "--epochs", "1", "--device", "cpu",
+    ];
+    args.extend_from_slice(extra);
+    stokehold(&args)
+}
+
+#[test]
+fn outputs_go_through_links_into_streams_and_never_onto_each_other() {
+    use std::os::unix::fs::FileTypeExt;
+    let dir = tempfile::tempdir().unwrap();
+    let at = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    // A link is written through: its target gets the report, the link stays a link.
+    std::fs::create_dir(dir.path().join("real")).unwrap();
+    std::os::unix::fs::symlink("real/target.json", dir.path().join("link.json")).unwrap();
+    let out = train_digits(&["--json", &at("link.json")]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(std::fs::symlink_metadata(at("link.json"))
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    assert!(read_json(&dir.path().join("real/target.json"))["epochs"].is_array());
+    // A FIFO is written in place (its reader gets the report), not replaced by a file.
+    let fifo = at("report.fifo");
+    let c = std::ffi::CString::new(fifo.clone()).unwrap();
+    // SAFETY: mkfifo reads the NUL-terminated path it is given.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let reader = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || std::fs::read(fifo).unwrap())
+    };
+    let out = train_digits(&["--json", &fifo]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: serde_json::Value = serde_json::from_slice(&reader.join().unwrap()).unwrap();
+    assert!(got["epochs"].is_array());
+    assert!(std::fs::symlink_metadata(&fifo)
+        .unwrap()
+        .file_type()
+        .is_fifo());
+    // Refused before any work, naming the path: a trace into a stream, both outputs
+    // on one file (however spelt), a path ending in `/`.
+    for (flags, says) in [
+        (vec!["--trace", fifo.as_str()], "not a regular file"),
+        (
+            vec![
+                "--json",
+                &at("same.json"),
+                "--trace",
+                &at("real/../same.json"),
+            ],
+            "both name",
+        ),
+        (vec!["--json", &at("new.json/")], "is a directory"),
+    ] {
+        let out = train_digits(&flags);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{flags:?}: {err}");
+        assert!(err.contains(says), "{flags:?}: {err}");
+        assert!(
+            !err.contains("epoch 0"),
+            "{flags:?} refused after the work: {err}"
+        );
+    }
+    assert!(!dir.path().join("same.json").exists());
+}
+
+#[test]
+fn a_closed_stderr_is_no_panic() {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    use std::process::Stdio;
+    // The reader of stderr is gone before the error is printed (`2>&1 | head -0`): the
+    // exit status still says what went wrong (1), not a panic's 101.
+    let mut fds = [0; 2];
+    // SAFETY: pipe writes two descriptors into the array it is given.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: both descriptors were just made and are owned here only.
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    drop(read);
+    let status = Command::new(env!("CARGO_BIN_EXE_stokehold"))
+        .args(["train", "--data", "/nonexistent/set", "--device", "cpu"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(write))
+        .status()
+        .unwrap();
+    assert_eq!(status.code(), Some(1));
+}
+
+#[test]
+fn two_runs_writing_one_set_leave_a_matching_pair() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("set");
+    let gen = |seed: &'static str| {
+        let out = out.clone();
+        std::thread::spawn(move || {
+            let args = ["gen", "--out", out.to_str().unwrap(), "--samples", "64"];
+            let rest = [
+                "--shape",
+                "4",
+                "--classes",
+                "3",
+                "--noise",
+                "0",
+                "--seed",
+                seed,
+            ];
+            stokehold(&[&args[..], &rest[..]].concat())
+        })
+    };
+    let labels = |seed: u64| {
+        let spec = stokehold::gen::ClassificationSpec {
+            samples: 64,
+            shape: vec![4],
+            classes: 3,
+            noise: 0,
+            seed,
+        };
+        let d = tempfile::tempdir().unwrap();
+        stokehold::gen::classification(d.path(), &spec, &|_| {}).unwrap();
+        (
+            std::fs::read(d.path().join("x.npy")).unwrap(),
+            std::fs::read(d.path().join("y.npy")).unwrap(),
+        )
+    };
+    let pairs = [labels(1), labels(2)];
+    for _ in 0..20 {
+        let (a, b) = (gen("1"), gen("2"));
+        assert!(a.join().unwrap().status.success());
+        assert!(b.join().unwrap().status.success());
+        let got = (
+            std::fs::read(out.join("x.npy")).unwrap(),
+            std::fs::read(out.join("y.npy")).unwrap(),
+        );
+        assert!(pairs.contains(&got), "x.npy and y.npy come from two runs");
+    }
+}

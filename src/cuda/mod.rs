@@ -56,6 +56,13 @@ fn libcuda_present() -> bool {
     })
 }
 
+/// Whether the dynamic loader finds libcuda (`libcuda.so` or `libcuda.so.1`): a cheap
+/// first answer, before any context is made, for a command asked for CUDA that has
+/// other work to do first.
+pub fn driver_present() -> bool {
+    libcuda_present()
+}
+
 /// Runs `f`, turning a panic into `Err` with its message, and printing nothing: cudarc
 /// panics when a libcuda it finds is broken (a symbol missing, say), and the probe's
 /// answer is then one line of reason, not a backtrace.

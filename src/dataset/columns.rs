@@ -40,7 +40,10 @@ impl NpyDataset {
     pub fn open_xy(dir: impl AsRef<Path>) -> Result<NpyDataset> {
         let dir = dir.as_ref();
         if !dir.is_dir() {
-            let e = std::io::Error::new(std::io::ErrorKind::NotFound, "no such directory");
+            let e = match dir.exists() {
+                true => std::io::Error::other("not a directory (x.npy and y.npy go in one)"),
+                false => std::io::Error::new(std::io::ErrorKind::NotFound, "no such directory"),
+            };
             return Err(Error::io(dir, e));
         }
         Self::open_columns([dir.join("x.npy"), dir.join("y.npy")])

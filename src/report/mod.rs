@@ -425,12 +425,39 @@ impl TrainReport {
 }
 
 /// Checks, before a long run, that its output file can be written at `path` (see
-/// [`write_json`]): the directory exists and takes a new file.
+/// [`write_json`]): the directory exists and takes a new file, or `path` is a stream
+/// (`/dev/stdout`, a FIFO) that the JSON is written to in place.
 ///
 /// # Errors
 /// [`Error::Io`](crate::Error::Io) naming `path`.
 pub fn check_output(path: &std::path::Path) -> crate::Result<()> {
-    crate::util::check_writable(path)
+    crate::util::check_writable(path, true)
+}
+
+/// Whether outputs `a` and `b` name one file: the same directory (however spelt) and
+/// name, once their symbolic links are followed. Two outputs given one path would
+/// replace each other.
+pub fn same_output(a: &std::path::Path, b: &std::path::Path) -> bool {
+    let key = |p: &std::path::Path| {
+        let p = crate::util::destination(p);
+        let dir = match p.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+            _ => std::path::PathBuf::from("."),
+        };
+        let dir = std::fs::canonicalize(&dir).unwrap_or(dir);
+        (dir, p.file_name().map(|n| n.to_owned()))
+    };
+    key(a) == key(b)
+}
+
+/// Checks, before a long run, that a trace can be written at `path`
+/// ([`Trace::create`](crate::telemetry::Trace::create)): as [`check_output`], but a
+/// regular file (a trace is streamed to a file beside it and renamed into place).
+///
+/// # Errors
+/// [`Error::Io`](crate::Error::Io) naming `path`.
+pub fn check_trace_output(path: &std::path::Path) -> crate::Result<()> {
+    crate::util::check_writable(path, false)
 }
 
 /// Writes `value` as pretty JSON to `path`, whole or not at all: into a temporary file

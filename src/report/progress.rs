@@ -66,7 +66,9 @@ impl EpochProgress {
             }
             None if self.last_line.elapsed() >= self.every => {
                 self.last_line = Instant::now();
-                eprintln!("epoch {} {}/{} {msg}", self.epoch, self.done, self.total);
+                // A closed stderr (`2>&1 | head`) is no reason to stop the run.
+                let line = format!("epoch {} {}/{} {msg}\n", self.epoch, self.done, self.total);
+                let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
             }
             None => {}
         }

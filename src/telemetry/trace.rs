@@ -221,6 +221,10 @@ impl Trace {
     /// [`Error::Io`](crate::Error::Io) naming `path` if the file or the writer thread
     /// cannot be created.
     pub fn create(path: &Path) -> Result<Trace> {
+        crate::util::check_writable(path, false)?;
+        // Through a symbolic link to the file it names.
+        let dest = crate::util::destination(path);
+        let path = dest.as_path();
         let Claimed { path: tmp, file } = partial::claim(path).map_err(|e| Error::io(path, e))?;
         let claim = file.try_clone().map_err(|e| {
             let _ = std::fs::remove_file(&tmp);

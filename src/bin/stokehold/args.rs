@@ -126,15 +126,15 @@ pub(crate) struct BenchArgs {
     /// Write the figures as JSON here.
     #[arg(long)]
     pub(crate) json: Option<PathBuf>,
-    /// Timed passes of each.
-    #[arg(long, default_value_t = 11)]
-    pub(crate) reps: usize,
+    /// Timed passes of each (1 or more).
+    #[arg(long, default_value_t = 11, value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) reps: u32,
     /// Skip the cold-cache epochs.
     #[arg(long)]
     pub(crate) no_cold: bool,
     /// Measure only this part: `cold` (a cold epoch with full and with block shuffle,
     /// and the storage's direct-I/O roofline).
-    #[arg(long, value_parser = ["cold"], conflicts_with = "no_cold")]
+    #[arg(long, value_parser = ["cold"], conflicts_with_all = ["no_cold", "reps"])]
     pub(crate) only: Option<String>,
 }
 

@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use stokehold::bench::{self, BenchConfig};
+use stokehold::device::DeviceChoice;
 use stokehold::gen::{self, ClassificationSpec};
 use stokehold::report::{self, write_json};
 use stokehold::train::{self, TrainConfig};
@@ -36,18 +37,28 @@ fn classification(dir: &Path, spec: &ClassificationSpec) -> stokehold::Result<(P
     written
 }
 
-/// Makes the default classification set when `dir` is its missing directory.
+/// Makes the default classification set when `dir` is its missing directory (once,
+/// whatever other runs find it missing at the same time).
 fn ensure_dataset(dir: &Path) -> stokehold::Result<()> {
     if !gen::default_missing(dir) {
         return Ok(());
     }
     let spec = ClassificationSpec::default();
     let (n, shape, classes) = (spec.samples, &spec.shape, spec.classes);
-    eprintln!(
+    say(&format!(
         "making {} ({n} samples of {shape:?} u8, {classes} classes)",
         dir.display()
-    );
-    classification(dir, &spec).map(drop)
+    ));
+    let bar = progress(spec.samples, "gen");
+    let made = gen::default_set(dir, &|n| bar.inc(n));
+    bar.finish_and_clear();
+    if !made? {
+        say(&format!(
+            "{} was made meanwhile by another run",
+            dir.display()
+        ));
+    }
+    Ok(())
 }
 
 fn run(command: Command) -> stokehold::Result<ExitCode> {
@@ -55,7 +66,23 @@ fn run(command: Command) -> stokehold::Result<ExitCode> {
         Command::Train(a) => {
             // Output paths are refused before any work, making the default set included.
             a.json.as_deref().map_or(Ok(()), report::check_output)?;
-            a.trace.as_deref().map_or(Ok(()), report::check_output)?;
+            a.trace
+                .as_deref()
+                .map_or(Ok(()), report::check_trace_output)?;
+            if let (Some(json), Some(trace)) = (&a.json, &a.trace) {
+                if report::same_output(json, trace) {
+                    return Err(stokehold::Error::Config(format!(
+                        "--json and --trace both name {}: one would replace the other",
+                        json.display()
+                    )));
+                }
+            }
+            // CUDA asked for where there is no driver: said before the default set is made.
+            if a.device == DeviceChoice::Cuda && !stokehold::cuda::driver_present() {
+                return Err(stokehold::Error::cuda(
+                    "no libcuda found (looked for libcuda.so and libcuda.so.1)",
+                ));
+            }
             ensure_dataset(&a.loader.data)?;
             let seed = a.seed;
             let config = TrainConfig {
@@ -84,7 +111,7 @@ fn run(command: Command) -> stokehold::Result<ExitCode> {
             let written = a.json.map_or(Ok(()), |path| write_json(&path, &report));
             emit(&train::summary(&report, &config));
             if let Some(e) = &report.trace_error {
-                eprintln!("error: {e}");
+                say(&format!("error: {e}"));
             }
             let failed = report.diverged_at.is_some() || report.trace_error.is_some();
             written.map(|()| match failed {
@@ -118,7 +145,7 @@ fn run(command: Command) -> stokehold::Result<ExitCode> {
         Command::Inspect { paths } => {
             let (table, errors) = report::inspect(&paths);
             emit(&table);
-            errors.iter().for_each(|e| eprintln!("error: {e}"));
+            errors.iter().for_each(|e| say(&format!("error: {e}")));
             Ok(match errors.is_empty() {
                 true => ExitCode::SUCCESS,
                 false => ExitCode::FAILURE,
@@ -131,14 +158,14 @@ fn run(command: Command) -> stokehold::Result<ExitCode> {
                 batch: a.loader.batch,
                 workers: a.loader.workers,
                 prefetch: a.loader.prefetch,
-                reps: a.reps.max(1),
+                reps: a.reps as usize,
                 seed: 0,
                 cold: !a.no_cold,
                 only_cold: a.only.is_some(),
                 page_cache_budget: a.loader.page_cache_budget,
                 direct_reads: !a.loader.no_direct_reads,
             };
-            let report = bench::measure(&a.loader.data, &cfg, &mut |line| eprintln!("{line}"))?;
+            let report = bench::measure(&a.loader.data, &cfg, &mut |line| say(line))?;
             let written = a.json.map_or(Ok(()), |path| write_json(&path, &report));
             emit(&report.text());
             written.map(|()| ExitCode::SUCCESS)
@@ -151,6 +178,12 @@ fn emit(text: &str) {
     let _ = std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes());
 }
 
+/// Prints a line to stderr; a closed stderr (`2>&1 | head`) is not an error either
+/// (`eprintln!` would panic on it).
+fn say(line: &str) {
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), format!("{line}\n").as_bytes());
+}
+
 fn main() -> ExitCode {
     // A file-size limit (`ulimit -f`) is then an error naming the file, not a kill.
     // SAFETY: setting a signal's disposition to "ignore" before any thread starts.
@@ -158,7 +191,7 @@ fn main() -> ExitCode {
     match run(Cli::parse().command) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e}");
+            say(&format!("error: {e}"));
             ExitCode::FAILURE
         }
     }
