@@ -336,7 +336,7 @@ fn check_spec(spec: &ClassificationSpec) -> Result<u64> {
     };
     if spec.samples.checked_mul(row).is_none() || spec.samples.checked_mul(8).is_none() {
         return Err(Error::Config(format!(
-            "{} samples of {row} bytes overflow 64 bits",
+            "{} samples of {row} bytes are too large: their size overflows 64 bits",
             spec.samples
         )));
     }

@@ -68,7 +68,13 @@ fn expected(doc: &[i64], max_len: usize, pad: i64) -> (Vec<i64>, i64) {
 
 #[test]
 fn a_megatron_dataset_is_read_in_place_padded_and_cut() {
-    for name in ["megatron_u16", "megatron_u16.idx", "megatron_u16.bin"] {
+    // A multimodal index (a mode byte a sequence) of text only reads as any other.
+    for name in [
+        "megatron_u16",
+        "megatron_u16.idx",
+        "megatron_u16.bin",
+        "megatron_text_modes",
+    ] {
         let ds = Documents::open_megatron(fx(name), 16, 7).unwrap();
         assert_eq!(ds.len(), 6);
         assert_eq!((ds.tokens(), ds.longest(), ds.truncated()), (61, 40, 1));
@@ -204,6 +210,30 @@ fn bad_arrow_files_are_errors_naming_the_file() {
         let err = Documents::open_arrow(arrow(name), column, 16, 0).unwrap_err();
         refused(err, name, problem);
     }
+    // pyarrow pads a sliced batch's values to 8 bytes: record batch 0's 20 int8 masks
+    // (documents of 5, 0, 12 and 3 tokens) take 24. A last offset moved into that
+    // padding would serve it as tokens (pyarrow's own `validate(full=True)` refuses it).
+    let mut bytes = std::fs::read(arrow("hf_stream.arrow")).unwrap();
+    let offsets: Vec<u8> = [0i32, 5, 5, 17, 20]
+        .iter()
+        .flat_map(|o| o.to_le_bytes())
+        .collect();
+    let found: Vec<usize> = bytes
+        .windows(offsets.len())
+        .enumerate()
+        .filter(|(_, w)| *w == offsets.as_slice())
+        .map(|(at, _)| at)
+        .collect();
+    // input_ids' offsets, then attention_mask's.
+    assert_eq!(found.len(), 2, "{found:?}");
+    bytes[found[1] + 16..found[1] + 20].copy_from_slice(&23i32.to_le_bytes());
+    let dir = tempfile::tempdir().unwrap();
+    let padded = dir.path().join("padded.arrow");
+    std::fs::write(&padded, &bytes).unwrap();
+    let err = Documents::open_arrow(&padded, "attention_mask", 50, 0).unwrap_err();
+    refused(err, "padded.arrow", "record batch 0");
+    // The same offsets into the int32 ids (80 bytes, no padding) are read as written.
+    assert!(Documents::open_arrow(&padded, "input_ids", 50, 0).is_ok());
 }
 
 fn mds(name: &str) -> PathBuf {
@@ -365,6 +395,23 @@ fn bad_mds_shards_are_errors_naming_the_file() {
         "v3.mds",
         "an MDS shard of version 3: stokehold reads version 2",
     );
+    // Shards of streaming's other codecs are named as such (by their magic).
+    for (codec, magic) in [
+        ("gzip", &b"\x1f\x8b\x08\x00"[..]),
+        ("bz2", b"BZh9"),
+        ("snappy", b"\xff\x06\x00\x00sNaPpY"),
+    ] {
+        let mut packed = magic.to_vec();
+        packed.extend_from_slice(&bytes[..64]);
+        let path = dir.path().join(format!("{codec}.mds"));
+        std::fs::write(&path, &packed).unwrap();
+        let err = Documents::open_mds(&path, "tokens", 16, 0).unwrap_err();
+        refused(
+            err,
+            &format!("{codec}.mds"),
+            &format!("a {codec}-compressed shard"),
+        );
+    }
     let mut bent = bytes.clone();
     bent[12] = bent[12].wrapping_add(1); // sample 2 starts a byte late: its sizes shift
     let path = dir.path().join("bent.mds");
@@ -401,6 +448,10 @@ fn bad_megatron_indexes_are_errors_naming_the_file() {
             "document 5 (1 tokens at byte 200) lies outside",
         ),
         ("megatron_bad_documents", "document index 2 is 3"),
+        (
+            "megatron_bad_modes",
+            "a multimodal index: sequence 2 has mode 1, not text",
+        ),
     ] {
         let err = Documents::open_megatron(fx(name), 16, 0).unwrap_err();
         refused(err, &format!("{name}.idx"), problem);

@@ -90,6 +90,7 @@ fn sizes_that_overflow_are_errors() {
     let d = dir.path().join("d");
     let out = gen(&d, &["--samples", "18446744073709551615", "--shape", "1"]);
     fails_with(&out, "too large");
+    assert!(!d.exists(), "the directory was made for a set refused");
     let t = dir.path().join("t.bin");
     let out = gen(&t, &["--tokens", "9223372036854775808"]);
     fails_with(&out, "overflow");

@@ -982,6 +982,16 @@ fn bad_litdata_sets_are_errors_naming_the_file() {
     std::fs::write(&fifo, huge).unwrap();
     let err = stokehold::LitData::open(dir.path()).unwrap_err();
     problem(err, "index.json", "add up past 2^64");
+    // Encrypted chunks (LitData's `encryption`) would read as wrong item counts.
+    let sealed = index.replacen(
+        "\"encryption\": null",
+        "\"encryption\": {\"algorithm\": \"fernet\", \"level\": \"chunk\"}",
+        1,
+    );
+    assert_ne!(sealed, index);
+    std::fs::write(&fifo, sealed).unwrap();
+    let err = stokehold::LitData::open(dir.path()).unwrap_err();
+    problem(err, "index.json", "its chunks are encrypted");
     let set = stokehold::LitData::open(litdata("litdata_u16")).unwrap();
     let err = set.windows(40, Windows::Consecutive).unwrap_err();
     problem(

@@ -198,6 +198,37 @@ fn the_main_job_reports_every_epoch_and_the_warmup_split() {
     let json = serde_json::to_value(&report).unwrap();
     assert!(json.pointer("/epochs/2/loss").is_some());
     assert!(json.pointer("/warmup/cold_cache_s").is_some());
+    // Every key the JSON has is in the README's schema (scripts rely on it).
+    let readme = include_str!("../README.md");
+    let schema = readme
+        .split("## `stokehold train --json FILE`: the schema")
+        .nth(1)
+        .and_then(|s| s.split("```text").nth(1))
+        .and_then(|s| s.split("```").next())
+        .expect("the README's schema block");
+    let words: std::collections::HashSet<&str> = schema
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .collect();
+    let mut keys = Vec::new();
+    for (at, value) in [
+        ("", &json),
+        ("setup.", &json["setup"]),
+        ("epochs[].", &json["epochs"][0]),
+        ("residency_start.", &json["epochs"][0]["residency_start"]),
+        ("warmup.", &json["warmup"]),
+    ] {
+        for key in value.as_object().expect("an object").keys() {
+            keys.push(format!("{at}{key}"));
+        }
+    }
+    let missing: Vec<&String> = keys
+        .iter()
+        .filter(|k| !words.contains(k.rsplit('.').next().unwrap()))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "not in the README's schema: {missing:?}"
+    );
     // The trace has a span per batch per stage: 29 batches x 3 epochs each.
     let trace: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&trace_path).unwrap()).unwrap();

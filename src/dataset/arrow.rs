@@ -8,7 +8,7 @@
 
 /// One record batch's part of the column: `rows` lists whose `rows + 1` offsets (`i32`,
 /// or `i64` for a large list) are at byte `offsets` of the file, into the values at byte
-/// `values` (`values_len` bytes).
+/// `values` (`values_len` bytes: the values the node counts, not the padding after).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Chunk {
     pub(super) rows: u64,
@@ -483,7 +483,7 @@ fn read_batch(
         Some((i64_at(batch.buf, e)?, i64_at(batch.buf, e + 8)?))
     };
     let (rows, list_nulls) = struct_at(1, at.node).ok_or_else(malformed)?;
-    let (_, value_nulls) = struct_at(1, at.node + 1).ok_or_else(malformed)?;
+    let (value_count, value_nulls) = struct_at(1, at.node + 1).ok_or_else(malformed)?;
     if list_nulls != 0 || value_nulls != 0 {
         return Err(format!(
             "the column has {list_nulls} null rows and {value_nulls} null tokens: every row \
@@ -503,7 +503,20 @@ fn read_batch(
     let rows = u64::try_from(rows).map_err(|_| malformed())?;
     let next = |k: usize| at.buffer.checked_add(k).ok_or_else(malformed);
     let (offsets, offsets_len) = buffer(next(1)?)?;
-    let (values, values_len) = buffer(next(3)?)?;
+    let (values, buffer_len) = buffer(next(3)?)?;
+    // The values are the node's count of tokens: a writer pads the buffer past them (to
+    // 8 bytes, for the slices of a table written in several batches), and offsets
+    // into that padding would serve its bytes as tokens.
+    let values_len = usize::try_from(value_count)
+        .ok()
+        .and_then(|n| n.checked_mul(wanted.dtype.size()))
+        .filter(|&n| n <= buffer_len)
+        .ok_or_else(|| {
+            format!(
+                "{value_count} tokens of {} bytes do not fit the {buffer_len}-byte values buffer",
+                wanted.dtype.size()
+            )
+        })?;
     let width = if wanted.large { 8 } else { 4 };
     let needed = (rows as usize)
         .checked_add(1)

@@ -267,12 +267,13 @@ impl Stored {
         let doc_count = word(26);
         let megatron = doc_count.and_then(|d| {
             let a = arrays?.checked_add(d.checked_mul(8)?)?.checked_add(34)?;
-            (len == a || Some(len) == a.checked_add(docs)).then_some(d)
+            let modes = Some(len) == a.checked_add(docs);
+            (len == a || modes).then_some((d, modes))
         });
         let fairseq = arrays.and_then(|a| a.checked_add(26)) == Some(len);
-        let (lengths, doc_count) = match (megatron, fairseq) {
-            (Some(d), _) => (MEGATRON_HEADER, d),
-            (None, true) => (FAIRSEQ_HEADER, 0),
+        let (lengths, doc_count, modes) = match (megatron, fairseq) {
+            (Some((d, modes)), _) => (MEGATRON_HEADER, d, modes),
+            (None, true) => (FAIRSEQ_HEADER, 0, false),
             (None, false) => {
                 return Err(bad(format!(
                     "{len} bytes, which fits neither layout for its header's {docs} \
@@ -319,6 +320,21 @@ impl Stored {
             }
         })?;
         list.map_err(bad)?;
+        // A multimodal set (Megatron-Core's `multimodal=True`): one mode byte a sequence,
+        // 0 for text. Any other sequence holds an image's bytes, not tokens.
+        if modes {
+            let at = documents + 8 * doc_count as usize;
+            let other = index.read(|m| {
+                let bytes = m.get(at..at + docs as usize).unwrap_or_default();
+                bytes.iter().position(|&b| b != 0).map(|k| (k, bytes[k]))
+            })?;
+            if let Some((k, mode)) = other {
+                return Err(bad(format!(
+                    "a multimodal index: sequence {k} has mode {mode}, not text (0); \
+                     stokehold reads token sequences only"
+                )));
+            }
+        }
         Ok(Stored {
             tokens,
             data: 0,

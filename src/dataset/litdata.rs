@@ -37,6 +37,9 @@ struct Config {
     compression: Option<String>,
     #[serde(default)]
     item_loader: Option<String>,
+    /// LitData's `encryption` (its kind and level), `null` for plain chunks.
+    #[serde(default)]
+    encryption: Option<serde_json::Value>,
 }
 
 /// The token types of `no_header_tensor` codes (LitData's `_TORCH_DTYPES_MAPPING`).
@@ -110,6 +113,11 @@ impl LitData {
         if let Some(codec) = &config.compression {
             return Err(bad(format!(
                 "its chunks are compressed ({codec}): optimize it without compression"
+            )));
+        }
+        if let Some(how) = config.encryption.as_ref().filter(|e| !e.is_null()) {
+            return Err(bad(format!(
+                "its chunks are encrypted ({how}): optimize it without encryption"
             )));
         }
         let format = match &config.data_format[..] {

@@ -80,7 +80,6 @@ pub(super) fn falling_offset(bytes: &[u8], count: u64) -> Option<(u64, u64)> {
 /// lists those there are), a column that is not an array of integers, a `bytes` column
 /// without an integer `dtype`, and an array column of another type than `dtype`.
 pub(super) fn column(bytes: &[u8], name: &str, dtype: Option<DType>) -> Result<Column, String> {
-    let len = bytes.len() as u64;
     if bytes.starts_with(&ZSTD_MAGIC) {
         return Err(
             "a zstd-compressed shard: decompress it (as streaming does on download, \
@@ -88,6 +87,27 @@ pub(super) fn column(bytes: &[u8], name: &str, dtype: Option<DType>) -> Result<C
                 .into(),
         );
     }
+    // streaming's other codecs, by their magic (brotli has none): said where the
+    // bytes do not read as a shard (a shard's sample count could start so).
+    let codec = [
+        (&b"\x1f\x8b\x08"[..], "gzip"),
+        (b"BZh", "bz2"),
+        (b"\xff\x06\x00\x00sNaPpY", "snappy"),
+    ]
+    .into_iter()
+    .find(|(magic, _)| bytes.starts_with(magic));
+    shard_column(bytes, name, dtype).map_err(|e| match codec {
+        Some((_, codec)) => format!(
+            "a {codec}-compressed shard: decompress it (as streaming does on download) \
+             and read the .mds"
+        ),
+        None => e,
+    })
+}
+
+/// [`column`] of a shard that is not zstd-compressed.
+fn shard_column(bytes: &[u8], name: &str, dtype: Option<DType>) -> Result<Column, String> {
+    let len = bytes.len() as u64;
     let not = |why: String| format!("not an MDS shard: {why}");
     let samples = word(bytes, 0).ok_or_else(|| not(format!("{len} bytes")))?;
     let table = 4 + 4 * (samples + 1);

@@ -79,7 +79,9 @@ impl NpyHeader {
         let fortran = dict.fortran_order.ok_or_else(|| missing("fortran_order"))?;
         let shape = dict.shape.ok_or_else(|| missing("shape"))?;
         let dtype = parse_descr(descr)?;
-        if fortran {
+        // Fortran order lays out the same bytes as C order where at most one dimension
+        // is over 1 (a 1-d token stream that `open_memmap(fortran_order=True)` wrote).
+        if fortran && shape.iter().filter(|&&d| d > 1).count() > 1 {
             return Err(NpyProblem::FortranOrder);
         }
         if shape.is_empty() {
@@ -505,9 +507,18 @@ mod tests {
             NpyProblem::BigEndian(">f4".into())
         );
         assert_eq!(
-            p("{'descr': '<f4', 'fortran_order': True, 'shape': (3,), }"),
+            p("{'descr': '<f4', 'fortran_order': True, 'shape': (3, 4), }"),
             NpyProblem::FortranOrder
         );
+        // One dimension over 1: the same bytes in either order.
+        for shape in ["(3,)", "(1, 5)", "(4, 1, 1)"] {
+            let d = format!("{{'descr': '<f4', 'fortran_order': True, 'shape': {shape}, }}");
+            let h = NpyHeader::parse(&header(&d, 1)).unwrap();
+            assert_eq!(
+                h.shape.iter().product::<u64>(),
+                h.shape.iter().max().copied().unwrap()
+            );
+        }
         assert_eq!(
             p("{'descr': '<f4', 'fortran_order': False, 'shape': (), }"),
             NpyProblem::ZeroDim
