@@ -163,6 +163,32 @@ fn arrow_list_columns_are_read_in_place() {
     // before the column.
     let ds = Documents::open_arrow(arrow("v4_unions.arrow"), "input_ids", 16, 7).unwrap();
     assert_eq!(rows(ds, i32_tokens), want);
+    // Hugging Face's fixed-length sequences (a fixed_size_list<int32>[8], each document
+    // cut or padded with 0 to 8), in record batches of 4 rows: served padded or cut.
+    let fixed: Vec<Vec<i64>> = docs()
+        .iter()
+        .map(|d| {
+            d.iter()
+                .copied()
+                .chain(std::iter::repeat(0))
+                .take(8)
+                .collect()
+        })
+        .collect();
+    for max_len in [16, 5] {
+        let ds = Documents::open_arrow(arrow("hf_fixed.arrow"), "input_ids", max_len, 7).unwrap();
+        assert_eq!((ds.len(), ds.tokens()), (6, 48));
+        let want: Vec<_> = fixed.iter().map(|d| expected(d, max_len, 7)).collect();
+        assert_eq!(rows(ds, i32_tokens), want, "max_len {max_len}");
+    }
+    let packed = stokehold::Packed::open_arrow(
+        arrow("hf_fixed.arrow"),
+        "input_ids",
+        7,
+        Windows::Consecutive,
+    )
+    .unwrap();
+    assert_eq!(packed.len(), 6);
     // Empty record batches among the others, and a struct nested 60 deep before the
     // column (pyarrow writes no deeper than 64; stokehold reads as deep).
     for name in ["empty_batches.arrow", "deep_struct.arrow"] {
@@ -756,6 +782,7 @@ proptest::proptest! {
         name in proptest::sample::select(vec![
             "arrow/hf_stream.arrow",
             "arrow/mixed_file.arrow",
+            "arrow/hf_fixed.arrow",
             "mds/mds_tokens/shard.00000.mds",
             "mds/mds_windows/shard.00000.mds",
             "mds/mds_bytes/shard.00000.mds",

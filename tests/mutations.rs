@@ -117,6 +117,18 @@ fn cases() -> Vec<Case> {
             },
         ),
         case(
+            "Arrow stream, fixed-size lists",
+            &["arrow/hf_fixed.arrow"],
+            |d| {
+                boxed(Documents::open_arrow(
+                    d.join("hf_fixed.arrow"),
+                    "input_ids",
+                    16,
+                    7,
+                ))
+            },
+        ),
+        case(
             "Arrow file, mixed columns",
             &["arrow/mixed_file.arrow"],
             |d| {

@@ -8,12 +8,15 @@
 
 /// One record batch's part of the column: `rows` lists whose `rows + 1` offsets (`i32`,
 /// or `i64` for a large list) are at byte `offsets` of the file, into the values at byte
-/// `values` (`values_len` bytes: the values the node counts, not the padding after).
+/// `values` (`values_len` bytes: the values the node counts, not the padding after). A
+/// fixed-size list (`fixed`, Hugging Face's `Sequence(..., length=n)`) has no offsets:
+/// row `j` is values `j * n..(j + 1) * n`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Chunk {
     pub(super) rows: u64,
     pub(super) offsets: usize,
     pub(super) large: bool,
+    pub(super) fixed: Option<u64>,
     pub(super) values: usize,
     pub(super) values_len: usize,
 }
@@ -204,6 +207,8 @@ struct Wanted {
     /// first buffer (validity, then data) follow at `+ 1`, `+ 2`.
     at: Place,
     large: bool,
+    /// A fixed-size list's size.
+    fixed: Option<u64>,
     dtype: super::DType,
     /// View-typed fields before the column, whose variadic buffer counts the record
     /// batches give.
@@ -385,9 +390,17 @@ fn find(fields: &[Table<'_>], name: &str, v4: bool) -> Result<Wanted, String> {
         let this = f.string(0).unwrap_or_default();
         if this == name.as_bytes() {
             let tag = f.u8(2).ok_or_else(malformed)?;
-            let large = match tag {
-                ty::LIST => false,
-                ty::LARGE_LIST => true,
+            let (large, fixed) = match tag {
+                ty::LIST => (false, None),
+                ty::LARGE_LIST => (true, None),
+                ty::FIXED_SIZE_LIST => {
+                    // FixedSizeList { listSize: int }, in the field's type table.
+                    let size = f.table(3).and_then(|t| t.i32(0)).ok_or_else(malformed)?;
+                    let size = u64::try_from(size).map_err(|_| {
+                        format!("column {name:?} is a list of a negative size, {size}")
+                    })?;
+                    (false, Some(size))
+                }
                 _ => return Err(format!("column {name:?} is not a list of integers")),
             };
             let children = f.tables(5).ok_or_else(malformed)?;
@@ -415,6 +428,7 @@ fn find(fields: &[Table<'_>], name: &str, v4: bool) -> Result<Wanted, String> {
             return Ok(Wanted {
                 at: place,
                 large,
+                fixed,
                 dtype,
                 views_before: place.views,
             });
@@ -502,8 +516,14 @@ fn read_batch(
     };
     let rows = u64::try_from(rows).map_err(|_| malformed())?;
     let next = |k: usize| at.buffer.checked_add(k).ok_or_else(malformed);
-    let (offsets, offsets_len) = buffer(next(1)?)?;
-    let (values, buffer_len) = buffer(next(3)?)?;
+    // A list's validity, offsets, then its values' validity and data; a fixed-size
+    // list has no offsets.
+    let (offsets, offsets_len) = match wanted.fixed {
+        None => buffer(next(1)?)?,
+        Some(_) => (0, 0),
+    };
+    let data = if wanted.fixed.is_some() { 2 } else { 3 };
+    let (values, buffer_len) = buffer(next(data)?)?;
     // The values are the node's count of tokens: a writer pads the buffer past them (to
     // 8 bytes, for the slices of a table written in several batches), and offsets
     // into that padding would serve its bytes as tokens.
@@ -517,11 +537,19 @@ fn read_batch(
                 wanted.dtype.size()
             )
         })?;
+    if let Some(n) = wanted.fixed {
+        let tokens = rows.checked_mul(n);
+        if !tokens.is_some_and(|t| t <= value_count as u64) {
+            return Err(format!(
+                "{rows} lists of {n} tokens need more than the {value_count} tokens there are"
+            ));
+        }
+    }
     let width = if wanted.large { 8 } else { 4 };
     let needed = (rows as usize)
         .checked_add(1)
         .and_then(|n| n.checked_mul(width));
-    if rows > 0 && !needed.is_some_and(|n| n <= offsets_len) {
+    if rows > 0 && wanted.fixed.is_none() && !needed.is_some_and(|n| n <= offsets_len) {
         return Err(format!(
             "{rows} lists need {} bytes of offsets, the buffer holds {offsets_len}",
             (u128::from(rows) + 1) * width as u128
@@ -531,6 +559,7 @@ fn read_batch(
         rows,
         offsets,
         large: wanted.large,
+        fixed: wanted.fixed,
         values,
         values_len,
     })

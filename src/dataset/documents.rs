@@ -74,7 +74,8 @@ impl Documents {
     /// Opens the list-of-integers column `column` of an Arrow IPC file: a Hugging Face
     /// `datasets` table as `save_to_disk` or its cache writes it (`column` is then
     /// usually `"input_ids"`), or any `pyarrow` stream or file. Each row is a document;
-    /// the record batches' offsets and values are read in place.
+    /// the record batches' offsets and values are read in place. A list, a large list or
+    /// a fixed-size list (`datasets`' `Sequence(Value("int32"), length=n)`) of integers.
     ///
     /// # Errors
     /// [`Error::Io`] for a file that cannot be read; [`Error::Dataset`] naming the file

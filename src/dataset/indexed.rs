@@ -157,6 +157,10 @@ impl Index {
                 if j as u64 >= chunk.rows {
                     return None;
                 }
+                if let Some(n) = chunk.fixed {
+                    let first = (j as u64).checked_mul(n)?.checked_mul(width as u64)?;
+                    return Some(((chunk.values as u64).checked_add(first)?, n));
+                }
                 let dtype = chunk.offset_type();
                 let w = dtype.size();
                 let at = |k: usize| chunk.offsets.checked_add(w.checked_mul(k)?);
@@ -397,7 +401,9 @@ impl Stored {
         let width = list.dtype.size() as u64;
         let checked = file.read(|m| {
             // (An empty record batch may have no offsets at all.)
-            for (c, chunk) in list.chunks.iter().enumerate().filter(|(_, c)| c.rows > 0) {
+            // (A fixed-size list's rows were checked against its values as it was read.)
+            let listed = list.chunks.iter().enumerate();
+            for (c, chunk) in listed.filter(|(_, c)| c.rows > 0 && c.fixed.is_none()) {
                 let dtype = chunk.offset_type();
                 let bytes = (chunk.rows as usize + 1) * dtype.size();
                 let Some(o) = m.get(chunk.offsets..).and_then(|o| o.get(..bytes)) else {
