@@ -298,6 +298,22 @@ fn mds_array_columns_are_read_in_place() {
     let windows: Vec<_> = stream.chunks_exact(8).map(|w| (w.to_vec(), 8)).collect();
     assert_eq!((ds.len(), ds.dtype()), (7, stokehold::DType::I32));
     assert_eq!(rows(ds, i32_tokens), windows);
+    // A plain `ndarray` column: each sample names its type (int64 here) before its shape.
+    let dynamic = mds("mds_dynamic/shard.00000.mds");
+    let ds = Documents::open_mds(&dynamic, "tokens", 16, 7).unwrap();
+    assert_eq!((ds.len(), ds.dtype()), (5, stokehold::DType::I64));
+    let i64_tokens = |b: &stokehold::HostBatch| b.column_named::<i64>("tokens").unwrap().to_vec();
+    assert_eq!(rows(ds, i64_tokens), want);
+    // A sample of another type than the first's is refused, naming the sample.
+    let mut bytes = std::fs::read(&dynamic).unwrap();
+    let third = u32::from_le_bytes(bytes[12..16].try_into().unwrap()) as usize;
+    assert_eq!(bytes[third + 4], 65, "sample 2 starts with int64's code");
+    bytes[third + 4] = 33;
+    let dir = tempfile::tempdir().unwrap();
+    let mixed = dir.path().join("mixed.mds");
+    std::fs::write(&mixed, &bytes).unwrap();
+    let err = Documents::open_mds(&mixed, "tokens", 16, 7).unwrap_err();
+    refused(err, "mixed.mds", "sample 2");
     // Packed, each shard: its documents back to back.
     let packed = stokehold::Packed::open_mds(
         mds("mds_tokens/shard.00000.mds"),
@@ -385,11 +401,6 @@ fn bad_mds_shards_are_errors_naming_the_file() {
             tokens,
             "text",
             r#"column "text" is encoded as "str", not as an array of integers"#,
-        ),
-        (
-            "mds_dynamic/shard.00000.mds",
-            "tokens",
-            r#"column "tokens" is encoded as "ndarray", not as an array of integers"#,
         ),
         (
             "mds_zstd/shard.00000.mds.zstd",
@@ -785,6 +796,7 @@ proptest::proptest! {
             "arrow/hf_fixed.arrow",
             "mds/mds_tokens/shard.00000.mds",
             "mds/mds_windows/shard.00000.mds",
+            "mds/mds_dynamic/shard.00000.mds",
             "mds/mds_bytes/shard.00000.mds",
         ]),
         edits in proptest::collection::vec((0usize..5000, proptest::num::u8::ANY), 1..6),

@@ -106,7 +106,8 @@ impl Documents {
     /// a configuration that is not the writer's, a layout version other than 2, zstd
     /// compression), a missing column (the message lists
     /// those there are), one not encoded as an array of integers
-    /// (`ndarray:<integer type>[:<shape>]`), and a sample whose array does not fit it;
+    /// (`ndarray:<integer type>[:<shape>]`, or a plain `ndarray` whose samples name one
+    /// integer type), and a sample whose array does not fit it;
     /// [`Error::Config`] as for [`open_megatron`](Documents::open_megatron).
     pub fn open_mds(
         path: impl AsRef<Path>,

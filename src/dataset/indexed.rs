@@ -179,8 +179,8 @@ impl Index {
         match self {
             Index::Mds(_) => format!(
                 "sample {i}: its array lies outside the sample (a size or shape header \
-                 that does not match its values, or raw bytes that are no whole number \
-                 of values)"
+                 that does not match its values, raw bytes that are no whole number \
+                 of values, or a plain ndarray of another type than the first sample's)"
             ),
             _ => format!("document {i} has a negative length or place"),
         }

@@ -7,8 +7,10 @@
 //! size per column of variable size, then holds each column's bytes, in the order of
 //! `column_names`. An `ndarray:<dtype>` column's bytes are a shape header (a byte
 //! `ndim << 2 | k`, then `ndim` sizes of `2^k` bytes each) and the values; an
-//! `ndarray:<dtype>:<shape>` column's, the values alone; a `bytes` column's, raw bytes
-//! (older LLM Foundry sets keep their `int64` tokens so), whose type the reader is told.
+//! `ndarray:<dtype>:<shape>` column's, the values alone; a plain `ndarray` column's, a
+//! type code byte, then the shape header and the values (each sample naming its type);
+//! a `bytes` column's, raw bytes (older LLM Foundry sets keep their `int64` tokens so),
+//! whose type the reader is told.
 
 use super::arrow::u32_at;
 use super::DType;
@@ -41,6 +43,32 @@ pub(super) struct Column {
     elements: Option<u64>,
     /// A `bytes` column: each sample's values are its bytes, with no shape header.
     raw: bool,
+    /// A plain `ndarray` column: each sample's array starts with its type's code, which
+    /// must be `dtype`'s in every sample.
+    coded: bool,
+}
+
+/// The element types of a plain `ndarray` column's type codes (streaming's `NDArray`:
+/// 8 bits times the width in bytes, plus 1 for a signed type), integers only.
+fn coded_dtype(code: u8) -> Option<DType> {
+    Some(match code {
+        8 => DType::U8,
+        9 => DType::I8,
+        16 => DType::U16,
+        17 => DType::I16,
+        32 => DType::U32,
+        33 => DType::I32,
+        64 => DType::U64,
+        65 => DType::I64,
+        _ => return None,
+    })
+}
+
+/// The type code of `dtype` in a plain `ndarray` column ([`coded_dtype`]'s inverse).
+fn dtype_code(dtype: DType) -> Option<u8> {
+    [8, 9, 16, 17, 32, 33, 64, 65]
+        .into_iter()
+        .find(|&c| coded_dtype(c) == Some(dtype))
 }
 
 /// The `u32` at byte `at`.
@@ -165,6 +193,7 @@ fn shard_column(bytes: &[u8], name: &str, dtype: Option<DType>) -> Result<Column
         variable_before,
         elements,
         raw,
+        coded: false,
     };
     if encoding == "bytes" {
         return match dtype {
@@ -177,6 +206,34 @@ fn shard_column(bytes: &[u8], name: &str, dtype: Option<DType>) -> Result<Column
                  values (int64 for the token columns older LLM Foundry versions wrote)"
             )),
         };
+    }
+    if encoding == "ndarray" && sizes[c].is_none() {
+        // Each sample names its type: the first's is the column's, every other sample's
+        // must be the same (checked as the documents are scanned).
+        let mut column = layout(DType::U8, None, false);
+        column.coded = true;
+        let code = (samples > 0)
+            .then(|| column.start(bytes, 0))
+            .flatten()
+            .and_then(|at| bytes.get(usize::try_from(at).ok()?).copied());
+        column.dtype = match (code.and_then(coded_dtype), code, dtype) {
+            (Some(d), _, Some(asked)) if asked != d => {
+                return Err(format!(
+                    "column {name:?} holds {d} values (\"ndarray\", by its first sample), \
+                     and {asked} was asked for"
+                ))
+            }
+            (Some(d), ..) => d,
+            (None, None, Some(asked)) => asked,
+            (None, code, _) => {
+                return Err(format!(
+                    "column {name:?} is encoded as \"ndarray\" and its first sample holds \
+                     no array of integers (type code {})",
+                    code.map_or("missing".into(), |c| c.to_string())
+                ))
+            }
+        };
+        return Ok(column);
     }
     let parts: Vec<&str> = encoding.split(':').collect();
     let asked = dtype;
@@ -223,11 +280,7 @@ impl Column {
         let start = word(bytes, 4 + 4 * i as u64)?;
         let end = word(bytes, 4 + 4 * (i as u64 + 1))?;
         let size = |j: usize| word(bytes, start.checked_add(4 * j as u64)?);
-        let mut at = start.checked_add(4 * self.variable as u64)?;
-        at = at.checked_add(self.fixed_before)?;
-        for j in 0..self.variable_before {
-            at = at.checked_add(size(j)?)?;
-        }
+        let mut at = self.start(bytes, i)?;
         let width = self.dtype.size() as u64;
         let (values, count) = match self.elements {
             Some(n) => (at, n),
@@ -237,6 +290,12 @@ impl Column {
                 if self.raw {
                     // Raw bytes: a whole number of values.
                     (bytes_len % width == 0).then_some((at, bytes_len / width))?
+                } else if self.coded {
+                    // Its type's code first, the column's.
+                    let code = *bytes.get(usize::try_from(at).ok()?)?;
+                    (Some(code) == dtype_code(self.dtype)).then_some(())?;
+                    at = at.checked_add(1)?;
+                    self.array(bytes, at, bytes_len.checked_sub(1)?)?
                 } else {
                     self.array(bytes, at, bytes_len)?
                 }
@@ -244,6 +303,19 @@ impl Column {
         };
         let last = values.checked_add(count.checked_mul(width)?)?;
         (last <= end).then_some((values, count))
+    }
+
+    /// The first byte of sample `i`'s bytes of this column, `None` where the shard does
+    /// not hold it.
+    fn start(&self, bytes: &[u8], i: usize) -> Option<u64> {
+        let start = word(bytes, 4 + 4 * i as u64)?;
+        let size = |j: usize| word(bytes, start.checked_add(4 * j as u64)?);
+        let mut at = start.checked_add(4 * self.variable as u64)?;
+        at = at.checked_add(self.fixed_before)?;
+        for j in 0..self.variable_before {
+            at = at.checked_add(size(j)?)?;
+        }
+        Some(at)
     }
 
     /// An `ndarray` sample's values, `bytes_len` bytes at `at` with their shape header

@@ -590,7 +590,8 @@ class DocumentLoader(Loader):
     ``column`` (``"input_ids"`` by default) holds a document a row; or a MosaicML
     Streaming shard (``path`` ending in ``.mds``, as ``streaming.MDSWriter`` writes
     it), whose array column ``column`` (``"tokens"`` by default, as LLM Foundry names
-    it; encoded ``ndarray:<integer type>``) holds a document a sample. A directory that
+    it; encoded ``ndarray:<integer type>``, or a plain ``ndarray`` of integers) holds
+    a document a sample. A directory that
     ``save_to_disk`` wrote (its shards as its ``state.json`` lists them), an MDS
     directory (its shards as its ``index.json`` lists them) or a list of paths is one
     set, its shards in order. ``dtype`` is the integer type of an MDS column encoded as
