@@ -190,7 +190,7 @@ impl DeviceCache {
             Ok(())
         })();
         // Whatever happened, no staging buffer is freed while a copy may read it.
-        stream.synchronize()?;
+        super::wait_stream(&stream)?;
         filled?;
         self.filled = true;
         Ok(())
@@ -209,6 +209,11 @@ impl DeviceCache {
     }
 
     /// Uploads the indices of every batch of `order` (batch `b` at `b * batch_size`).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for an order with a sample past the cache's rows (an epoch of
+    /// another loader than the cache's: its kernels would read or write outside the
+    /// cache) or more batches than planned; [`Error::Cuda`] from the copy.
     pub(crate) fn upload_order(&mut self, order: &EpochOrder, stream: &CudaStream) -> Result<()> {
         // The previous epoch's copy of the host buffer must be done before it is rewritten.
         stream.synchronize()?;
@@ -221,6 +226,14 @@ impl DeviceCache {
         let mut batch = Vec::with_capacity(b);
         for k in 0..order.batches() {
             order.batch(k, &mut batch);
+            if let Some(&i) = batch.iter().find(|&&i| i >= self.rows) {
+                return Err(Error::Config(format!(
+                    "device cache: sample {i} of epoch {} is past its {} rows (an epoch of \
+                     another loader than the cache's)",
+                    order.epoch(),
+                    self.rows
+                )));
+            }
             let at = k as usize * b;
             host.get_mut(at..at + batch.len())
                 .ok_or_else(|| Error::Config("device cache: epoch larger than planned".into()))?

@@ -344,14 +344,14 @@ impl Feeder {
         // layout is the slots', checked above); the copy is waited for before this
         // returns, so the batch outlives it.
         unsafe { result::memcpy_htod_async(dst, batch.as_bytes(), self.copy.cu_stream()) }?;
-        self.copy.synchronize()?;
+        super::wait_stream(&self.copy)?;
         let db = self.in_slot(0, batch);
         let worked = match self.resident.for_work(&db, 0) {
             Ok(augmented) => work(augmented.as_ref().unwrap_or(&db)),
             Err(e) => Err(e),
         };
         // What `work` enqueued reads slot 0, error or not: done before the next copy.
-        self.compute.synchronize()?;
+        super::wait_stream(&self.compute)?;
         worked
     }
 

@@ -131,11 +131,11 @@ impl Shared {
 impl Drop for Shared {
     fn drop(&mut self) {
         self.restore = Some(Restore::now());
-        // The memory is freed after the consumers' last work on it has run.
-        super::take_left_error(&self.ctx);
+        // The memory is freed after the consumers' last work on it has run (a wait that
+        // an error left in the context by another thread cannot skip).
         for r in &self.release {
             for e in &lock(r).events {
-                let _ = e.synchronize();
+                let _ = super::wait_event(&self.ctx, e);
             }
         }
     }
@@ -710,22 +710,25 @@ impl LentBatch {
 
     /// Makes `stream` wait on the device for the batch's copy (the host does not wait),
     /// and remembers it: the slot is reused only after `stream` has run what was
-    /// enqueued on it before the batch is dropped. The stream must live until then: the
-    /// release is recorded on it when the batch is dropped (a stream destroyed earlier
-    /// costs a synchronisation of the context if the driver refuses its handle, and is
-    /// undefined if the handle was reused by then).
+    /// enqueued on it before the batch is dropped (the release is recorded on it then).
+    ///
+    /// # Safety
+    /// `stream` is [`LEGACY_STREAM`], [`PER_THREAD_STREAM`] or a stream of the batch's
+    /// context that stays alive, and is not destroyed (its handle reused for another
+    /// stream), until the batch is dropped, as DLPack's `stream` promises. A handle of
+    /// another context is refused by the driver; anything else is undefined.
     ///
     /// # Errors
     /// [`Error::Cuda`] when the driver refuses the stream (a handle of another context,
     /// or not a stream).
-    pub fn wait_on(&self, stream: StreamHandle) -> Result<()> {
+    pub unsafe fn wait_on(&self, stream: StreamHandle) -> Result<()> {
         let _current = KeepCurrent::new();
         self.touch();
         let s = &*self.shared;
         s.ctx.bind_to_thread()?;
         let event = s.copied[self.slot].cu_event();
         // SAFETY: the event is live (owned by `shared`, which `self` holds); the stream
-        // is the caller's, valid for this call by the contract of DLPack's `stream`.
+        // is valid by this function's contract.
         unsafe {
             result::stream::wait_event(
                 stream as sys::CUstream,
@@ -742,7 +745,11 @@ impl LentBatch {
 
     /// Names `stream` as one the batch is used on, without waiting for the copy on it
     /// (the caller has ordered it otherwise, as DLPack's `stream=-1` promises).
-    pub fn used_on(&self, stream: StreamHandle) {
+    ///
+    /// # Safety
+    /// As [`wait_on`](LentBatch::wait_on): the release is recorded on `stream` when the
+    /// batch is dropped.
+    pub unsafe fn used_on(&self, stream: StreamHandle) {
         self.touch();
         let mut streams = lock(&self.streams);
         if !streams.contains(&stream) {

@@ -100,6 +100,36 @@ pub(crate) fn settle(ctx: &CudaContext) -> std::result::Result<(), DriverError> 
     ctx.synchronize()
 }
 
+/// Waits on the host for `event`, whatever error another thread leaves in its context
+/// meanwhile: cudarc's own `synchronize` first returns (and clears) such an error, and
+/// then does not wait. For waits that guard memory about to be reused or freed.
+///
+/// # Errors
+/// The driver's error, once the wait is done.
+pub(crate) fn wait_event(
+    ctx: &CudaContext,
+    event: &cudarc::driver::CudaEvent,
+) -> std::result::Result<(), DriverError> {
+    use cudarc::driver::result;
+    // SAFETY: `ctx` is alive (borrowed); making it current touches no memory of ours.
+    unsafe { result::ctx::set_current(ctx.cu_ctx()) }?;
+    // SAFETY: the event is alive (borrowed) and of that context.
+    unsafe { result::event::synchronize(event.cu_event()) }
+}
+
+/// [`wait_event`] for everything enqueued on `stream`.
+///
+/// # Errors
+/// The driver's error, once the wait is done.
+pub(crate) fn wait_stream(stream: &CudaStream) -> std::result::Result<(), DriverError> {
+    use cudarc::driver::result;
+    // SAFETY: the stream's context is alive (the stream holds it); making it current
+    // touches no memory of ours.
+    unsafe { result::ctx::set_current(stream.context().cu_ctx()) }?;
+    // SAFETY: the stream is alive (borrowed) and of that context.
+    unsafe { result::stream::synchronize(stream.cu_stream()) }
+}
+
 /// [`settle`] for one stream's work.
 ///
 /// # Errors

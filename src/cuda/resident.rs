@@ -57,10 +57,17 @@ impl Resident {
     }
 
     /// Before a fed epoch: whether it fills the cache (a whole epoch from its first
-    /// batch, not resumed elastically after other ranks took part of it, while the cache
-    /// is not filled), with the epoch's index list and draws enqueued on `stream`.
+    /// batch, not resumed elastically after other ranks took part of it, whose batches
+    /// hold as many samples as the cache has rows, while the cache is not filled), with
+    /// the epoch's index list and draws enqueued on `stream`.
+    ///
+    /// # Errors
+    /// As `DeviceCache::upload_order` (a sample past the cache's rows).
     pub(super) fn before_fed(&mut self, epoch: &Epoch<'_>, stream: &CudaStream) -> Result<bool> {
-        let whole = epoch.first_batch() == 0 && epoch.order().start() == 0;
+        let rows = self.cache.as_ref().map(|c| c.rows());
+        let whole = epoch.first_batch() == 0
+            && epoch.order().start() == 0
+            && Some(epoch.order().items()) == rows;
         let filling = whole && self.cache.as_ref().is_some_and(|c| !c.filled());
         if let Some(c) = self.cache.as_mut().filter(|_| filling) {
             c.upload_order(epoch.order(), stream)?;
@@ -166,7 +173,9 @@ impl Resident {
         stream.begin_capture(mode)?;
         let enqueued = (0..order.batches())
             .try_for_each(|b| self.enqueue_cached(stream, (order, b), || Ok(()), &mut *work));
-        // End the capture whatever happened, so the stream is usable again.
+        // End the capture whatever happened, so the stream is usable again (an error a
+        // drop left in the context would make cudarc return before it).
+        super::take_left_error(stream.context());
         let flags = sys::CUgraphInstantiate_flags(0);
         let graph = stream.end_capture(flags).map_err(Error::from);
         enqueued?;

@@ -282,7 +282,9 @@ impl Step {
                 let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
                 s.begin_capture(mode)?;
                 let enqueued = self.enqueue(batch);
-                // End the capture whatever happened, so the stream is usable again.
+                // End the capture whatever happened, so the stream is usable again (an
+                // error a drop left in the context would make cudarc return before it).
+                super::take_left_error(s.context());
                 let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
                 enqueued?;
                 let graph = graph?.ok_or_else(|| Error::cuda("the captured step is empty"))?;

@@ -121,8 +121,12 @@ impl CudaTensors {
     ///
     /// # Errors
     /// [`Error::Config`] for a `u64` column or an error from candle; [`Error::Cuda`] on a
-    /// driver error.
+    /// driver error; [`Error::CopyFailed`] when the copy of an earlier batch failed,
+    /// naming the oldest still in flight (resume from it: `batch` was not copied).
     pub fn tensors(&mut self, batch: HostBatch) -> Result<Vec<Tensor>> {
+        // Earlier batches first: a failed copy among them is found before this batch's
+        // copies are enqueued for nothing.
+        self.retire(IN_FLIGHT - 1)?;
         self.copy.context().bind_to_thread()?;
         if let Some(col) = batch.columns().iter().find(|c| c.dtype == DType::U64) {
             return Err(Error::Config(format!(
@@ -149,7 +153,6 @@ impl CudaTensors {
             }
         };
         self.in_flight.push_back((batch, copied));
-        self.retire()?;
         copies.into_iter().map(Column::tensor).collect()
     }
 
@@ -225,14 +228,37 @@ impl CudaTensors {
     }
 
     /// Hands back the host batches whose copies are done, waiting for the oldest while
-    /// more than [`IN_FLIGHT`] remain.
-    fn retire(&mut self) -> Result<()> {
-        while let Some((_, event)) = self.in_flight.front() {
-            if self.in_flight.len() <= IN_FLIGHT && !event.try_is_complete()? {
-                break;
+    /// more than `most` remain. A failed wait is [`Error::CopyFailed`] naming the oldest
+    /// batch in flight; every copy is then waited for (none still reads a host batch)
+    /// and the batches go back.
+    fn retire(&mut self, most: usize) -> Result<()> {
+        while let Some((batch, event)) = self.in_flight.front() {
+            let done = match self.in_flight.len() <= most {
+                true => event.try_is_complete().map_err(Error::from),
+                false => crate::cuda::wait_event(self.copy.context(), event)
+                    .map(|()| true)
+                    .map_err(Error::from),
+            };
+            match done {
+                Ok(false) => break,
+                Ok(true) => drop(self.in_flight.pop_front()),
+                Err(e) => {
+                    let (epoch, number) = (batch.epoch(), batch.number());
+                    let _ = crate::cuda::settle_stream(&self.copy);
+                    self.in_flight.clear();
+                    let code = e.cuda_code();
+                    let message = match e {
+                        Error::Cuda { message, .. } => message,
+                        other => other.to_string(),
+                    };
+                    return Err(Error::CopyFailed {
+                        epoch,
+                        batch: number,
+                        code,
+                        message,
+                    });
+                }
             }
-            event.synchronize()?;
-            self.in_flight.pop_front();
         }
         Ok(())
     }
@@ -240,10 +266,11 @@ impl CudaTensors {
 
 impl Drop for CudaTensors {
     fn drop(&mut self) {
-        // The host batches go back to the pool only once no copy reads them.
-        crate::cuda::take_left_error(self.copy.context());
+        // The host batches go back to the pool only once no copy reads them (a wait
+        // that an error left in candle's context by another thread cannot skip).
+        let ctx = std::sync::Arc::clone(self.copy.context());
         for (_, event) in self.in_flight.drain(..) {
-            let _ = event.synchronize();
+            let _ = crate::cuda::wait_event(&ctx, &event);
         }
     }
 }

@@ -455,6 +455,34 @@ pub fn partial_and_failing_epochs(c: Cuda) {
         .train_epoch_cached(&loader.order().epoch(2), &mut |_, _| {})
         .unwrap();
     assert_eq!(cached.metrics.samples, 1797);
+    // An epoch of another loader of the same layout (the digits twice over) would
+    // gather past the cache's rows: refused before any kernel.
+    let twice: Arc<dyn Dataset> =
+        Arc::new(stokehold::Concat::new(vec![Arc::clone(&ds), Arc::clone(&ds)]).unwrap());
+    let mut other = pinned_loader(&c, &twice, 64).build().unwrap();
+    let err = t
+        .train_epoch_cached(&other.order().epoch(2), &mut |_, _| {})
+        .unwrap_err();
+    assert!(err.to_string().contains("past its 1797 rows"), "{err}");
+    // Nor does a fresh cache fill from it: its epoch holds more samples than the rows.
+    let mut fresh = CudaTrainer::new(
+        c.clone(),
+        setup(&c, DIGITS.as_ref(), 64, 16, 0.1).3,
+        &mlp,
+        norm,
+        &layout,
+        (0, 1),
+        3,
+    )
+    .unwrap();
+    assert!(fresh.enable_device_cache(&loader, 0.5).unwrap().is_some());
+    fresh
+        .train_epoch_with(other.epoch(0).unwrap(), &mut |_, _| {})
+        .unwrap();
+    assert!(
+        !fresh.cache_filled(),
+        "another loader's epoch filled the cache"
+    );
 
     let mut feeder = Feeder::new(&c, &layout, 3).unwrap();
     // The trainer and the feeder turn cudarc's event tracking off on context objects of
@@ -569,7 +597,9 @@ pub fn a_batch_used_on_another_threads_default_stream_waits_for_it(c: Cuda) {
         let stream = PER_THREAD_STREAM as sys::CUstream;
         let mut seen = Vec::new();
         for (batch, back) in lent {
-            batch.wait_on(PER_THREAD_STREAM).unwrap();
+            // SAFETY: the stream outlives the batch (a default stream, or one this
+            // check keeps until after the batch is dropped).
+            unsafe { batch.wait_on(PER_THREAD_STREAM) }.unwrap();
             let n = batch.len() * row;
             // SAFETY: the host function takes no argument; the copy writes `n` bytes of
             // the slot (the batch's rows of column 0) into `back` (at least `n` bytes),
@@ -628,7 +658,9 @@ pub fn lent_batches_wait_for_their_consumers(c: Cuda) {
             late(slots.stream());
         }
         let lent = slots.lend(batch.unwrap()).unwrap();
-        lent.wait_on(handle).unwrap();
+        // SAFETY: the stream outlives the batch (a default stream, or one this
+        // check keeps until after the batch is dropped).
+        unsafe { lent.wait_on(handle) }.unwrap();
         let x = lent.column_ptr(0);
         let n = lent.len() * layout.columns()[0].row_bytes;
         // Pinned, so that the read-back is asynchronous (into pageable memory it would
@@ -665,7 +697,9 @@ pub fn lent_batches_wait_for_their_consumers(c: Cuda) {
     let c2 = slots.lend(epoch.next().unwrap().unwrap()).unwrap();
     let (used, on) = std::sync::mpsc::channel();
     let elsewhere = std::thread::spawn(move || {
-        b.wait_on(stokehold::cuda::LEGACY_STREAM).unwrap();
+        // SAFETY: the stream outlives the batch (a default stream, or one this
+        // check keeps until after the batch is dropped).
+        unsafe { b.wait_on(stokehold::cuda::LEGACY_STREAM) }.unwrap();
         used.send(()).unwrap();
         std::thread::sleep(std::time::Duration::from_millis(1500));
         drop(b);
@@ -681,7 +715,9 @@ pub fn lent_batches_wait_for_their_consumers(c: Cuda) {
     unsafe { result::ctx::set_current(std::ptr::null_mut()) }.unwrap();
     let e = slots.lend(epoch.next().unwrap().unwrap()).unwrap();
     assert!(none(), "lend left its context current");
-    e.wait_on(stokehold::cuda::LEGACY_STREAM).unwrap();
+    // SAFETY: the stream outlives the batch (a default stream, or one this
+    // check keeps until after the batch is dropped).
+    unsafe { e.wait_on(stokehold::cuda::LEGACY_STREAM) }.unwrap();
     assert!(none(), "wait_on left its context current");
     e.synchronize().unwrap();
     assert!(none(), "synchronize left its context current");
@@ -737,8 +773,12 @@ pub fn a_slot_wait_stops_for_its_interrupt_check(c: Cuda) {
     // Both used on a thread that keeps them until told: no slot comes back meanwhile.
     let (used, go) = (mpsc::channel(), mpsc::channel::<()>());
     let keeper = std::thread::spawn(move || {
-        a.wait_on(LEGACY_STREAM).unwrap();
-        b.wait_on(LEGACY_STREAM).unwrap();
+        // SAFETY: the stream outlives the batch (a default stream, or one this
+        // check keeps until after the batch is dropped).
+        unsafe { a.wait_on(LEGACY_STREAM) }.unwrap();
+        // SAFETY: the stream outlives the batch (a default stream, or one this
+        // check keeps until after the batch is dropped).
+        unsafe { b.wait_on(LEGACY_STREAM) }.unwrap();
         used.0.send(()).unwrap();
         let told = go.1.recv_timeout(Duration::from_secs(20));
         drop((a, b));
@@ -1010,7 +1050,9 @@ fn lent_columns(
 ) -> Vec<Vec<u8>> {
     use cudarc::driver::result;
 
-    lent.wait_on(stream.cu_stream() as usize).unwrap();
+    // SAFETY: the stream outlives the batch (a default stream, or one this
+    // check keeps until after the batch is dropped).
+    unsafe { lent.wait_on(stream.cu_stream() as usize) }.unwrap();
     let columns = lent.layout().columns().iter().enumerate();
     let back = columns
         .map(|(k, col)| {
@@ -1205,7 +1247,9 @@ pub fn lent_batches_come_from_the_device_cache_as_the_loader_gives_them(c: Cuda)
                     // writeable) as soon as its copy is done: the rows scattered into the
                     // cache must not see it (the later epochs, from the cache, show it).
                     let cu = consumer.cu_stream();
-                    lent.wait_on(cu as usize).unwrap();
+                    // SAFETY: the stream outlives the batch (a default stream, or one this
+                    // check keeps until after the batch is dropped).
+                    unsafe { lent.wait_on(cu as usize) }.unwrap();
                     for k in 0..lent.layout().columns().len() {
                         let len = lent.len() * lent.layout().columns()[k].row_bytes;
                         // SAFETY: column k of the slot holds `len` bytes, lent to this

@@ -327,7 +327,8 @@ impl DeviceArray {
         }
         match stream {
             None => self.wait(py, LEGACY_STREAM)?,
-            Some(-1) => self.batch.used_on(LEGACY_STREAM),
+            // SAFETY: the legacy default stream is every context's, and never destroyed.
+            Some(-1) => unsafe { self.batch.used_on(LEGACY_STREAM) },
             Some(s) if s > 0 => self.wait(py, s as StreamHandle)?,
             Some(s) => {
                 return Err(PyBufferError::new_err(format!(
@@ -384,7 +385,8 @@ impl DeviceArray {
     #[getter]
     fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         self.batch.here()?;
-        self.batch.used_on(LEGACY_STREAM);
+        // SAFETY: the legacy default stream is every context's, and never destroyed.
+        unsafe { self.batch.used_on(LEGACY_STREAM) };
         let d = PyDict::new(py);
         let shape: Vec<i64> = self.shape.clone();
         d.set_item("shape", pyo3::types::PyTuple::new(py, shape)?)?;
@@ -434,6 +436,11 @@ impl DeviceArray {
     /// Makes `stream` wait for the copy, without the GIL.
     fn wait(&self, py: Python<'_>, stream: StreamHandle) -> PyResult<()> {
         let batch = Arc::clone(&self.batch);
-        py.detach(move || batch.wait_on(stream)).map_err(error)
+        // SAFETY: DLPack's `__dlpack__(stream=s)` contract: `s` is the consumer's live
+        // stream on the batch's device (or 1, 2: the legacy and per-thread default
+        // streams), used for the tensor and kept until the tensor, and so the batch
+        // this export holds, is let go.
+        py.detach(move || unsafe { batch.wait_on(stream) })
+            .map_err(error)
     }
 }
