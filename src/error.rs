@@ -260,6 +260,22 @@ const CONTEXT_LOST: [CUresult; 12] = [
 ];
 
 impl Error {
+    /// The [`Error::CopyFailed`] of batch `batch` of `epoch`, whose wait failed with
+    /// `failed` (its driver code and message kept).
+    pub(crate) fn copy_failed(epoch: u64, batch: u64, failed: Error) -> Self {
+        let code = failed.cuda_code();
+        let message = match failed {
+            Error::Cuda { message, .. } => message,
+            other => other.to_string(),
+        };
+        Error::CopyFailed {
+            epoch,
+            batch,
+            code,
+            message,
+        }
+    }
+
     /// An [`Error::Cuda`] that is no driver call's (`code: None`).
     pub fn cuda(message: impl Into<String>) -> Self {
         Error::Cuda {

@@ -15,6 +15,7 @@
 //! timing it then reads).
 
 use std::collections::VecDeque;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -394,7 +395,10 @@ impl Feeder {
         let mut inflight: VecDeque<(HostBatch, usize)> = VecDeque::with_capacity(k_slots);
         let (mut copy_ms, mut work_ms) = (0f64, 0f64);
         let mut i = 0usize;
-        let result = (|| -> Result<()> {
+        // A panic of `work` or `progress` is caught until the clean-up below has run:
+        // unwinding through here would hand the pinned buffers back with copies reading
+        // them.
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| -> Result<()> {
             loop {
                 let t = Instant::now();
                 let Some(batch) = epoch.next() else {
@@ -456,7 +460,7 @@ impl Feeder {
                 }
                 i += 1;
             }
-        })();
+        }));
         // Whatever happened, no pinned buffer goes back, and no slot is freed, before
         // every copy enqueued so far is done.
         let drained = (|| -> Result<()> {
@@ -476,6 +480,11 @@ impl Feeder {
             }
             Ok(())
         })();
+        let result = match result {
+            Ok(result) => result,
+            // The streams are settled: the panic goes on.
+            Err(panic) => std::panic::resume_unwind(panic),
+        };
         result?;
         drained?;
         if filling {

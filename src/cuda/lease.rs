@@ -478,17 +478,7 @@ impl DeviceSlots {
                     if let Some(c) = &mut self.cache {
                         c.forget();
                     }
-                    let code = e.cuda_code();
-                    let message = match e {
-                        Error::Cuda { message, .. } => message,
-                        other => other.to_string(),
-                    };
-                    return Err(Error::CopyFailed {
-                        epoch,
-                        batch,
-                        code,
-                        message,
-                    });
+                    return Err(Error::copy_failed(epoch, batch, e));
                 }
             }
         }

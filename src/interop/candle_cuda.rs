@@ -246,17 +246,7 @@ impl CudaTensors {
                     let (epoch, number) = (batch.epoch(), batch.number());
                     let _ = crate::cuda::settle_stream(&self.copy);
                     self.in_flight.clear();
-                    let code = e.cuda_code();
-                    let message = match e {
-                        Error::Cuda { message, .. } => message,
-                        other => other.to_string(),
-                    };
-                    return Err(Error::CopyFailed {
-                        epoch,
-                        batch: number,
-                        code,
-                        message,
-                    });
+                    return Err(Error::copy_failed(epoch, number, e));
                 }
             }
         }

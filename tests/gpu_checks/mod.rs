@@ -514,6 +514,23 @@ pub fn partial_and_failing_epochs(c: Cuda) {
         .unwrap();
     assert_eq!(next.samples, 1797);
     assert_eq!(loader.free_buffers(), loader.buffers());
+    // A panic in the work goes on to the caller once the streams are settled: every
+    // buffer is back, and the feeder and the loader work on.
+    let mut calls = 0;
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut work = |_: &stokehold::cuda::DeviceBatch| {
+            calls += 1;
+            assert!(calls < 4, "the work panicked");
+            Ok(())
+        };
+        feeder.run_epoch(loader.epoch(5).unwrap(), &mut work, &mut |_, _| {})
+    }));
+    assert!(panicked.is_err());
+    assert_eq!(loader.free_buffers(), loader.buffers());
+    let after = feeder
+        .run_epoch(loader.epoch(6).unwrap(), &mut |_| Ok(()), &mut |_, _| {})
+        .unwrap();
+    assert_eq!(after.samples, 1797);
     // Another loader's batches (an evaluation loader with twice the batch) would run
     // past the feeder's slots: refused, through either way in.
     let mut wide = pinned_loader(&c, &ds, 128).build().unwrap();
