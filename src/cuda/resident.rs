@@ -326,6 +326,12 @@ impl Feeder {
     /// same launches with the same arguments for every cached epoch, reading what
     /// changes from device memory it owns, and must not wait for the device. Traced
     /// epochs run batch by batch.
+    ///
+    /// Launch the work's kernels on slices of a context object whose event tracking is
+    /// off (`CudaContext::disable_event_tracking`, an `unsafe` call: ordering those
+    /// slices is then yours, as the feeder's own context object orders its own): with
+    /// tracking on, cudarc records and waits on events around each launch, which a
+    /// capture either refuses or keeps as waits on events recorded outside it.
     pub fn replay_cached_epochs(&mut self, yes: bool) {
         self.resident.replay = yes;
         if !yes {
