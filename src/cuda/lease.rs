@@ -158,6 +158,9 @@ pub struct DeviceSlots {
     stuck: Duration,
     /// The device cache, if enabled ([`enable_device_cache`](DeviceSlots::enable_device_cache)).
     pub(super) cache: Option<SlotCache>,
+    /// Whether the cache holds every row, readable without the slots
+    /// ([`cache_filled_flag`](DeviceSlots::cache_filled_flag)); the cache keeps it.
+    pub(super) filled: Arc<AtomicBool>,
     /// Set when dropped, and dropped last: the caller's context is current again once
     /// the stream, the augmentation's module and buffers and the slots (which bind
     /// theirs) are gone.
@@ -224,6 +227,7 @@ impl DeviceSlots {
             interrupt: None,
             stuck: Duration::ZERO,
             cache: None,
+            filled: Arc::new(AtomicBool::new(false)),
             restore: None,
         })
     }

@@ -8,6 +8,7 @@
 //! few KiB), so batches of different epochs, lent from several threads, never share
 //! an index list.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{result, CudaSlice, CudaStream};
@@ -33,6 +34,9 @@ pub(super) struct SlotCache {
     /// One bit a row: set once its scatter is enqueued.
     held: Vec<u64>,
     count: u64,
+    /// The slots' flag ([`DeviceSlots::cache_filled_flag`]): set with the last row,
+    /// cleared when the rows are forgotten.
+    flag: Arc<AtomicBool>,
 }
 
 impl SlotCache {
@@ -113,6 +117,7 @@ impl SlotCache {
         }
         if self.count == self.cache.rows() {
             self.cache.set_filled();
+            self.flag.store(true, Ordering::Release);
         }
         Ok(())
     }
@@ -137,6 +142,7 @@ impl SlotCache {
         self.held.iter_mut().for_each(|w| *w = 0);
         self.count = 0;
         self.cache.set_unfilled();
+        self.flag.store(false, Ordering::Release);
     }
 }
 
@@ -180,6 +186,7 @@ impl DeviceSlots {
         // Copies in flight may still scatter into the cache this replaces.
         self.drain()?;
         self.cache = None;
+        self.filled.store(false, Ordering::Release);
         let order = loader.order();
         let rows = order.len();
         if loader.augmenter().is_some()
@@ -203,6 +210,7 @@ impl DeviceSlots {
             idx: stream.alloc_zeros::<u64>(n.max(1))?,
             held: vec![0; rows.div_ceil(64) as usize],
             count: 0,
+            flag: Arc::clone(&self.filled),
             batch_size: b,
             cache,
         };
@@ -216,6 +224,14 @@ impl DeviceSlots {
     /// [`Loader::epoch_indices`] from now on.
     pub fn cache_filled(&self) -> bool {
         self.cache.as_ref().is_some_and(SlotCache::filled)
+    }
+
+    /// The flag [`cache_filled`](Self::cache_filled) reads, shared: another thread asks
+    /// it without the slots (which a thread waiting for a slot holds, behind a lock of
+    /// a binding's, say). It follows the cache: set once every row is there, cleared
+    /// when the cache is replaced or forgets its rows after a failed copy.
+    pub fn cache_filled_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.filled)
     }
 
     /// Bytes of the device cache, if there is one.

@@ -1213,6 +1213,7 @@ pub fn lent_batches_come_from_the_device_cache_as_the_loader_gives_them(c: Cuda)
         );
         let bytes = slots.enable_device_cache(&c, &raw, 0.5).unwrap();
         assert_eq!(bytes, Some(150 * (3 * 20 * 18 + 8)));
+        let flag = slots.cache_filled_flag();
         // A batch of another loader, whose samples reach past the cached rows: refused
         // before the kernels would write outside the cache.
         let mut wider = build(pinned_loader(&c, &other, 32).shuffle(Shuffle::None));
@@ -1240,6 +1241,8 @@ pub fn lent_batches_come_from_the_device_cache_as_the_loader_gives_them(c: Cuda)
             };
             let filled = slots.cache_filled();
             assert_eq!(filled, epoch > 0, "epoch {epoch}");
+            // The shared flag, read without the slots, says the same.
+            assert_eq!(flag.load(std::sync::atomic::Ordering::Acquire), filled);
             let count = raw.batches();
             let batches = match filled {
                 true => raw.epoch_indices(epoch).unwrap(),
@@ -1296,8 +1299,10 @@ pub fn lent_batches_come_from_the_device_cache_as_the_loader_gives_them(c: Cuda)
             }
         }
         // Enabled again, the cache starts empty.
+        assert!(flag.load(std::sync::atomic::Ordering::Acquire));
         assert!(slots.enable_device_cache(&c, &raw, 0.5).unwrap().is_some());
         assert!(!slots.cache_filled());
+        assert!(!flag.load(std::sync::atomic::Ordering::Acquire));
         // Where one epoch does not cover every row, or the loader augments, there is none.
         let sharded = pinned_loader(&c, &ds, 32)
             .shard(Shard::new(1, 2).unwrap())

@@ -171,6 +171,9 @@ struct Shape {
     progress: Option<bool>,
     /// The device slots batches are copied into, with `device="cuda"`.
     device: Option<device::Slots>,
+    /// Whether their device cache holds every sample, read without their lock (a
+    /// thread waiting for a slot holds it).
+    cache_filled: Option<Arc<std::sync::atomic::AtomicBool>>,
     /// With `device_cache`, why the dataset does not fit (the cache's bytes are the
     /// report's `device_cache_bytes`).
     cache_refused: Option<String>,
@@ -846,6 +849,7 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
     let mut columns = loader.layout().columns().to_vec();
     // The device cache's size, or why it does not fit.
     let mut cache = Ok(None);
+    let mut cache_filled = None;
     let device = match (&ctx, &cuda, &augment) {
         (Some(ctx), _, _) => {
             // As many slots as batches the loop may hold, plus the one being copied and
@@ -869,6 +873,7 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
             if let (Some(share), Some(c)) = (device_cache, &cuda) {
                 cache = enable_cache(&mut s, c, &loader, share)?.map(Some);
             }
+            cache_filled = Some(s.cache_filled_flag());
             Some(Arc::new(Mutex::new(s)))
         }
         _ => None,
@@ -891,6 +896,7 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
         report,
         progress,
         device,
+        cache_filled,
         cache_refused,
         order: loader.order().clone(),
         pid: std::process::id(),
@@ -1019,11 +1025,11 @@ impl Loader {
 
     /// Whether the device cache holds every sample: epochs started from now on gather
     /// their batches there.
-    fn device_cache_filled(&self, py: Python<'_>) -> bool {
-        let Some(slots) = self.shape.device.clone() else {
-            return false;
-        };
-        py.detach(move || lock(&slots).cache_filled())
+    fn device_cache_filled(&self) -> bool {
+        self.shape
+            .cache_filled
+            .as_ref()
+            .is_some_and(|f| f.load(Ordering::Acquire))
     }
 
     /// Batches per epoch for this rank.
@@ -1050,9 +1056,8 @@ impl Loader {
         let loader = SendPtr(loader);
         // Once the device cache holds every sample, the epoch's batches carry their
         // indices only, and the slots gather them on the device.
-        let slots = slf.shape.device.clone();
+        let cached = slf.device_cache_filled();
         let started = py.detach(move || {
-            let cached = slots.is_some_and(|s| lock(&s).cache_filled());
             // SAFETY: `idle` emptied the slot, and the turn is held until the epoch is
             // in it: this is the only borrow of the loader; it is stored in the slot,
             // which `Drop` empties before freeing the loader, and the epoch object holds
