@@ -371,8 +371,8 @@ impl TrainReport {
         };
         let first = &self.epochs[0];
         s += &format!(
-            "epoch 0 took {:.3} s against a steady {:.3} s (the later epoch of median time): {:+.3} s, {:.2}x\n",
-            w.first_s, w.steady_s, w.excess_s, w.ratio
+            "epoch {} took {:.3} s against a steady {:.3} s (the later epoch of median time): {:+.3} s, {:.2}x\n",
+            first.epoch, w.first_s, w.steady_s, w.excess_s, w.ratio
         );
         s += &format!(
             "  cold page cache (step idle for data): {:+.3} s  (resident {} -> {}, {}",

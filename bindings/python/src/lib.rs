@@ -179,6 +179,9 @@ struct Shape {
     cache_refused: Option<String>,
     /// The loader's order, to check a resume state before the running epoch is ended.
     order: stokehold::Order,
+    /// What the loader runs with (`info()`), fixed once built: read without ending the
+    /// running epoch.
+    info: [(&'static str, u64); 6],
     /// The process that built the loader: its worker threads live there only.
     pid: u32,
 }
@@ -899,6 +902,14 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
         cache_filled,
         cache_refused,
         order: loader.order().clone(),
+        info: [
+            ("workers", loader.workers() as u64),
+            ("prefetch", loader.prefetch() as u64),
+            ("buffers", loader.buffers() as u64),
+            ("pool_bytes", loader.pool_bytes() as u64),
+            ("page_cache_budget", loader.page_cache_budget()),
+            ("direct_reads", u64::from(loader.direct_reads())),
+        ],
         pid: std::process::id(),
     };
     Ok(Loader {
@@ -1133,6 +1144,7 @@ impl Loader {
             exhausted: AtomicBool::new(false),
             failed: Mutex::new(None),
             last: Mutex::new(None),
+            started: std::time::Instant::now(),
         })
     }
 
@@ -1203,17 +1215,16 @@ impl Loader {
         Report { report }
     }
 
-    /// The epoch report's figures of the loader (workers, prefetch, buffers, pool).
+    /// The epoch report's figures of the loader (workers, prefetch, buffers, pool): as
+    /// built, so the running epoch goes on.
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        let mut turn = self.control.take(py);
-        let loader = self.idle(py, &mut turn)?;
-        d.set_item("workers", loader.workers())?;
-        d.set_item("prefetch", loader.prefetch())?;
-        d.set_item("buffers", loader.buffers())?;
-        d.set_item("pool_bytes", loader.pool_bytes())?;
-        d.set_item("page_cache_budget", loader.page_cache_budget())?;
-        d.set_item("direct_reads", loader.direct_reads())?;
+        for (key, value) in self.shape.info {
+            match key {
+                "direct_reads" => d.set_item(key, value != 0)?,
+                _ => d.set_item(key, value)?,
+            }
+        }
         Ok(d)
     }
 }
@@ -1249,6 +1260,8 @@ struct Epoch {
     /// The loader's figures when the epoch yielded its last batch: its row can still be
     /// had once the loader has started another epoch.
     last: Mutex<Option<stokehold::EpochStats>>,
+    /// When the epoch started: the progress bar's share of time stalled on data.
+    started: std::time::Instant,
 }
 
 impl Epoch {
@@ -1473,8 +1486,13 @@ impl Epoch {
             }
             Ok((Some((Ok(batch), before, after)), _)) => {
                 if let Some(bar) = &*self.progress.lock().unwrap_or_else(|e| e.into_inner()) {
+                    // The share of the epoch's time the loop waited for its batches.
+                    let waited = self
+                        .loader_stats(py)
+                        .map_or(Default::default(), |s| s.waited);
+                    let stalled = stokehold::telemetry::stalled(waited, self.started.elapsed());
                     let mut bar = bar.lock().unwrap_or_else(|e| e.into_inner());
-                    bar.advance(batch.len() as u64, 0.0);
+                    bar.advance(batch.len() as u64, stalled);
                 }
                 let columns = Arc::clone(&self.columns);
                 let batch = match &self.device {

@@ -269,7 +269,10 @@ def test_a_resumed_epoch_ended_before_its_first_batch_leaves_the_resume(cols):
     del it
     loader.load_state_dict(state)
     loader.epoch(1)
-    loader.info()  # ends that epoch before it gave a batch
+    # info() reads the loader as built, leaving the epoch alone; another epoch(1) ends
+    # it before it gave a batch.
+    assert loader.info()["buffers"] > 0
+    loader.epoch(1)
     assert loader.state_dict() == state
     rest = all_indices(loader, 1)
     np.testing.assert_array_equal(np.concatenate(head + [rest]), whole)
@@ -498,8 +501,8 @@ def test_ctrl_c_stops_a_wait_that_would_not_end(cols):
 
 def test_a_signal_handler_may_use_the_loader_while_the_loop_waits(cols):
     # The handler runs with the epoch's lock let go: a handler that saves a checkpoint
-    # or asks the loader anything (here `info()`, which ends the running epoch) neither
-    # deadlocks nor is lost.
+    # or asks the loader anything (here `info()`, then a resume, which ends the running
+    # epoch) neither deadlocks nor is lost.
     import signal
 
     loader, it, release, keeper = waiting_for_ever(cols)
@@ -507,6 +510,7 @@ def test_a_signal_handler_may_use_the_loader_while_the_loop_waits(cols):
 
     def handler(signum, frame):
         seen.append((loader.state_dict()["batch"], loader.info()["buffers"]))
+        loader.load_state_dict(loader.state_dict())
 
     previous = signal.signal(signal.SIGUSR1, handler)
     try:
@@ -1150,6 +1154,54 @@ def test_the_report(cols):
     assert len(j["epochs"]) == 3
     assert "warmup" in j and "cold_cache_s" in j["warmup"]
     json.dumps(j)
+
+
+def test_the_report_refuses_what_would_make_its_figures_wrong(cols):
+    loader = stokehold.Loader(cols, batch_size=100, workers=2)
+    other = stokehold.Loader(cols, batch_size=100, workers=2)
+    report = stokehold.TrainReport(loader)
+    epoch = loader.epoch(0)
+    timer = stokehold.EpochTimer(epoch)
+    assert len(timer) == len(loader)
+    with pytest.raises(stokehold.Error, match="already has an EpochTimer"):
+        stokehold.EpochTimer(epoch)
+    # Counts are whole and hold together; a float or a negative one names them.
+    batch = next(timer)
+    for bad, kind in (((1.0, -1, len(batch)), ValueError), ((1.0, 5, 4), ValueError),
+                      ((1.0, 0.7, 1), TypeError)):
+        with pytest.raises(kind, match="correct"):
+            timer.record(*bad)
+    timer.record(0.5 * len(batch), 1, len(batch))
+    with pytest.raises(stokehold.Error, match="before the epoch's last batch"):
+        timer.finish()
+    for b in timer:
+        timer.record(0.5 * len(b), 1, len(b))
+    row = timer.finish()
+    with pytest.raises(stokehold.Error, match="finished already"):
+        timer.finish()
+    report.push(row)
+    with pytest.raises(ValueError, match="epoch 0 is in the report already"):
+        report.push(row)
+    theirs = stokehold.EpochTimer(other.epoch(1))
+    with pytest.raises(ValueError, match="another loader"):
+        report.push(theirs.finish(partial=True))
+    # A loop that stops early has its partial row when it asks for one.
+    early = stokehold.EpochTimer(loader.epoch(1))
+    b = next(early)
+    early.record(0.0, 0, len(b))
+    assert early.finish(partial=True)["samples"] == len(b)
+    # The wrong objects are TypeErrors, not AttributeErrors about private names.
+    with pytest.raises(TypeError, match="loader.epoch"):
+        stokehold.EpochTimer(loader)
+    with pytest.raises(TypeError, match="Loader"):
+        stokehold.TrainReport(loader.epoch(2))
+    with pytest.raises(TypeError, match="EpochRow"):
+        report.push(row.as_dict())
+    # info() reads the loader as built: the running epoch goes on.
+    running = loader.epoch(3)
+    next(running)
+    assert loader.info()["buffers"] > 0
+    assert sum(1 for _ in running) == len(loader) - 1
 
 
 def test_an_epoch_run_to_its_end_gives_its_row_after_the_next_starts(cols):

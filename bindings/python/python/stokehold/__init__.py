@@ -171,18 +171,26 @@ class Epoch:
     """One epoch's batches, in order (an iterator). Starting another epoch of the same
     loader, or resuming it, ends this one."""
 
-    __slots__ = ("_raw", "_loader")
+    __slots__ = ("_raw", "_loader", "_done", "_timed")
 
     def __init__(self, raw: Any, loader: "Loader"):
         self._raw = raw
         self._loader = loader
+        # Whether it yielded its last batch; whether an EpochTimer times it.
+        self._done = False
+        self._timed = False
 
     def __iter__(self) -> "Epoch":
         return self
 
     def __next__(self) -> Union[Batch, DeviceBatch]:
-        raw = self._raw.__next__()
+        try:
+            raw = self._raw.__next__()
+        except StopIteration:
+            self._done = True
+            raise
         if raw is None:
+            self._done = True
             raise StopIteration
         if self._loader._device is not None:
             return DeviceBatch(raw, self._loader._columns)
@@ -465,7 +473,7 @@ class Loader:
 
     def info(self) -> Dict[str, Any]:
         """What the loader runs with: workers, prefetch, buffers, pool_bytes,
-        page_cache_budget, direct_reads. Ends the running epoch."""
+        page_cache_budget, direct_reads (as built: the running epoch goes on)."""
         return self._raw.info()
 
 
@@ -795,14 +803,24 @@ class EpochTimer:
     """
 
     def __init__(self, epoch: Epoch):
+        if not isinstance(epoch, Epoch):
+            raise TypeError(
+                f"EpochTimer times loader.epoch(e), not a {type(epoch).__name__}")
+        if epoch._timed:
+            raise Error("this epoch already has an EpochTimer: one timer an epoch")
+        epoch._timed = True
         self._epoch = epoch
         self._residency = epoch._loader._raw.residency()
         self._wait = self._copy = self._compute = 0.0
         self._loss_sum, self._correct, self._samples = 0.0, 0, 0
+        self._finished = False
         self._start = time.perf_counter()
 
     def __iter__(self) -> "EpochTimer":
         return self
+
+    def __len__(self) -> int:
+        return len(self._epoch)
 
     def __next__(self) -> Union[Batch, DeviceBatch]:
         return self._timed("_wait", next, self._epoch)
@@ -823,13 +841,34 @@ class EpochTimer:
             setattr(self, counter, getattr(self, counter) + time.perf_counter() - t)
 
     def record(self, loss_sum: float, correct: int, samples: int) -> None:
-        """Adds a batch's summed loss, its correct predictions and its sample count."""
+        """Adds a batch's summed loss, its correct predictions and its sample count (a
+        loss that is not finite marks the epoch as diverged, as ``stokehold train``
+        does)."""
+        try:
+            correct, samples = operator.index(correct), operator.index(samples)
+        except TypeError:
+            raise TypeError(
+                "correct and samples are counts (integers): the batch's correct "
+                f"predictions and its samples, not {type(correct).__name__} and "
+                f"{type(samples).__name__}") from None
+        if not 0 <= correct <= samples < 2**63:
+            raise ValueError(
+                f"correct={correct}, samples={samples}: 0 <= correct <= samples")
         self._loss_sum += float(loss_sum)
-        self._correct += int(correct)
-        self._samples += int(samples)
+        self._correct += correct
+        self._samples += samples
 
-    def finish(self) -> "EpochRow":
-        """Ends the epoch (batches not taken go back to the loader) and returns its row."""
+    def finish(self, partial: bool = False) -> "EpochRow":
+        """Ends the epoch (batches not taken go back to the loader) and returns its row.
+        The epoch must have yielded its last batch, unless ``partial=True`` (a loop
+        that stopped early: its row holds what it took)."""
+        if self._finished:
+            raise Error("this EpochTimer has finished already: one row an epoch")
+        if not (partial or self._epoch._done):
+            raise Error(
+                "finish() before the epoch's last batch: run it to its end, or pass "
+                "partial=True for a row of what the loop took")
+        self._finished = True
         wall = time.perf_counter() - self._start
         raw = self._epoch._raw.row(
             wall,
@@ -841,17 +880,18 @@ class EpochTimer:
             self._samples,
             self._residency,
         )
-        return EpochRow(raw)
+        return EpochRow(raw, self._epoch._loader)
 
 
 class EpochRow:
     """One epoch's figures, as a row of ``stokehold train``'s table."""
 
-    __slots__ = ("_raw", "_dict")
+    __slots__ = ("_raw", "_dict", "_loader")
 
-    def __init__(self, raw: Any):
+    def __init__(self, raw: Any, loader: "Loader"):
         self._raw = raw
         self._dict = json.loads(raw.json())
+        self._loader = loader
 
     def as_dict(self) -> Dict[str, Any]:
         return dict(self._dict)
@@ -868,9 +908,23 @@ class TrainReport:
     ``stokehold train``, and its JSON."""
 
     def __init__(self, loader: Loader, device: str = "python"):
+        if not isinstance(loader, Loader):
+            raise TypeError(f"TrainReport reports a Loader's epochs, not a {type(loader).__name__}")
         self._raw = loader._raw.report(device)
+        self._loader = loader
+        self._epochs: set = set()
 
     def push(self, row: EpochRow) -> None:
+        """Adds an epoch's row (``EpochTimer.finish()``): of this report's loader, each
+        epoch once."""
+        if not isinstance(row, EpochRow):
+            raise TypeError(f"push takes an EpochRow (EpochTimer.finish()), not a "
+                            f"{type(row).__name__}")
+        if row._loader is not self._loader:
+            raise ValueError("this row is of another loader than the report's")
+        if row["epoch"] in self._epochs:
+            raise ValueError(f"epoch {row['epoch']} is in the report already")
+        self._epochs.add(row["epoch"])
         self._raw.push(row._raw)
 
     def table(self) -> str:
