@@ -890,3 +890,56 @@ fn shards_concatenated_stream_shuffle_and_group_as_one_set() {
         assert_eq!(seen.len(), 1200);
     }
 }
+
+#[test]
+fn fingerprints_cover_the_column_and_how_documents_become_rows() {
+    use stokehold::{LoaderState, Packed};
+    let hf = arrow("hf_stream.arrow");
+    let docs = |column, max_len, pad| Documents::open_arrow(&hf, column, max_len, pad).unwrap();
+    let base = docs("input_ids", 8, 0).fingerprint();
+    assert_eq!(base, docs("input_ids", 8, 0).fingerprint());
+    for (what, other) in [
+        ("the column", docs("attention_mask", 8, 0).fingerprint()),
+        ("max_len", docs("input_ids", 4, 0).fingerprint()),
+        ("pad", docs("input_ids", 8, -1).fingerprint()),
+    ] {
+        assert_ne!(base, other, "{what} is not in the fingerprint");
+    }
+    let packed = |column| {
+        Packed::open_arrow(&hf, column, 4, Windows::Random { seed: 1 })
+            .unwrap()
+            .fingerprint()
+    };
+    assert_ne!(packed("input_ids"), packed("attention_mask"));
+    // As many samples either way (a mask has a token for each id): a state saved over
+    // one column is refused by a loader over the other, not resumed into its rows.
+    let loader = |column| {
+        let ds = Packed::open_arrow(&hf, column, 4, Windows::Random { seed: 1 }).unwrap();
+        Loader::builder(ds)
+            .batch_size(2)
+            .shuffle(Shuffle::Full { seed: 0 })
+    };
+    let state: LoaderState = {
+        let mut l = loader("input_ids").build().unwrap();
+        let mut it = l.epoch(0).unwrap();
+        it.next().unwrap().unwrap();
+        it.state()
+    };
+    let err = loader("attention_mask").resume(state).build().unwrap_err();
+    assert!(err.to_string().contains("another order"), "{err}");
+    let mds_bytes = |dtype| {
+        stokehold::Documents::open_mds_bytes(
+            mds("mds_bytes/shard.00000.mds"),
+            "tokens",
+            dtype,
+            16,
+            0,
+        )
+        .unwrap()
+        .fingerprint()
+    };
+    assert_ne!(
+        mds_bytes(stokehold::DType::I64),
+        mds_bytes(stokehold::DType::U64)
+    );
+}

@@ -235,6 +235,13 @@ impl Dataset for Documents {
         self.stored.docs
     }
 
+    /// Covers how each document becomes a row (`max_len` and `pad`) and the column read
+    /// (an Arrow or MDS set's, and its type).
+    fn fingerprint(&self) -> u64 {
+        let pad = u64::from_le_bytes(self.pad);
+        crate::util::fold([self.max_len as u64, pad, self.stored.key])
+    }
+
     fn columns(&self) -> &[Column] {
         &self.columns
     }

@@ -214,6 +214,18 @@ pub(super) struct Stored {
     layout: Index,
     pub(super) dtype: DType,
     pub(super) docs: u64,
+    /// What was read of the files beyond their bytes (an Arrow or MDS column's name and
+    /// its type), for a fingerprint: 0 for a set with one way to read it.
+    pub(super) key: u64,
+}
+
+/// The [`Stored::key`] of column `name` read as `dtype`.
+fn column_key(name: &str, dtype: DType) -> u64 {
+    crate::util::fold(
+        name.bytes()
+            .chain(dtype.to_string().into_bytes())
+            .map(u64::from),
+    )
 }
 
 impl Stored {
@@ -346,6 +358,7 @@ impl Stored {
             layout: Index::Megatron { lengths, pointers },
             dtype,
             docs,
+            key: 0,
         })
     }
 
@@ -382,6 +395,7 @@ impl Stored {
             layout,
             dtype,
             docs,
+            key: 0,
         })
     }
 
@@ -428,6 +442,7 @@ impl Stored {
             layout: Index::Chunks { chunks, firsts },
             dtype: list.dtype,
             docs,
+            key: column_key(column, list.dtype),
         })
     }
 
@@ -439,9 +454,9 @@ impl Stored {
     /// [`Error::Io`] for a file that cannot be read; [`Error::Dataset`] naming the file
     /// for one that is not an MDS shard, a missing column, one that is not an array of
     /// integers, or one whose type is not `dtype`.
-    pub(super) fn mds(path: &Path, column: &str, dtype: Option<DType>) -> Result<Stored> {
+    pub(super) fn mds(path: &Path, name: &str, dtype: Option<DType>) -> Result<Stored> {
         let file = Mapped::open(path)?;
-        let found = file.read(|m| mds::column(m, column, dtype))?;
+        let found = file.read(|m| mds::column(m, name, dtype))?;
         let column = found.map_err(|problem| Error::dataset(path, problem))?;
         Ok(Stored {
             tokens: file,
@@ -449,6 +464,7 @@ impl Stored {
             index: None,
             dtype: column.dtype,
             docs: column.samples,
+            key: column_key(name, column.dtype),
             layout: Index::Mds(column),
         })
     }

@@ -396,12 +396,13 @@ impl Packed {
 }
 
 impl Dataset for Packed {
-    /// Covers the windows, their length and the documents' order (stored, or shuffled
-    /// and its seed).
+    /// Covers the windows, their length, the documents' order (stored, or shuffled
+    /// and its seed) and the column read (an Arrow or MDS set's, and its type).
     fn fingerprint(&self) -> u64 {
         let [kind, seed] = self.windows.fingerprint_parts();
         let [shuffled, shuffle_seed] = self.shuffled.as_ref().map_or([0, 0], |s| [1, s.seed]);
-        fold([kind, seed, self.seq_len as u64, shuffled, shuffle_seed])
+        let key = self.stored.key;
+        fold([kind, seed, self.seq_len as u64, shuffled, shuffle_seed, key])
     }
 
     fn same_every_epoch(&self) -> bool {
