@@ -48,11 +48,17 @@ pub(crate) fn claim(dest: &Path) -> std::io::Result<Claimed> {
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let pid = std::process::id();
         let path = dest.with_file_name(format!(".{name}.{host}.{pid}.{n}.partial"));
-        let file = OpenOptions::new()
+        let file = match OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
-            .open(&path)?;
+            .open(&path)
+        {
+            // A name a gone process of the same id left where the sweep could not
+            // tell (no locks here, a container restarted with its pid): the next one.
+            Err(e) if e.kind() == ErrorKind::AlreadyExists && n < u64::MAX => continue,
+            opened => opened?,
+        };
         match lock(&file) {
             // Another writer's sweep took it between the create and the lock, and will
             // remove it: take another name.

@@ -547,3 +547,33 @@ fn output_and_data_paths_that_are_not_utf8_work() {
     assert!(named.ends_with("digits\u{fffd}"), "{named}");
     assert!(trace.exists());
 }
+
+#[test]
+fn a_sigbus_sent_to_the_process_is_not_swallowed_by_the_guard() {
+    // The guard catches faults inside its own reads; a SIGBUS sent with `kill` (no
+    // fault: its `si_addr` is the sender) ends the process as it would without it.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_stokehold"))
+        .args([
+            "train", "--data", DIGITS, "--device", "cpu", "--epochs", "1000000",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Long enough for the first gathers (which install the guard).
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    // SAFETY: sends a signal to the child this test spawned and still holds.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGBUS) }, 0);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the SIGBUS sent was swallowed: the process ran on");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(status.signal(), Some(libc::SIGBUS), "{status:?}");
+}

@@ -79,15 +79,18 @@ fn install() {
 /// It only reads thread-locals without destructors (set before the guarded read
 /// started), stores to an atomic, calls `mmap`, a system call, and `sigaction`.
 extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
-    // SAFETY: with SA_SIGINFO the kernel passes a valid `siginfo_t`; for SIGBUS it
-    // holds the faulting address.
-    let addr = unsafe { (*info).si_addr() } as usize;
-    let ours = RANGE
-        .try_with(|r| {
-            let (start, end) = r.get();
-            (start..end).contains(&addr)
-        })
-        .unwrap_or(false);
+    // SAFETY: with SA_SIGINFO the kernel passes a valid `siginfo_t`; for a SIGBUS of a
+    // fault (`si_code > 0`: BUS_ADRERR, BUS_MCEERR_*) it holds the faulting address. A
+    // SIGBUS sent by `kill` or `raise` (`si_code <= 0`) holds the sender there instead,
+    // and is never ours.
+    let (code, addr) = unsafe { ((*info).si_code, (*info).si_addr() as usize) };
+    let ours = code > 0
+        && RANGE
+            .try_with(|r| {
+                let (start, end) = r.get();
+                (start..end).contains(&addr)
+            })
+            .unwrap_or(false);
     if ours {
         let page = PAGE.load(Ordering::Relaxed);
         let at = addr & !(page - 1);
@@ -124,8 +127,18 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
 
 /// Hands a fault that is not ours to the previous handler, or restores the default
 /// action so that the faulting access, run again on return, ends the process as it
-/// would have without this module.
+/// would have without this module (a SIGBUS sent, not a fault, is raised again: it
+/// runs nothing again). A sent one the process ignored is ignored (a fault cannot be:
+/// run again, it would fault for ever, so it ends the process as the kernel would).
 fn pass_on(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    // SAFETY: `info` is the kernel's (see `on_sigbus`).
+    let sent = unsafe { (*info).si_code } <= 0;
+    let ignored = PREVIOUS
+        .get()
+        .is_some_and(|p| p.sa_sigaction == libc::SIG_IGN);
+    if sent && ignored {
+        return;
+    }
     let handler = PREVIOUS
         .get()
         .filter(|p| p.sa_sigaction != libc::SIG_DFL && p.sa_sigaction != libc::SIG_IGN);
@@ -147,6 +160,20 @@ fn pass_on(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void)
                 let mut action: libc::sigaction = std::mem::zeroed();
                 action.sa_sigaction = libc::SIG_DFL;
                 libc::sigaction(libc::SIGBUS, &action, std::ptr::null_mut());
+            }
+        }
+    }
+    if sent {
+        // A handler that put the default action back (Rust's stack-overflow handler
+        // does, for a fault not on a guard page) expects the access to run again and
+        // fault; a sent signal runs nothing again, so it is raised anew.
+        // SAFETY: reads the action into a zeroed sigaction; `raise` is async-signal-
+        // safe, and the signal it sends waits until this handler returns.
+        unsafe {
+            let mut now: libc::sigaction = std::mem::zeroed();
+            libc::sigaction(libc::SIGBUS, std::ptr::null(), &mut now);
+            if now.sa_sigaction == libc::SIG_DFL {
+                libc::raise(sig);
             }
         }
     }

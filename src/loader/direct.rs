@@ -326,7 +326,10 @@ impl Reader {
         if files.len() != sources.len() {
             return Ok(false);
         }
-        self.merge(sources, &files)?;
+        if !self.merge(sources, &files)? {
+            // No staging memory for this batch: the mapping serves it.
+            return Ok(false);
+        }
         if !self.read_all(sources, &files)? {
             self.refused = true;
             return Ok(false);
@@ -348,12 +351,12 @@ impl Reader {
     }
 
     /// Turns the rows into aligned reads, merging those that touch, and sizes the
-    /// staging buffer for them.
+    /// staging buffer for them: `false` where it cannot grow (the mapping serves the
+    /// batch then).
     ///
     /// # Errors
-    /// [`Error::Alloc`] if the staging buffer cannot grow; [`Error::Dataset`] for a row
-    /// beyond its file's end.
-    fn merge(&mut self, sources: &[Source], files: &[MappedFile<'_>]) -> Result<()> {
+    /// [`Error::Dataset`] for a row beyond its file's end.
+    fn merge(&mut self, sources: &[Source], files: &[MappedFile<'_>]) -> Result<bool> {
         let rows = &mut self.rows;
         self.order.clear();
         self.order.extend(0..rows.len() as u32);
@@ -411,9 +414,13 @@ impl Reader {
             // No read is in flight: `gather` settled the last batch's first.
             debug_assert_eq!(self.in_flight, 0);
             self.buf = None;
-            self.buf = Some(PlainAlloc.alloc(total.next_power_of_two())?);
+            match PlainAlloc.alloc(total.next_power_of_two()) {
+                Ok(buf) => self.buf = Some(buf),
+                // The batch is read through the mapping instead, which needs none.
+                Err(_) => return Ok(false),
+            }
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Puts every read in flight, [`DEPTH`] at a time, and waits for all of them. Reads
