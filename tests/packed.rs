@@ -394,3 +394,12 @@ fn shuffled_documents_come_whole_once_an_epoch_in_another_order_each_epoch() {
         .shuffle_documents(7);
     assert_eq!(documents_in_windows(&again, 1), orders[1]);
 }
+
+#[test]
+#[should_panic(expected = "window 20 of 20")]
+fn a_window_past_the_end_has_no_start() {
+    // 61 tokens in windows of 4: 20 windows, the last starting at token 57.
+    let ds = Packed::open_megatron(fx("megatron_i32.idx"), 3, Windows::Consecutive).unwrap();
+    assert_eq!((ds.len(), ds.window_start(0, 19)), (20, 57));
+    ds.window_start(0, 20);
+}

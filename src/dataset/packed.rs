@@ -324,7 +324,11 @@ impl Packed {
     }
 
     /// The first token (in the concatenation) of window `index` in `epoch`.
+    ///
+    /// # Panics
+    /// If `index >= len()` (its start would overflow or pass the concatenation).
     pub fn window_start(&self, epoch: u64, index: u64) -> u64 {
+        assert!(index < self.len(), "window {index} of {}", self.len());
         self.windows
             .start(epoch, index, self.seq_len, self.scan.tokens)
     }

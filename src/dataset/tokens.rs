@@ -347,7 +347,11 @@ impl TokenDataset {
     }
 
     /// The first token of window `index` in `epoch`.
+    ///
+    /// # Panics
+    /// If `index >= len()` (its start would overflow or pass the stream).
     pub fn window_start(&self, epoch: u64, index: u64) -> u64 {
+        assert!(index < self.len(), "window {index} of {}", self.len());
         self.windows.start(epoch, index, self.seq_len, self.tokens)
     }
 }
