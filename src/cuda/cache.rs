@@ -132,10 +132,6 @@ impl DeviceCache {
         self.filled = true;
     }
 
-    pub(crate) fn set_unfilled(&mut self) {
-        self.filled = false;
-    }
-
     /// The rows it holds room for.
     pub(crate) fn rows(&self) -> u64 {
         self.rows

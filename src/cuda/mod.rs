@@ -47,20 +47,14 @@ pub struct Cuda {
 /// Whether the dynamic loader finds libcuda. cudarc panics on its first driver call
 /// without it, and its own probe exists only in its `dynamic-loading` mode, so stokehold
 /// asks the loader itself: this works whichever way cudarc was built (loading at run
-/// time, or linked, as candle's `cuda` feature has it).
-fn libcuda_present() -> bool {
+/// time, or linked, as candle's `cuda` feature has it). Cheap, before any context is
+/// made: a first answer for a command asked for CUDA that has other work to do first.
+pub fn driver_present() -> bool {
     ["libcuda.so", "libcuda.so.1"].into_iter().any(|name| {
         // SAFETY: opening libcuda runs its initialisers, which have no preconditions;
         // cudarc opens the same library for its first call.
         unsafe { libloading::Library::new(name) }.is_ok()
     })
-}
-
-/// Whether the dynamic loader finds libcuda (`libcuda.so` or `libcuda.so.1`): a cheap
-/// first answer, before any context is made, for a command asked for CUDA that has
-/// other work to do first.
-pub fn driver_present() -> bool {
-    libcuda_present()
 }
 
 /// Runs `f`, turning a panic into `Err` with its message, and printing nothing: cudarc
@@ -193,7 +187,7 @@ impl KeepCurrent {
 fn driver_usable() -> bool {
     static USABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *USABLE.get_or_init(|| {
-        libcuda_present() && quietly(cudarc::driver::result::ctx::get_current).is_ok()
+        driver_present() && quietly(cudarc::driver::result::ctx::get_current).is_ok()
     })
 }
 
@@ -254,7 +248,7 @@ pub struct Driver {
 /// # Errors
 /// A one-line reason: "no libcuda found", "no CUDA device: ...".
 pub fn probe_driver(ordinal: usize) -> Result<Driver, String> {
-    if !libcuda_present() {
+    if !driver_present() {
         return Err("no libcuda found (looked for libcuda.so and libcuda.so.1)".into());
     }
     // Making the context makes it current: the caller's (another library's, on another

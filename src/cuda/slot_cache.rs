@@ -34,15 +34,16 @@ pub(super) struct SlotCache {
     /// One bit a row: set once its scatter is enqueued.
     held: Vec<u64>,
     count: u64,
-    /// The slots' flag ([`DeviceSlots::cache_filled_flag`]): set with the last row,
-    /// cleared when the rows are forgotten.
+    /// Whether every row is there: the slots' flag
+    /// ([`DeviceSlots::cache_filled_flag`]), set with the last row, cleared when the
+    /// rows are forgotten.
     flag: Arc<AtomicBool>,
 }
 
 impl SlotCache {
     /// Whether every row is in the cache (its scatter enqueued).
     pub(super) fn filled(&self) -> bool {
-        self.cache.filled()
+        self.flag.load(Ordering::Acquire)
     }
 
     /// Enqueues on `stream` the upload of `indices` (slot `k`'s batch) to the slot's
@@ -116,7 +117,6 @@ impl SlotCache {
             }
         }
         if self.count == self.cache.rows() {
-            self.cache.set_filled();
             self.flag.store(true, Ordering::Release);
         }
         Ok(())
@@ -141,7 +141,6 @@ impl SlotCache {
     pub(super) fn forget(&mut self) {
         self.held.iter_mut().for_each(|w| *w = 0);
         self.count = 0;
-        self.cache.set_unfilled();
         self.flag.store(false, Ordering::Release);
     }
 }
