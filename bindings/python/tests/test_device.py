@@ -136,6 +136,14 @@ CONSUMER = textwrap.dedent(
         ok(cuda.cuMemcpyDtoH_v2(back, ptr, n), "cuMemcpyDtoH")
         return np.frombuffer(back, np.uint8)
 
+    def device_array(batch, name, like):
+        # Column `name` of a device batch, read back laid out as the host array `like`
+        # (its capsule kept alive for the read).
+        capsule = batch[name].__dlpack__(stream=None)
+        t = tensor(capsule).contents.dl_tensor
+        like = np.ascontiguousarray(like)
+        return device_bytes(t.data, like.nbytes).view(like.dtype).reshape(like.shape)
+
     def pinned(n):
         p = ctypes.c_void_p()
         ok(cuda.cuMemHostAlloc(ctypes.byref(p), n, 0), "cuMemHostAlloc")
@@ -456,12 +464,8 @@ def test_the_device_augments_as_the_workers_do(emulator: Path) -> None:
                 compared += 1
                 assert np.array_equal(batch.indices, want.indices)
                 for name in ("x", "y"):
-                    capsule = batch[name].__dlpack__(stream=None)
-                    t = tensor(capsule).contents.dl_tensor
-                    expected = np.ascontiguousarray(want[name])
-                    got = device_bytes(t.data, expected.nbytes).view(expected.dtype)
-                    got = got.reshape(expected.shape)
-                    assert np.array_equal(got, expected), f"epoch {epoch}: {name} differs"
+                    got = device_array(batch, name, want[name])
+                    assert np.array_equal(got, want[name]), f"epoch {epoch}: {name} differs"
             assert compared == 18, compared
         print("child passed")
     """)
@@ -502,10 +506,8 @@ def test_the_device_cache_serves_later_epochs_as_the_files_do(emulator: Path) ->
                     compared += 1
                     assert np.array_equal(batch.indices, expected.indices)
                     for name in ("x", "y"):
-                        capsule = batch[name].__dlpack__(stream=None)
-                        t = tensor(capsule).contents.dl_tensor
-                        e = np.ascontiguousarray(expected[name])
-                        got = device_bytes(t.data, e.nbytes).view(e.dtype).reshape(e.shape)
+                        e = expected[name]
+                        got = device_array(batch, name, e)
                         assert np.array_equal(got, e), f"epoch {epoch}: {name} differs"
                 assert compared == len(mine) == (15 if epoch == 3 else 18), (epoch, compared)
                 assert on_gpu.device_cache_filled
@@ -563,7 +565,8 @@ def test_documents_and_packed_windows_are_device_cached_too(emulator: Path) -> N
             # The GPU's loader reads a copy whose tokens are overwritten once the cache
             # is filled: later epochs must serve the documents as they were.
             copy = copy_of_megatron()
-            on_gpu, on_cpu = make(copy, device="cuda", device_cache=True), make(fixtures / "megatron_u16")
+            on_gpu = make(copy, device="cuda", device_cache=True)
+            on_cpu = make(fixtures / "megatron_u16")
             assert on_gpu.device_cache_bytes is not None
             for epoch in range(3):
                 assert on_gpu.device_cache_filled == (epoch > 0), epoch
@@ -574,10 +577,8 @@ def test_documents_and_packed_windows_are_device_cached_too(emulator: Path) -> N
                     compared += 1
                     assert np.array_equal(batch.indices, expected.indices)
                     for name in columns:
-                        capsule = batch[name].__dlpack__(stream=None)
-                        t = tensor(capsule).contents.dl_tensor
-                        e = np.ascontiguousarray(expected[name])
-                        got = device_bytes(t.data, e.nbytes).view(e.dtype).reshape(e.shape)
+                        e = expected[name]
+                        got = device_array(batch, name, e)
                         assert np.array_equal(got, e), f"epoch {epoch}: {name} differs"
                 assert compared == len(on_cpu), (epoch, compared)
                 if epoch == 0:
