@@ -813,6 +813,15 @@ fn a_users_work_reads_cached_and_augmented_epochs_as_the_loader_gives_them() {
 }
 
 #[test]
+fn a_panic_while_an_epoch_is_captured_leaves_the_stream_usable() {
+    emulated(
+        "a_panic_while_an_epoch_is_captured_leaves_the_stream_usable",
+        50,
+        gpu_checks::a_panic_while_an_epoch_is_captured_leaves_the_stream_usable,
+    );
+}
+
+#[test]
 fn lent_batches_come_from_the_device_cache_as_the_loader_gives_them() {
     emulated(
         "lent_batches_come_from_the_device_cache_as_the_loader_gives_them",

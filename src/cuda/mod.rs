@@ -77,6 +77,31 @@ fn quietly<R>(f: impl FnOnce() -> R + std::panic::UnwindSafe) -> Result<R, Strin
     })
 }
 
+/// Captures what `enqueue` puts on `stream` into a CUDA graph (this thread's capture
+/// mode) and instantiates it. The capture is ended whatever happens, so that the
+/// stream is never left capturing: on an error of `enqueue` or the driver, and on a
+/// panic out of `enqueue` (a user's work), which goes on to the caller once the capture
+/// is ended.
+///
+/// # Errors
+/// `enqueue`'s error, else the driver's; an empty capture is an error naming `what`.
+pub(crate) fn capture_graph(
+    stream: &Arc<CudaStream>,
+    what: &str,
+    enqueue: impl FnOnce() -> crate::error::Result<()>,
+) -> crate::error::Result<cudarc::driver::CudaGraph> {
+    use cudarc::driver::sys;
+    let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    stream.begin_capture(mode)?;
+    let enqueued = std::panic::catch_unwind(std::panic::AssertUnwindSafe(enqueue));
+    // An error a drop left in the context would make cudarc return before ending it.
+    take_left_error(stream.context());
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    let enqueued = enqueued.unwrap_or_else(|p| std::panic::resume_unwind(p));
+    enqueued?;
+    graph?.ok_or_else(|| crate::error::Error::cuda(format!("the captured {what} is empty")))
+}
+
 /// Takes an error a drop left in `ctx`: cudarc keeps it for the next call, which
 /// returns it without doing its work, so a wait made next would return at once.
 pub(crate) fn take_left_error(ctx: &CudaContext) {

@@ -169,17 +169,10 @@ impl Resident {
             return Ok(());
         }
         self.graph = None;
-        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-        stream.begin_capture(mode)?;
-        let enqueued = (0..order.batches())
-            .try_for_each(|b| self.enqueue_cached(stream, (order, b), || Ok(()), &mut *work));
-        // End the capture whatever happened, so the stream is usable again (an error a
-        // drop left in the context would make cudarc return before it).
-        super::take_left_error(stream.context());
-        let flags = sys::CUgraphInstantiate_flags(0);
-        let graph = stream.end_capture(flags).map_err(Error::from);
-        enqueued?;
-        let graph = graph?.ok_or_else(|| Error::cuda("the captured epoch is empty"))?;
+        let graph = super::capture_graph(stream, "epoch", || {
+            (0..order.batches())
+                .try_for_each(|b| self.enqueue_cached(stream, (order, b), || Ok(()), &mut *work))
+        })?;
         graph.upload()?;
         self.graph = Some((shape, graph));
         Ok(())

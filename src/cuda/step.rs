@@ -6,9 +6,7 @@ use std::cell::RefCell;
 use std::collections::hash_map::{Entry, HashMap};
 use std::sync::Arc;
 
-use cudarc::driver::{
-    sys, CudaGraph, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::feeder::{addr, DeviceBatch};
 use super::kernels::Kernels;
@@ -278,16 +276,7 @@ impl Step {
         let graph = match graphs.entry(key) {
             Entry::Occupied(e) => e.into_mut(),
             Entry::Vacant(e) => {
-                let s = self.stream();
-                let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-                s.begin_capture(mode)?;
-                let enqueued = self.enqueue(batch);
-                // End the capture whatever happened, so the stream is usable again (an
-                // error a drop left in the context would make cudarc return before it).
-                super::take_left_error(s.context());
-                let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
-                enqueued?;
-                let graph = graph?.ok_or_else(|| Error::cuda("the captured step is empty"))?;
+                let graph = super::capture_graph(self.stream(), "step", || self.enqueue(batch))?;
                 e.insert(graph)
             }
         };

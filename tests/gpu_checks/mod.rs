@@ -1320,3 +1320,47 @@ pub fn lent_batches_come_from_the_device_cache_as_the_loader_gives_them(c: Cuda)
         assert!(slots.cache_bytes().is_none());
     }
 }
+
+/// A panic out of a user's work while a cached epoch is captured as a CUDA graph ends
+/// the capture before it goes on to the caller: the compute stream is not left
+/// capturing, and the same epoch, fed again, captures, replays and serves every batch.
+pub fn a_panic_while_an_epoch_is_captured_leaves_the_stream_usable(c: Cuda) {
+    use stokehold::cuda::Feeder;
+
+    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(DIGITS).unwrap());
+    let mut loader = pinned_loader(&c, &ds, 64)
+        .shuffle(Shuffle::Full { seed: 4 })
+        .build()
+        .unwrap();
+    let n = loader.order().batches() as usize;
+    let mut feeder = Feeder::new(&c, loader.layout(), 3).unwrap();
+    assert!(feeder.enable_device_cache(&loader, 0.5).unwrap().is_some());
+    feeder.replay_cached_epochs(true);
+    let mut calls = 0usize;
+    let mut feed = |feeder: &mut Feeder, loader: &mut Loader, e: u64, panic_at: usize| {
+        feeder.feed(
+            loader,
+            e,
+            &mut |_| {
+                calls += 1;
+                assert!(calls != panic_at, "the work panicked at call {calls}");
+                Ok(())
+            },
+            &mut |_, _| {},
+        )
+    };
+    // The epoch that fills the cache captures a cached epoch's work after its last
+    // batch: its work's call n + 1 is the capture's first.
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        feed(&mut feeder, &mut loader, 0, n + 1)
+    }));
+    assert!(panicked.is_err(), "the work did not panic");
+    assert!(feeder.cache_filled());
+    for e in [1, 2] {
+        let fed = feed(&mut feeder, &mut loader, e, usize::MAX).unwrap();
+        assert!(fed.cached, "epoch {e}");
+        assert_eq!((fed.batches as usize, fed.samples), (n, 1797), "epoch {e}");
+    }
+    // Epoch 1 captured anew (its work called once a batch), epoch 2 replayed the graph.
+    assert_eq!(calls, n + 1 + n);
+}
