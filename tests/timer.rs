@@ -109,3 +109,34 @@ fn an_epoch_ended_early_reports_what_it_saw() {
     // The loader is whole again: the next epoch runs.
     assert_eq!(loader.epoch(1).unwrap().count(), 18);
 }
+
+#[test]
+fn copies_overlapped_with_the_step_count_as_copy_time_but_not_as_a_stall() {
+    use std::time::Duration;
+    use stokehold::model::Metrics;
+    use stokehold::report::EpochRow;
+    use stokehold::report::LoopTimes;
+
+    let ds = Arc::new(NpyDataset::open(DIGITS).unwrap());
+    let mut loader = Loader::builder_shared(ds.clone())
+        .batch_size(100)
+        .build()
+        .unwrap();
+    let mut epoch = loader.epoch(0).unwrap();
+    for b in epoch.by_ref() {
+        b.unwrap();
+    }
+    let stats = epoch.stats();
+    drop(epoch);
+    let r = pagecache::residency(ds.as_ref()).unwrap();
+    let times = LoopTimes {
+        wall: Duration::from_secs(10),
+        wait: Duration::from_secs(1),
+        copy: Duration::from_secs(2),
+        compute: Duration::from_secs(5),
+        overlapped_copy: Duration::from_secs(3),
+    };
+    let row = EpochRow::of_loop(0, stats, Metrics::default(), times, 72, (r, r));
+    assert_eq!((row.copy_s, row.stall_copy_s), (5.0, 2.0));
+    assert_eq!((row.wait_data_s, row.stall_data_s), (1.0, 1.0));
+}

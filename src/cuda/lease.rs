@@ -14,7 +14,7 @@
 //! Pinned host batches stay alive until their copies are done, at most two at a time.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
@@ -46,6 +46,40 @@ const EXHAUSTED_GRACE: Duration = Duration::from_secs(1);
 
 /// Host batches whose copies may still be running, at most.
 const IN_FLIGHT: usize = 2;
+
+/// A copy whose host batch is kept until it has run: the batch, its slot, and the
+/// timed events around its work on the copy stream.
+struct InFlight {
+    batch: HostBatch,
+    slot: usize,
+    timed: Timed,
+}
+
+/// Timed events recorded on the copy stream where a lend's work starts and where it
+/// ends (before the slot's `copied` event: that one completed, both have).
+type Timed = [CudaEvent; 2];
+
+/// The device time of the copies a [`DeviceSlots`] has seen complete, readable without
+/// the slots ([`DeviceSlots::copy_clock`]): a thread waiting for a slot holds them.
+#[derive(Clone, Debug, Default)]
+pub struct CopyClock(Arc<AtomicU64>);
+
+impl CopyClock {
+    /// The copy stream's time on the lends seen complete so far: for each, from where
+    /// the stream started on it to its end (the copy, or the gather from the device
+    /// cache, with the augmentation and the cache's fill that go with it). A copy is
+    /// seen complete by a later lend, or by [`DeviceSlots::drain`], which sees them all.
+    pub fn elapsed(&self) -> Duration {
+        Duration::from_nanos(self.0.load(Ordering::Relaxed))
+    }
+
+    fn add(&self, d: Duration) {
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        // Only the slots' owner adds, under its `&mut`: no two adds race.
+        let total = self.0.load(Ordering::Relaxed).saturating_add(ns);
+        self.0.store(total, Ordering::Relaxed);
+    }
+}
 
 /// What a slot's reuse waits for.
 #[derive(Default)]
@@ -147,7 +181,11 @@ pub struct DeviceSlots {
     copy: Arc<CudaStream>,
     layout: Arc<BatchLayout>,
     /// Host batches whose copies may still be running, with their slots.
-    in_flight: VecDeque<(HostBatch, usize)>,
+    in_flight: VecDeque<InFlight>,
+    /// Timed events to record again.
+    spare_timed: Vec<Timed>,
+    /// The device time of the copies seen complete.
+    clock: CopyClock,
     /// The augmentation run on the device after each copy, if any.
     augment: Option<DeviceAugment>,
     /// Asked while [`reserve`](DeviceSlots::reserve) waits
@@ -223,6 +261,8 @@ impl DeviceSlots {
             copy,
             layout: Arc::new(layout.clone()),
             in_flight: VecDeque::with_capacity(IN_FLIGHT + 1),
+            spare_timed: Vec::new(),
+            clock: CopyClock::default(),
             augment: None,
             interrupt: None,
             stuck: Duration::ZERO,
@@ -290,6 +330,20 @@ impl DeviceSlots {
         &self.copy
     }
 
+    /// The device time of the copies seen complete so far
+    /// ([`CopyClock::elapsed`]), for an epoch's `copy` figure: the copies run on the
+    /// copy stream, overlapped with the consumer's work, so the host never waits for
+    /// them and no host timer sees them.
+    pub fn copy_time(&self) -> Duration {
+        self.clock.elapsed()
+    }
+
+    /// A handle on [`copy_time`](DeviceSlots::copy_time) that reads it without the
+    /// slots.
+    pub fn copy_clock(&self) -> CopyClock {
+        self.clock.clone()
+    }
+
     /// Copies `batch` into a free slot and lends it. Waits for a slot while every one is
     /// lent (a wait that is not interrupted: the batch is in hand); the host never
     /// waits for the consumers' work, only the copy stream does.
@@ -336,18 +390,32 @@ impl DeviceSlots {
 
     /// Copies `batch` into slot `k`, which this call now owns, and lends it.
     fn lend_into(&mut self, k: usize, batch: HostBatch) -> Result<LentBatch> {
-        if let Err(e) = self.enqueue_copy(k, &batch) {
-            // Some of the copies may be enqueued (several with an augmentation): they
-            // must be done before the batch's buffer and the slot are used again, and
-            // so must the consumers' work whose release events a failed wait dropped.
-            let _ = super::settle(&self.shared.ctx);
-            // Nothing of this slot is lent: it goes back as it was.
-            self.shared.release(k, &[]);
-            // A fault in an earlier copy, still in flight, leaves the context failing
-            // every call (a sticky error): the earlier batch is the one lost.
-            self.retire(0)?;
-            return Err(e);
-        }
+        let timed = match self.spare_timed.pop() {
+            Some(t) => Ok(t),
+            None => self.new_timed(),
+        };
+        let enqueued = timed.and_then(|t| match self.enqueue_copy(k, &batch, &t) {
+            Ok(()) => Ok(t),
+            Err(e) => {
+                self.spare_timed.push(t);
+                Err(e)
+            }
+        });
+        let timed = match enqueued {
+            Ok(t) => t,
+            Err(e) => {
+                // Some of the copies may be enqueued (several with an augmentation): they
+                // must be done before the batch's buffer and the slot are used again, and
+                // so must the consumers' work whose release events a failed wait dropped.
+                let _ = super::settle(&self.shared.ctx);
+                // Nothing of this slot is lent: it goes back as it was.
+                self.shared.release(k, &[]);
+                // A fault in an earlier copy, still in flight, leaves the context failing
+                // every call (a sticky error): the earlier batch is the one lost.
+                self.retire(0)?;
+                return Err(e);
+            }
+        };
         let lent = LentBatch {
             shared: Arc::clone(&self.shared),
             layout: Arc::clone(&self.layout),
@@ -359,15 +427,27 @@ impl DeviceSlots {
             owner: std::thread::current().id(),
             streams: Mutex::new(Vec::new()),
         };
-        self.in_flight.push_back((batch, k));
+        self.in_flight.push_back(InFlight {
+            batch,
+            slot: k,
+            timed,
+        });
         Ok(lent)
+    }
+
+    /// Two timed events for a lend's work on the copy stream.
+    fn new_timed(&self) -> Result<Timed> {
+        let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let event = || self.shared.ctx.new_event(timed).map_err(Error::from);
+        Ok([event()?, event()?])
     }
 
     /// Makes the copy stream wait for slot `k`'s release and enqueues the copy of
     /// `batch` into it (or, for a batch of indices only, its gather from the device
     /// cache), its augmentation, and, while the cache is being filled, the scatter of the
-    /// batch's raw rows into it; then the slot's `copied` event.
-    fn enqueue_copy(&mut self, k: usize, batch: &HostBatch) -> Result<()> {
+    /// batch's raw rows into it; then the slot's `copied` event. `timed` is recorded
+    /// around that work (after the waits).
+    fn enqueue_copy(&mut self, k: usize, batch: &HostBatch, timed: &Timed) -> Result<()> {
         let s = &*self.shared;
         s.ctx.bind_to_thread()?;
         {
@@ -379,6 +459,7 @@ impl DeviceSlots {
                 waited?;
             }
         }
+        timed[0].record(&self.copy)?;
         let gather = batch.is_indices_only();
         let fill = !gather && self.cache.as_ref().is_some_and(|c| !c.filled());
         if gather && !self.cache.as_ref().is_some_and(SlotCache::filled) {
@@ -447,6 +528,7 @@ impl DeviceSlots {
         if let (Some(c), Some(idx), true) = (&mut self.cache, idx, fill) {
             c.fill(&self.copy, &targets, idx, batch.indices())?;
         }
+        timed[1].record(&self.copy)?;
         s.copied[k].record(&self.copy)?;
         Ok(())
     }
@@ -461,8 +543,8 @@ impl DeviceSlots {
     /// it, that batch's included, however early its own copy completed: the batch named
     /// is the one that failed or one before it (of the two still in flight).
     fn retire(&mut self, keep: usize) -> Result<()> {
-        while let Some((batch, k)) = self.in_flight.front() {
-            let event = &self.shared.copied[*k];
+        while let Some(InFlight { batch, slot, .. }) = self.in_flight.front() {
+            let event = &self.shared.copied[*slot];
             let done = (|| -> Result<bool> {
                 if self.in_flight.len() <= keep && !event.try_is_complete()? {
                     return Ok(false);
@@ -472,7 +554,16 @@ impl DeviceSlots {
             })();
             match done {
                 Ok(false) => break,
-                Ok(true) => drop(self.in_flight.pop_front()),
+                Ok(true) => {
+                    let done = self.in_flight.pop_front().expect("the front is there");
+                    let [start, end] = &done.timed;
+                    // Both are complete (recorded before `copied`, seen complete).
+                    if let Ok(ms) = start.elapsed_ms(end) {
+                        self.clock
+                            .add(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3));
+                    }
+                    self.spare_timed.push(done.timed);
+                }
                 Err(e) => {
                     let (batch, epoch) = (batch.number(), batch.epoch());
                     // No host buffer goes back while a copy may still read it.

@@ -22,7 +22,9 @@ pub use augment::{packed, AUGMENT};
 pub use cudarc::driver::CudaContext;
 pub use feeder::{DeviceBatch, FeedStats, Feeder};
 pub use kernels::{build_arch, KernelOrigin, Kernels};
-pub use lease::{DeviceSlots, LentBatch, Reserved, StreamHandle, LEGACY_STREAM, PER_THREAD_STREAM};
+pub use lease::{
+    CopyClock, DeviceSlots, LentBatch, Reserved, StreamHandle, LEGACY_STREAM, PER_THREAD_STREAM,
+};
 pub use nvrtc::Nvrtc;
 pub use pinned::{PinnedAlloc, PinnedKind};
 pub use trainer::CudaTrainer;

@@ -113,6 +113,7 @@ impl<'a> EpochTimer<'a> {
             wait: self.wait,
             copy: self.copy,
             compute: self.compute,
+            overlapped_copy: Duration::ZERO,
         };
         let bytes_per_sample = self
             .dataset
@@ -142,6 +143,11 @@ pub struct LoopTimes {
     pub copy: Duration,
     /// Time spent in your step.
     pub compute: Duration,
+    /// Device time of copies that ran on a stream of their own, overlapped with the
+    /// step (a [`DeviceSlots`](crate::cuda::DeviceSlots)'
+    /// [`copy_time`](crate::cuda::DeviceSlots::copy_time) over the epoch): counted as
+    /// copy time, but not as time the step stood idle for copies.
+    pub overlapped_copy: Duration,
 }
 
 impl EpochRow {
@@ -170,6 +176,7 @@ impl EpochRow {
         out.stages.copy = times.copy;
         out.stages.compute = times.compute;
         out.stages.in_series();
+        out.stages.copy += times.overlapped_copy;
         EpochRow::new(epoch, &out, bytes_per_sample, residency)
     }
 }

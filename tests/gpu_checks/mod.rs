@@ -660,6 +660,7 @@ pub fn lent_batches_wait_for_their_consumers(c: Cuda) {
     let handle = consumer.cu_stream() as usize;
     let pinned = PinnedAlloc::new(Arc::clone(&c.ctx), PinnedKind::Plain);
     let mut seen = Vec::new();
+    let started = std::time::Instant::now();
     for (i, batch) in loader.epoch(0).unwrap().enumerate() {
         // Every other batch, the copy runs late (a read that did not wait for it sees
         // the slot's old rows); the others, the consumer's read runs late (a slot
@@ -699,6 +700,16 @@ pub fn lent_batches_wait_for_their_consumers(c: Cuda) {
     consumer.synchronize().unwrap();
     read_back_rows(&ds, &seen);
     assert_eq!(seen.len() as u64, loader.batches());
+    // The copies' device time, every copy seen complete once drained: some, and within
+    // the epoch's wall time; read through the clock too, without the slots.
+    let clock = slots.copy_clock();
+    slots.drain().unwrap();
+    let (copied, wall) = (slots.copy_time(), started.elapsed());
+    assert!(
+        copied > std::time::Duration::ZERO && copied < wall,
+        "{copied:?} of {wall:?}"
+    );
+    assert_eq!(clock.elapsed(), copied);
 
     // Both slots held on this thread: the third batch is an error within seconds.
     let mut epoch = loader.epoch(1).unwrap();

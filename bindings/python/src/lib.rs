@@ -174,6 +174,9 @@ struct Shape {
     /// Whether their device cache holds every sample, read without their lock (a
     /// thread waiting for a slot holds it).
     cache_filled: Option<Arc<std::sync::atomic::AtomicBool>>,
+    /// The device time of their copies, read without their lock, for the `copy` of an
+    /// epoch's row.
+    copy_clock: Option<stokehold::cuda::CopyClock>,
     /// With `device_cache`, why the dataset does not fit (the cache's bytes are the
     /// report's `device_cache_bytes`).
     cache_refused: Option<String>,
@@ -853,6 +856,7 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
     // The device cache's size, or why it does not fit.
     let mut cache = Ok(None);
     let mut cache_filled = None;
+    let mut copy_clock = None;
     let device = match (&ctx, &cuda, &augment) {
         (Some(ctx), _, _) => {
             // As many slots as batches the loop may hold, plus the one being copied and
@@ -877,6 +881,7 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
                 cache = enable_cache(&mut s, c, &loader, share)?.map(Some);
             }
             cache_filled = Some(s.cache_filled_flag());
+            copy_clock = Some(s.copy_clock());
             Some(Arc::new(Mutex::new(s)))
         }
         _ => None,
@@ -900,6 +905,7 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
         progress,
         device,
         cache_filled,
+        copy_clock,
         cache_refused,
         order: loader.order().clone(),
         info: [
@@ -1127,6 +1133,10 @@ impl Loader {
         });
         let dataset = Arc::clone(&slf.shape.dataset);
         let device = slf.shape.device.clone();
+        let copy_clock = slf.shape.copy_clock.clone().map(|c| {
+            let at = c.elapsed();
+            (c, at)
+        });
         let pid = slf.shape.pid;
         Ok(Epoch {
             dataset,
@@ -1145,6 +1155,7 @@ impl Loader {
             failed: Mutex::new(None),
             last: Mutex::new(None),
             started: std::time::Instant::now(),
+            copy_clock,
         })
     }
 
@@ -1262,6 +1273,9 @@ struct Epoch {
     last: Mutex<Option<stokehold::EpochStats>>,
     /// When the epoch started: the progress bar's share of time stalled on data.
     started: std::time::Instant,
+    /// With `device="cuda"`, the slots' copy clock and its reading at the epoch's
+    /// start: the device time of stokehold's copies, which no host timer sees.
+    copy_clock: Option<(stokehold::cuda::CopyClock, std::time::Duration)>,
 }
 
 impl Epoch {
@@ -1571,10 +1585,19 @@ impl Epoch {
             py.detach(move || drop(end_epoch(&slot, &seen, Some(generation))));
         }
         let secs = |s: f64| std::time::Duration::from_secs_f64(s.max(0.0));
+        // With `device="cuda"`, stokehold's own copies of the epoch's batches (those seen
+        // complete: all of them once the epoch has run to its end) beside the loop's.
+        let copied = self
+            .copy_clock
+            .as_ref()
+            .map_or(Default::default(), |(c, at)| {
+                c.elapsed().saturating_sub(*at)
+            });
         let times = LoopTimes {
             wall: secs(wall_s),
             wait: secs(wait_s),
             copy: secs(copy_s),
+            overlapped_copy: copied,
             compute: secs(compute_s),
         };
         let metrics = Metrics {

@@ -450,6 +450,26 @@ def test_a_device_epoch_ends_at_once_and_a_small_pool_keeps_going(emulator: Path
     """)
 
 
+def test_an_epoch_timer_counts_stokeholds_own_copies(emulator: Path) -> None:
+    run_child(emulator, """
+        # The copies run on stokehold's stream, overlapped with the step: no host timer
+        # sees them, so the row's copy time is their device time, and no stall.
+        loader = stokehold.Loader(sys.argv[1], batch_size=100, device="cuda")
+        report = stokehold.TrainReport(loader)
+        for e in range(2):
+            timer = stokehold.EpochTimer(loader.epoch(e))
+            for batch in timer:
+                timer.step(batch.synchronize)
+                timer.record(0.0, 0, len(batch))
+            row = timer.finish()
+            assert 0 < row["copy_s"] < row["wall_s"], row
+            assert row["stall_copy_s"] == 0, row
+            report.push(row)
+        assert all(r["copy_s"] > 0 for r in report.json()["epochs"])
+        print("child passed")
+    """)
+
+
 def test_the_device_augments_as_the_workers_do(emulator: Path) -> None:
     run_child(emulator, """
         aug = stokehold.Augment("x", crop=2, flip=True, mean=0.3, std=0.2, fill=3, seed=5)

@@ -791,6 +791,9 @@ class EpochTimer:
     """Times one epoch of your loop as ``stokehold train`` times its own: the wait for
     each batch, your copies and your step, the residency of the data, and the loss and
     accuracy you record. ``finish()`` gives the epoch's row for a ``TrainReport``.
+    With ``device="cuda"``, the row's copy time also holds stokehold's own copies to the
+    device: their time on its copy stream, which overlaps your step (no host timer
+    sees it, and it is not counted as a stall).
 
         report = stokehold.TrainReport(loader)
         for e in range(3):
