@@ -96,9 +96,13 @@ impl TrainConfig {
 
 /// Trains as `config` says and reports every figure.
 ///
+/// An epoch that fails ends the run without an `Err`: the report holds the epochs
+/// before it, the set-up, and the error ([`TrainReport::error`]), and the trace is
+/// finished, so that what was measured up to the failure is not lost.
+///
 /// # Errors
-/// Anything the dataset, the loader, the backend or the step returns; [`Error::Cuda`]
-/// when CUDA is asked for and not usable.
+/// Anything the dataset, the loader, the backend or the step returns before the first
+/// epoch; [`Error::Cuda`] when CUDA is asked for and not usable.
 ///
 /// [`Error::Cuda`]: crate::Error::Cuda
 pub fn run(config: &TrainConfig) -> Result<TrainReport> {
@@ -168,7 +172,7 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
         let t = Instant::now();
         loader.warmup()?;
         setup.warmup_s = t.elapsed().as_secs_f64();
-        setup.first_launch_s = trainer.warm_up()?.as_secs_f64();
+        setup.first_launch_s = Some(trainer.warm_up()?.as_secs_f64());
     }
     let mut device_cache = None;
     if config.device_cache {
@@ -204,15 +208,26 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
         .unwrap_or_else(|e| serde_json::json!({ "error": e.to_string() }));
     report.setup = setup;
     for epoch in 0..config.epochs {
-        let before = pagecache::residency(ds.as_ref())?;
         let (samples, bytes) = (report.samples, report.bytes_per_sample);
-        let mut bar = EpochProgress::new(epoch, samples, bytes, config.quiet);
-        let out = trainer.train(&mut loader, epoch, &mut |n, stalled| {
-            bar.advance(n, stalled)
-        })?;
-        bar.finish();
-        let after = pagecache::residency(ds.as_ref())?;
-        report.push(EpochRow::new(epoch, &out, bytes, (before, after)));
+        let row = (|| -> Result<EpochRow> {
+            let before = pagecache::residency(ds.as_ref())?;
+            let mut bar = EpochProgress::new(epoch, samples, bytes, config.quiet);
+            let out = trainer.train(&mut loader, epoch, &mut |n, stalled| {
+                bar.advance(n, stalled)
+            })?;
+            bar.finish();
+            let after = pagecache::residency(ds.as_ref())?;
+            Ok(EpochRow::new(epoch, &out, bytes, (before, after)))
+        })();
+        match row {
+            Ok(row) => report.push(row),
+            Err(e) => {
+                // The epochs before it, the setup and the trace are kept: they are what
+                // tells why it failed.
+                report.error = Some(format!("epoch {epoch}: {e}"));
+                break;
+            }
+        }
     }
     if let Some(tr) = &trace {
         report.trace_error = tr.finish().err().map(|e| e.to_string());

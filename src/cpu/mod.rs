@@ -252,14 +252,16 @@ impl CpuTrainer {
                         tr.span(Stage::WaitCopy, Track::Compute, span, epoch_no, slot.number);
                     }
                     let n = slot.len;
+                    // The step alone: the trace's own bookkeeping is not compute.
+                    let stepped = Instant::now();
                     inputs.step((mlp, workspace, *norm), &slot, &mut out.metrics)?;
+                    let span = (stepped, Instant::now());
                     let number = slot.number;
                     drop(slot);
                     if let Some(tr) = trace {
-                        let span = (t, Instant::now());
                         tr.span(Stage::Compute, Track::Compute, span, epoch_no, number);
                     }
-                    out.stages.compute += t.elapsed();
+                    out.stages.compute += span.1 - span.0;
                     out.batches += 1;
                     let wait = Duration::from_nanos(waited_ns.load(Ordering::Relaxed));
                     progress(n as u64, stalled(wait, start.elapsed()));

@@ -106,13 +106,16 @@ pub struct Setup {
     /// Whether the kernels came from the on-disk cache (`false`: NVRTC compiled them, and
     /// the cache was written for the next run).
     pub kernels_from_cache: bool,
-    /// First launch of every kernel, with `--warmup` (lazy module loading; 0 on the CPU).
-    pub first_launch_s: f64,
+    /// First launch of every kernel, with `--warmup` (lazy module loading); `None`
+    /// where it was not measured apart (without `--warmup` the first launches happen in
+    /// epoch 0, in its step time; on the CPU there are none).
+    pub first_launch_s: Option<f64>,
     /// Allocating the loader's host-buffer pool.
     pub pool_alloc_s: f64,
     /// Starting the loader's worker threads.
     pub worker_start_s: f64,
-    /// Opening and mapping the dataset.
+    /// Opening and mapping the dataset (in `stokehold train`, with its scan of the
+    /// labels for the classes and of a few hundred rows for the normalisation).
     pub dataset_open_s: f64,
     /// An explicit warm-up (`--warmup`), when asked for.
     pub warmup_s: f64,
@@ -129,19 +132,24 @@ pub struct Setup {
 pub struct Warmup {
     /// First epoch's wall time.
     pub first_s: f64,
-    /// Median wall time of the later epochs.
+    /// Wall time of the steady epoch (the later epoch of median wall time), scaled by
+    /// `steady_scale`.
     pub steady_s: f64,
+    /// What the steady epoch's figures are scaled by: 1.0, or, where the two epochs
+    /// ran different sample counts (a resumed or stopped first epoch), the first's
+    /// samples over the steady one's, so that they are compared per sample.
+    pub steady_scale: f64,
     /// `first_s - steady_s`.
     pub excess_s: f64,
     /// `first_s / steady_s`: 1.0 when epoch 0 ran at steady speed.
     pub ratio: f64,
-    /// Extra time the training step stood idle for data in epoch 1 (cold page cache),
-    /// over the steady epoch.
+    /// Extra time the training step stood idle for data in the first epoch (cold page
+    /// cache), over the steady epoch.
     pub cold_cache_s: f64,
-    /// Bytes epoch 1 read from storage beyond the steady epoch (`/proc/self/io`): what
-    /// the cold cache cost in reads.
+    /// Bytes the first epoch read from storage beyond the steady epoch
+    /// (`/proc/self/io`): what the cold cache cost in reads.
     pub cold_read_bytes: u64,
-    /// Extra time the loader's workers spent gathering in epoch 1 over the steady
+    /// Extra time the loader's workers spent gathering in the first epoch over the steady
     /// epoch, summed over workers: mostly blocked on storage reads (page faults or
     /// direct reads) when the data was cold.
     pub cold_gather_s: f64,
@@ -155,7 +163,7 @@ pub struct Warmup {
 }
 
 impl Warmup {
-    /// The split of epoch 1 against the steady epoch: the later epoch of median wall
+    /// The split of the first epoch against the steady epoch: the later epoch of median wall
     /// time (the upper median of an even count). Every cause is charged against that one
     /// epoch, so that the causes and what is left add up to the excess; `None` with
     /// fewer than two epochs.
@@ -172,17 +180,26 @@ impl Warmup {
         let mut by_wall: Vec<&EpochRow> = rest.iter().collect();
         by_wall.sort_by(|a, b| a.wall_s.total_cmp(&b.wall_s));
         let steady = by_wall[by_wall.len() / 2];
-        let excess = first.wall_s - steady.wall_s;
-        let cold = first.stall_data_s - steady.stall_data_s;
-        let cold_read_bytes = first.bytes_read.saturating_sub(steady.bytes_read);
-        let cold_gather_s = first.gather_s - steady.gather_s;
-        let compute = first.compute_s - steady.compute_s;
-        let copy = first.stall_copy_s - steady.stall_copy_s;
+        // Epochs of other sample counts (a resumed first epoch, one a loop stopped
+        // early) are compared per sample: the steady one's figures scaled to the first's.
+        let scale = match (first.samples, steady.samples) {
+            (a, b) if a == b || b == 0 => 1.0,
+            (a, b) => a as f64 / b as f64,
+        };
+        let steady_s = steady.wall_s * scale;
+        let excess = first.wall_s - steady_s;
+        let cold = first.stall_data_s - steady.stall_data_s * scale;
+        let steady_read = (steady.bytes_read as f64 * scale) as u64;
+        let cold_read_bytes = first.bytes_read.saturating_sub(steady_read);
+        let cold_gather_s = first.gather_s - steady.gather_s * scale;
+        let compute = first.compute_s - steady.compute_s * scale;
+        let copy = first.stall_copy_s - steady.stall_copy_s * scale;
         Some(Warmup {
             first_s: first.wall_s,
-            steady_s: steady.wall_s,
+            steady_s,
+            steady_scale: scale,
             excess_s: excess,
-            ratio: first.wall_s / steady.wall_s.max(1e-12),
+            ratio: first.wall_s / steady_s.max(1e-12),
             cold_cache_s: cold,
             cold_read_bytes,
             cold_gather_s,
@@ -194,7 +211,7 @@ impl Warmup {
 }
 
 /// Everything `stokehold train` measured.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct TrainReport {
     /// The device the step ran on.
     pub device: String,
@@ -220,7 +237,7 @@ pub struct TrainReport {
     pub buffers: usize,
     /// Batch size, workers, prefetch (as asked for), shuffle, hidden units, learning rate.
     pub config: serde_json::Value,
-    /// One-off costs before epoch 1.
+    /// One-off costs before epoch 0.
     pub setup: Setup,
     /// Per-epoch figures.
     pub epochs: Vec<EpochRow>,
@@ -232,10 +249,14 @@ pub struct TrainReport {
     /// Why the `--trace` file could not be written (a full disk), if it could not: the
     /// run's figures survive it.
     pub trace_error: Option<String>,
+    /// The error that ended the run before its last epoch (`"epoch 3: ..."`), if one
+    /// did: the epochs before it are reported.
+    pub error: Option<String>,
 }
 
+/// A residency as a whole percentage, rounded down: "100%" only when every page is.
 fn pct(r: Residency) -> String {
-    format!("{:.0}%", 100.0 * r.fraction())
+    format!("{:.0}%", (100.0 * r.fraction()).floor())
 }
 
 impl Setup {
@@ -273,6 +294,7 @@ impl TrainReport {
             warmup: None,
             diverged_at: None,
             trace_error: None,
+            error: None,
         }
     }
 
@@ -336,7 +358,7 @@ impl TrainReport {
         );
         if st.cuda_context_s > 0.0 || st.kernels_s > 0.0 {
             s += &format!(
-                ", CUDA context {:.3} s, kernels {:.3} s ({}), first launches {:.3} s",
+                ", CUDA context {:.3} s, kernels {:.3} s ({}), first launches {}",
                 st.cuda_context_s,
                 st.kernels_s,
                 if st.kernels_from_cache {
@@ -344,7 +366,10 @@ impl TrainReport {
                 } else {
                     "compiled"
                 },
-                st.first_launch_s
+                match st.first_launch_s {
+                    Some(t) => format!("{t:.3} s"),
+                    None => "in epoch 0 (--warmup times them apart)".to_string(),
+                }
             );
         }
         if st.augment_kernel_s > 0.0 {
@@ -374,6 +399,12 @@ impl TrainReport {
             "epoch {} took {:.3} s against a steady {:.3} s (the later epoch of median time): {:+.3} s, {:.2}x\n",
             first.epoch, w.first_s, w.steady_s, w.excess_s, w.ratio
         );
+        if w.steady_scale != 1.0 {
+            s += &format!(
+                "  (per sample: epoch {} ran {} samples, so the steady epoch's figures are scaled by {:.3})\n",
+                first.epoch, first.samples, w.steady_scale
+            );
+        }
         s += &format!(
             "  cold page cache (step idle for data): {:+.3} s  (resident {} -> {}, {}",
             w.cold_cache_s,
@@ -532,5 +563,49 @@ mod tests {
             Warmup::of(&rows[..1]).is_none(),
             "one epoch has nothing to compare with"
         );
+    }
+
+    #[test]
+    fn a_first_epoch_of_other_samples_is_compared_per_sample() {
+        // A resumed first epoch ran 25 of the 100 samples at the steady epochs' speed: no
+        // excess, where a comparison of wall times would find it 0.75 s "faster".
+        let mut first = row(3, 0.25, 0.025, 0.125, 0.025);
+        first.samples = 25;
+        let rows = [
+            first,
+            row(4, 1.0, 0.1, 0.5, 0.1),
+            row(5, 1.0, 0.1, 0.5, 0.1),
+        ];
+        let w = Warmup::of(&rows).unwrap();
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(close(w.steady_scale, 0.25), "{w:?}");
+        assert!(close(w.steady_s, 0.25) && close(w.ratio, 1.0), "{w:?}");
+        for part in [
+            w.excess_s,
+            w.cold_cache_s,
+            w.compute_s,
+            w.copy_s,
+            w.unexplained_s,
+        ] {
+            assert!(close(part, 0.0), "{w:?}");
+        }
+        let report = super::TrainReport {
+            epochs: rows.to_vec(),
+            warmup: Some(w),
+            ..Default::default()
+        };
+        let text = report.warmup_text();
+        assert!(
+            text.contains("per sample: epoch 3 ran 25 samples"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn residency_is_rounded_down() {
+        let r = |resident, pages| Residency { resident, pages };
+        assert_eq!(super::pct(r(999, 1000)), "99%");
+        assert_eq!(super::pct(r(1000, 1000)), "100%");
+        assert_eq!(super::pct(r(0, 0)), "100%");
     }
 }

@@ -1,4 +1,5 @@
-//! Per-epoch progress: an indicatif bar on a terminal, plain periodic lines otherwise.
+//! Per-epoch progress: an indicatif bar on a terminal, plain periodic lines otherwise
+//! (a pipe, a file, or a terminal indicatif does not draw on: `TERM=dumb` or unset).
 
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};
@@ -32,6 +33,8 @@ impl EpochProgress {
             bar.set_prefix(epoch.to_string());
             bar
         });
+        // indicatif hides its bar on a terminal it cannot draw on: lines instead.
+        let bar = bar.filter(|b| !b.is_hidden());
         EpochProgress {
             bar,
             epoch,
@@ -75,9 +78,19 @@ impl EpochProgress {
     }
 
     /// Clears the bar.
-    pub fn finish(self) {
-        if let Some(bar) = self.bar {
+    pub fn finish(mut self) {
+        if let Some(bar) = self.bar.take() {
             bar.finish_and_clear();
+        }
+    }
+}
+
+impl Drop for EpochProgress {
+    /// An epoch that ended before [`finish`](EpochProgress::finish) (an error) leaves its
+    /// bar where it stopped, not drawn full as indicatif's own drop would.
+    fn drop(&mut self) {
+        if let Some(bar) = self.bar.take() {
+            bar.abandon();
         }
     }
 }

@@ -50,6 +50,9 @@ pub struct EpochTimer<'a> {
     copy: Duration,
     compute: Duration,
     metrics: Metrics,
+    /// Bytes of a sample as the batches hold it (augmented, where the loader augments),
+    /// from the first batch: the report's own measure.
+    bytes_per_sample: Option<u64>,
 }
 
 impl<'a> EpochTimer<'a> {
@@ -70,6 +73,7 @@ impl<'a> EpochTimer<'a> {
             copy: Duration::ZERO,
             compute: Duration::ZERO,
             metrics: Metrics::default(),
+            bytes_per_sample: None,
         })
     }
 
@@ -115,12 +119,11 @@ impl<'a> EpochTimer<'a> {
             compute: self.compute,
             overlapped_copy: Duration::ZERO,
         };
-        let bytes_per_sample = self
-            .dataset
-            .columns()
-            .iter()
-            .map(|c| c.row_bytes as u64)
-            .sum();
+        // No batch taken: the dataset's own row.
+        let bytes_per_sample = self.bytes_per_sample.unwrap_or_else(|| {
+            let columns = self.dataset.columns();
+            columns.iter().map(|c| c.row_bytes as u64).sum()
+        });
         Ok(EpochRow::of_loop(
             self.number,
             loader,
@@ -189,6 +192,9 @@ impl Iterator for EpochTimer<'_> {
         let t = Instant::now();
         let b = self.epoch.next();
         self.wait += t.elapsed();
+        if let (None, Some(Ok(batch))) = (self.bytes_per_sample, &b) {
+            self.bytes_per_sample = Some(batch.layout().data_bytes(1) as u64);
+        }
         b
     }
 }

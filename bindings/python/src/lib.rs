@@ -1584,6 +1584,19 @@ impl Epoch {
             let generation = self.generation;
             py.detach(move || drop(end_epoch(&slot, &seen, Some(generation))));
         }
+        let given = [
+            ("wall_s", wall_s),
+            ("wait_s", wait_s),
+            ("copy_s", copy_s),
+            ("compute_s", compute_s),
+        ];
+        for (name, s) in given {
+            if !s.is_finite() {
+                return Err(PyValueError::new_err(format!(
+                    "{name}={s}: not finite seconds"
+                )));
+            }
+        }
         let secs = |s: f64| std::time::Duration::from_secs_f64(s.max(0.0));
         // With `device="cuda"`, stokehold's own copies of the epoch's batches (those seen
         // complete: all of them once the epoch has run to its end) beside the loop's.

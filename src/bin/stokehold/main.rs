@@ -110,10 +110,12 @@ fn run(command: Command) -> stokehold::Result<ExitCode> {
             let report = train::run(&config)?;
             let written = a.json.map_or(Ok(()), |path| write_json(&path, &report));
             emit(&train::summary(&report, &config));
-            if let Some(e) = &report.trace_error {
+            for e in [&report.error, &report.trace_error].into_iter().flatten() {
                 say(&format!("error: {e}"));
             }
-            let failed = report.diverged_at.is_some() || report.trace_error.is_some();
+            let failed = report.diverged_at.is_some()
+                || report.trace_error.is_some()
+                || report.error.is_some();
             written.map(|()| match failed {
                 true => ExitCode::FAILURE,
                 false => ExitCode::SUCCESS,
