@@ -21,10 +21,14 @@ pub struct Residency {
     pub resident: u64,
     /// Pages in all.
     pub pages: u64,
+    /// Pages whose residency the kernel does not tell this process (counted in `pages`,
+    /// not in `resident`): see [`residency_known`].
+    pub unknown: u64,
 }
 
 impl Residency {
-    /// Resident share, 0.0 to 1.0 (1.0 for nothing at all).
+    /// Resident share, 0.0 to 1.0 (1.0 for nothing at all); pages of unknown residency
+    /// count as not resident.
     pub fn fraction(&self) -> f64 {
         if self.pages == 0 {
             1.0
@@ -33,24 +37,73 @@ impl Residency {
         }
     }
 
+    /// Adds up two residencies (of other files).
     fn add(self, other: Residency) -> Residency {
         Residency {
             resident: self.resident + other.resident,
             pages: self.pages + other.pages,
+            unknown: self.unknown + other.unknown,
         }
     }
 }
 
-/// Page-cache residency of one mapped file.
+impl std::fmt::Display for Residency {
+    /// The resident share as a whole percentage, rounded down ("100%" only when every
+    /// page is); "?" when no page's residency is known, and a "?" after the share when
+    /// some pages' is not.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let shown = match self.unknown {
+            0 => format!("{:.0}%", (100.0 * self.fraction()).floor()),
+            u if u == self.pages => "?".to_string(),
+            _ => format!("{:.0}%?", (100.0 * self.fraction()).floor()),
+        };
+        f.pad(&shown)
+    }
+}
+
+/// Page-cache residency of one mapped file (all of it unknown where the kernel does
+/// not tell, [`residency_known`]).
 ///
 /// # Errors
 /// [`Error::Io`] naming the file if `mincore` fails.
 pub fn file_residency(file: MappedFile<'_>) -> Result<Residency> {
+    if !residency_known(file) {
+        let pages = file.bytes().len().div_ceil(page_size()) as u64;
+        return Ok(Residency {
+            resident: 0,
+            pages,
+            unknown: pages,
+        });
+    }
     let vec = resident_pages(file)?;
     Ok(Residency {
         resident: vec.iter().filter(|&&b| b & 1 != 0).count() as u64,
         pages: vec.len() as u64,
+        unknown: 0,
     })
+}
+
+/// Whether `mincore` tells this process which pages of `file` are cached. Since Linux
+/// 5.0 it does only for a file the process owns or may write to (or with
+/// `CAP_FOWNER`); for any other file it reports every page resident, to close a
+/// page-cache side channel. A shared, read-only dataset of another user is such a file:
+/// its residency is unknown, and the loader plans its reads as for cold data.
+pub fn residency_known(file: MappedFile<'_>) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    if std::fs::metadata(file.path()).is_ok_and(|m| m.uid() == euid) {
+        return true;
+    }
+    let Ok(path) = std::ffi::CString::new(file.path().as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: a NUL-terminated path, read only; faccessat writes nothing.
+    let rc =
+        unsafe { libc::faccessat(libc::AT_FDCWD, path.as_ptr(), libc::W_OK, libc::AT_EACCESS) };
+    // Root may not write on a read-only mount, but its CAP_FOWNER still has the truth.
+    rc == 0 || (euid == 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EROFS))
 }
 
 /// One byte per page of `file`'s mapping, bit 0 set where the page is resident.
@@ -64,11 +117,15 @@ pub(crate) fn resident_pages(file: MappedFile<'_>) -> Result<Vec<u8>> {
 /// As [`resident_pages`], for the pages of `len` bytes at `offset` (page-aligned).
 ///
 /// # Errors
-/// [`Error::Io`] naming the file if `mincore` fails.
+/// [`Error::Io`] naming the file if `mincore` fails, or where its answer would not be
+/// the truth ([`residency_known`]).
 pub(crate) fn resident_range(file: MappedFile<'_>, offset: usize, len: usize) -> Result<Vec<u8>> {
     let len = len.min(file.bytes().len().saturating_sub(offset));
     if len == 0 {
         return Ok(Vec::new());
+    }
+    if !residency_known(file) {
+        return Err(Error::io(file.path(), std::io::Error::other(UNKNOWN)));
     }
     let mut vec = vec![0u8; len.div_ceil(page_size())];
     // SAFETY: `offset` is page-aligned and `offset + len` within the live mapping of
@@ -86,6 +143,10 @@ pub(crate) fn resident_range(file: MappedFile<'_>, offset: usize, len: usize) ->
     }
     Ok(vec)
 }
+
+/// Why [`resident_range`] refuses a file of unknown residency.
+const UNKNOWN: &str = "the kernel does not tell which of its pages are cached to a process that \
+                       neither owns the file nor may write to it";
 
 /// Bytes per `MADV_WILLNEED` call where the device does not say: the kernel reads at
 /// most `max(read_ahead_kb, max_sectors_kb)` of its device per call and silently drops

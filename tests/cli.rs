@@ -423,3 +423,59 @@ fn two_runs_writing_one_set_leave_a_matching_pair() {
         assert!(pairs.contains(&got), "x.npy and y.npy come from two runs");
     }
 }
+
+/// Run as a user who neither owns the dataset nor may write to it (a shared set on a
+/// cluster), `mincore` reports every page of it cached (Linux 5.0 on): its residency is
+/// shown as unknown, and epochs are planned as for cold data, not taken as warm ones.
+#[test]
+fn a_dataset_of_another_user_has_unknown_residency() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipping: running a command as another user needs root");
+        return;
+    }
+    let perms = |p: &std::path::Path, mode| {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap()
+    };
+    let data = tempfile::tempdir().unwrap();
+    perms(data.path(), 0o755);
+    for f in ["x.npy", "y.npy"] {
+        let to = data.path().join(f);
+        std::fs::copy(
+            format!("{}/datasets/digits/{f}", env!("CARGO_MANIFEST_DIR")),
+            &to,
+        )
+        .unwrap();
+        perms(&to, 0o644);
+    }
+    let out = tempfile::tempdir().unwrap();
+    perms(out.path(), 0o777);
+    let json = out.path().join("run.json");
+    let as_nobody = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_stokehold"))
+            .args(args)
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}:\n{text}{err}");
+        text
+    };
+    let dir = data.path().to_str().unwrap();
+    let shown = as_nobody(&["inspect", dir]);
+    let x = shown.lines().find(|l| l.contains("x.npy")).unwrap();
+    assert!(x.trim_end().ends_with('?'), "{shown}");
+    let args = ["train", "--data", dir, "--epochs", "2", "--json"];
+    as_nobody(&[&args[..], &[json.to_str().unwrap()]].concat());
+    let report = read_json(&json);
+    for e in report["epochs"].as_array().unwrap() {
+        let r = &e["residency_start"];
+        assert!(r["pages"].as_u64().unwrap() > 0, "{e}");
+        assert_eq!(r["unknown"], r["pages"], "{e}");
+        assert_ne!(e["storage"], "warm", "{e}");
+    }
+}

@@ -39,8 +39,8 @@ use super::extents::{Clearing, Closing, Extents, Window, READERS};
 use super::worker::{Assignment, Job};
 use crate::dataset::{Dataset, MappedFile};
 use crate::pagecache::{
-    advise_random, drop_range, resident_pages, resident_range, will_need, will_need_piece,
-    WILL_NEED_PIECE,
+    advise_random, drop_range, residency_known, resident_pages, resident_range, will_need,
+    will_need_piece, WILL_NEED_PIECE,
 };
 use crate::sampler::{EpochOrder, Shuffle};
 use crate::util::page_size;
@@ -104,7 +104,15 @@ pub(crate) struct FilePlan {
 /// the planner's thread has got; the planner then starts from these pages.
 pub(crate) fn snapshot(dataset: &dyn Dataset, budget: u64) -> (Storage, Vec<FilePlan>) {
     let files = dataset.files();
-    let pages: Option<Vec<Vec<u8>>> = files.iter().map(|&f| resident_pages(f).ok()).collect();
+    // A file whose residency the kernel does not tell is planned as cold (its reads
+    // are the planner's); one whose `mincore` fails leaves the epoch to page faults.
+    let pages: Option<Vec<Vec<u8>>> = files
+        .iter()
+        .map(|&f| match residency_known(f) {
+            true => resident_pages(f).ok(),
+            false => Some(vec![0; f.bytes().len().div_ceil(page_size())]),
+        })
+        .collect();
     let Some(pages) = pages else {
         return (Storage::Warm, Vec::new());
     };

@@ -33,7 +33,7 @@ pub fn inspect(paths: &[PathBuf]) -> (String, Vec<Error>) {
             match opened {
                 Ok(d) => {
                     let res = pagecache::residency(&d)
-                        .map(|r| format!("{:.0}%", 100.0 * r.fraction()))
+                        .map(|r| r.to_string())
                         .unwrap_or_else(|_| "?".into());
                     let bytes: usize = d.files().iter().map(|m| m.bytes().len()).sum();
                     table += &format!(
@@ -53,7 +53,7 @@ pub fn inspect(paths: &[PathBuf]) -> (String, Vec<Error>) {
         match NpyArray::open(&f) {
             Ok(a) => {
                 let res = pagecache::file_residency(MappedFile::new(a.path(), a.mapping()))
-                    .map(|r| format!("{:.0}%", 100.0 * r.fraction()))
+                    .map(|r| r.to_string())
                     .unwrap_or_else(|_| "?".into());
                 table += &format!(
                     "{:<40} {:>18} {:>8} {:>10} {:>12} {:>9}\n",

@@ -254,9 +254,9 @@ pub struct TrainReport {
     pub error: Option<String>,
 }
 
-/// A residency as a whole percentage, rounded down: "100%" only when every page is.
+/// A residency as a whole percentage, rounded down ([`Residency`]'s `Display`).
 fn pct(r: Residency) -> String {
-    format!("{:.0}%", (100.0 * r.fraction()).floor())
+    r.to_string()
 }
 
 impl Setup {
@@ -603,9 +603,16 @@ mod tests {
 
     #[test]
     fn residency_is_rounded_down() {
-        let r = |resident, pages| Residency { resident, pages };
-        assert_eq!(super::pct(r(999, 1000)), "99%");
-        assert_eq!(super::pct(r(1000, 1000)), "100%");
-        assert_eq!(super::pct(r(0, 0)), "100%");
+        let r = |resident, pages, unknown| Residency {
+            resident,
+            pages,
+            unknown,
+        };
+        assert_eq!(super::pct(r(999, 1000, 0)), "99%");
+        assert_eq!(super::pct(r(1000, 1000, 0)), "100%");
+        assert_eq!(super::pct(r(0, 0, 0)), "100%");
+        // Pages whose residency the kernel would not tell are not shown as cached.
+        assert_eq!(super::pct(r(0, 1000, 1000)), "?");
+        assert_eq!(super::pct(r(500, 1000, 400)), "50%?");
     }
 }

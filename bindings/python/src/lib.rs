@@ -1210,13 +1210,13 @@ impl Loader {
         drained.map_err(error)
     }
 
-    /// The page-cache residency of the dataset's files: `(resident pages, pages)`.
-    fn residency(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
+    /// The page-cache residency of the dataset's files: `(resident pages, pages, pages of unknown residency)`.
+    fn residency(&self, py: Python<'_>) -> PyResult<(u64, u64, u64)> {
         let dataset = Arc::clone(&self.shape.dataset);
         let r = py
             .detach(move || pagecache::residency(dataset.as_ref()))
             .map_err(error)?;
-        Ok((r.resident, r.pages))
+        Ok((r.resident, r.pages, r.unknown))
     }
 
     /// An empty report of this loader's epochs (its setup included).
@@ -1556,7 +1556,7 @@ impl Epoch {
 
     /// The epoch's row, as `stokehold train` reports it, from the times an
     /// `EpochTimer` measured around it (seconds), the metrics recorded, and the
-    /// residency at the start (`(resident pages, pages)`, from `_Loader.residency`).
+    /// residency at the start (`(resident, pages, unknown)`, from `_Loader.residency`).
     /// Ends the epoch: batches not taken go back to the loader.
     #[pyo3(signature = (wall_s, wait_s, copy_s, compute_s, loss_sum, correct, samples, residency_start))]
     #[allow(clippy::too_many_arguments)]
@@ -1570,7 +1570,7 @@ impl Epoch {
         loss_sum: f64,
         correct: u64,
         samples: u64,
-        residency_start: (u64, u64),
+        residency_start: (u64, u64, u64),
     ) -> PyResult<Row> {
         forked(self.pid)?;
         let Some(loader) = self.loader_stats(py) else {
@@ -1626,6 +1626,7 @@ impl Epoch {
         let start = Residency {
             resident: residency_start.0,
             pages: residency_start.1,
+            unknown: residency_start.2,
         };
         let row = EpochRow::of_loop(
             self.number,
