@@ -235,9 +235,65 @@ pub fn storage_read_bytes() -> Option<u64> {
 }
 
 /// The page-cache budget of a loader built without one: half the memory available now
-/// ([`available_memory`]); unlimited where the kernel does not say.
+/// ([`available_memory`]), or half the room left in the process's memory cgroup
+/// ([`cgroup_room`]) where that is less (a container limited to 32 GB on a 1 TB host);
+/// unlimited where neither is known.
 pub fn default_budget() -> u64 {
-    available_memory().map_or(u64::MAX, |m| m / 2)
+    match (available_memory(), cgroup_room()) {
+        (Some(a), Some(c)) => a.min(c) / 2,
+        (Some(m), None) | (None, Some(m)) => m / 2,
+        (None, None) => u64::MAX,
+    }
+}
+
+/// Room for the page cache left in this process's memory cgroup: its memory limit
+/// (the tightest of its cgroup's and their ancestors') less the anonymous memory
+/// charged to it. The page cache a process reads is charged to its cgroup and
+/// reclaimed at that limit, however much memory the host has. `None` without a limit.
+pub fn cgroup_room() -> Option<u64> {
+    let procs = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    cgroup_room_in(std::path::Path::new("/sys/fs/cgroup"), &procs)
+}
+
+/// [`cgroup_room`] with the cgroup file systems mounted at `root`, for the process whose
+/// `/proc/PID/cgroup` is `procs`.
+fn cgroup_room_in(root: &std::path::Path, procs: &str) -> Option<u64> {
+    let read = |p: std::path::PathBuf| std::fs::read_to_string(p).ok();
+    let stat = |text: &str, key: &str| -> Option<u64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok())
+    };
+    // No limit reads as a number near 2^63 (v1) or "max" (v2).
+    let limited = |n: u64| (n < 1 << 60).then_some(n);
+    let paths = procs.lines().filter_map(|l| {
+        let mut parts = l.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        Some((controllers, path.trim_start_matches('/')))
+    });
+    let mut v2 = None;
+    for (controllers, path) in paths {
+        if controllers.split(',').any(|c| c == "memory") {
+            // cgroup v1: the memory controller's own hierarchy, whose statistics give
+            // the limit over the ancestors too.
+            let text = read(root.join("memory").join(path).join("memory.stat"))?;
+            let limit = limited(stat(&text, "hierarchical_memory_limit")?)?;
+            let anon = stat(&text, "total_rss").or_else(|| stat(&text, "rss"))?;
+            return Some(limit.saturating_sub(anon));
+        }
+        if controllers.is_empty() {
+            v2 = Some(path);
+        }
+    }
+    // cgroup v2: the unified hierarchy; the tightest `memory.max` up to the root.
+    let own = root.join(v2?);
+    let anon = stat(&read(own.join("memory.stat"))?, "anon")?;
+    let limit = own
+        .ancestors()
+        .take_while(|d| d.starts_with(root))
+        .filter_map(|d| read(d.join("memory.max"))?.trim().parse().ok())
+        .filter_map(limited)
+        .min()?;
+    Some(limit.saturating_sub(anon))
 }
 
 /// Memory the kernel reports as available for new work (`MemAvailable` of
@@ -364,6 +420,43 @@ mod tests {
     use std::io::Write;
 
     use super::*;
+
+    #[test]
+    fn the_room_in_a_memory_cgroup_is_its_tightest_limit_less_its_anonymous_memory() {
+        let root = tempfile::tempdir().unwrap();
+        let put = |path: &str, text: &str| {
+            let p = root.path().join(path);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, text).unwrap();
+        };
+        // v2: a pod limited to 32 GB, its container unlimited within it.
+        put("kubepods/pod1/memory.max", "34359738368\n");
+        put("kubepods/pod1/ctr/memory.max", "max\n");
+        put(
+            "kubepods/pod1/ctr/memory.stat",
+            "anon 4294967296\nfile 123\n",
+        );
+        let v2 = "0::/kubepods/pod1/ctr\n";
+        assert_eq!(cgroup_room_in(root.path(), v2), Some(28 << 30));
+        // No limit anywhere: none.
+        put("free/memory.max", "max\n");
+        put("free/memory.stat", "anon 1\n");
+        assert_eq!(cgroup_room_in(root.path(), "0::/free\n"), None);
+        // v1: the memory controller's hierarchy, its limit over the ancestors.
+        put(
+            "memory/job/memory.stat",
+            "cache 5\nrss 7\nhierarchical_memory_limit 8589934592\ntotal_rss 1073741824\n",
+        );
+        let v1 = "4:memory:/job\n1:cpu:/\n0::/\n";
+        assert_eq!(cgroup_room_in(root.path(), v1), Some(7 << 30));
+        put(
+            "memory/open/memory.stat",
+            "hierarchical_memory_limit 9223372036854771712\n",
+        );
+        assert_eq!(cgroup_room_in(root.path(), "4:memory:/open\n"), None);
+        // Nothing to read (cgroups not mounted there): none.
+        assert_eq!(cgroup_room_in(root.path(), "0::/elsewhere\n"), None);
+    }
 
     #[test]
     fn a_range_in_whole_pages_past_the_end_of_the_file_is_dropped() {

@@ -246,7 +246,9 @@ impl LoaderBuilder {
     }
 
     /// Bytes of page cache the loader may fill with the dataset (default: half the
-    /// memory available when the loader is built, `MemAvailable` of `/proc/meminfo`).
+    /// memory available when the loader is built, `MemAvailable` of `/proc/meminfo`, or
+    /// of the room left in the process's memory cgroup where that is less:
+    /// [`pagecache::default_budget`](crate::pagecache::default_budget)).
     ///
     /// The smallest files are kept while they fit under the budget together (labels stay
     /// in memory while images stream). Kept files are read in during the first epoch

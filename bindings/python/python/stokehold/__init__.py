@@ -286,7 +286,8 @@ class Loader:
     stderr is a terminal).
 
     ``page_cache_budget`` is how many bytes of page cache the loader may fill with the
-    files (default: half the available memory); larger files stream straight from
+    files (default: half the available memory, or of a memory cgroup's room where
+    that is less); larger files stream straight from
     storage, with ``O_DIRECT`` unless ``direct_reads=False`` (for a file system where
     direct reads are slow), which streams them through the page cache instead.
 
