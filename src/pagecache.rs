@@ -75,12 +75,15 @@ pub fn file_residency(file: MappedFile<'_>) -> Result<Residency> {
             unknown: pages,
         });
     }
-    let vec = resident_pages(file)?;
-    Ok(Residency {
-        resident: vec.iter().filter(|&&b| b & 1 != 0).count() as u64,
-        pages: vec.len() as u64,
-        unknown: 0,
-    })
+    // A GiB at a time: a byte a page of a terabyte file would be 256 MiB.
+    const PIECE: usize = 1 << 30;
+    let mut r = Residency::default();
+    for at in (0..file.bytes().len()).step_by(PIECE) {
+        let vec = resident_range(file, at, PIECE)?;
+        r.resident += vec.iter().filter(|&&b| b & 1 != 0).count() as u64;
+        r.pages += vec.len() as u64;
+    }
+    Ok(r)
 }
 
 /// Whether `mincore` tells this process which pages of `file` are cached. Since Linux
@@ -325,9 +328,10 @@ pub fn residency(dataset: &dyn Dataset) -> Result<Residency> {
 }
 
 /// Drops a mapped file from the page cache: unmaps its pages from this process
-/// (`madvise(DONTNEED)`, so they are no longer pinned by the mapping), then asks the
-/// kernel to discard them (`posix_fadvise(DONTNEED)`). Pages other processes map, or
-/// dirty pages, may stay; check with [`file_residency`].
+/// (`madvise(DONTNEED)`, so they are no longer pinned by the mapping), writes back any
+/// dirty ones (`fdatasync`), then asks the kernel to discard them
+/// (`posix_fadvise(DONTNEED)`). Pages other processes map, or a file on tmpfs, may
+/// stay; check with [`file_residency`].
 ///
 /// # Errors
 /// [`Error::Io`] naming the file.
@@ -340,6 +344,9 @@ pub fn evict_file(file: MappedFile<'_>) -> Result<()> {
             .map_err(|e| Error::io(file.path(), e))?;
     }
     let f = file.reopen().map_err(|e| Error::io(file.path(), e))?;
+    // Dirty pages (a set written moments ago, not yet on disk) are not dropped: written
+    // back first. Only advice follows, so a refusal (no fdatasync here) changes nothing.
+    let _ = f.sync_data();
     // SAFETY: a valid open descriptor; fadvise reads no memory of ours.
     let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
     if rc != 0 {

@@ -110,11 +110,13 @@ impl Permutation {
         }
     }
 
-    /// The round function: the top `high_bits` bits of a keyed multiplicative hash of
-    /// the low part (the high bits of a product depend on every bit of its input).
+    /// The round function: the top `high_bits` bits of a full-avalanche hash of the low
+    /// part and the round key. (A single multiplication is nearly linear in a low part
+    /// of a few bits: on 33 to 64 items its networks came out close to involutions,
+    /// some leaving 20 of 48 items in place.)
     #[inline(always)]
     fn round(lo: u64, k: u64, high_bits: u32) -> u64 {
-        ((lo ^ k).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ k) >> (64 - high_bits)
+        mix(lo ^ k) >> (64 - high_bits)
     }
 
     /// One pass of the network on `bits`-bit values. Each round splits the value into
@@ -195,6 +197,27 @@ mod tests {
             .map(|b| (b - expected).powi(2) / expected)
             .sum();
         assert!(chi2 < 37.7, "chi-square {chi2}: {buckets:?}");
+    }
+
+    #[test]
+    fn small_domains_leave_as_few_items_in_place_as_a_random_shuffle() {
+        // A uniform shuffle leaves one item in place on average, and 8 or more about once
+        // in 100,000 shuffles; 33 to 64 items are where a weak round function showed.
+        for n in [5u64, 12, 33, 40, 48, 56, 64, 100] {
+            let keys = 2000u64;
+            let mut fixed = 0u64;
+            for k in 0..keys {
+                let p = Permutation::new(n, k);
+                let here = (0..n).filter(|&x| p.apply(x) == x).count() as u64;
+                assert!(here < 8, "n={n}, key {k}: {here} items in place");
+                fixed += here;
+            }
+            let mean = fixed as f64 / keys as f64;
+            assert!(
+                (0.85..1.15).contains(&mean),
+                "n={n}: {mean} items in place on average"
+            );
+        }
     }
 
     #[test]

@@ -13,6 +13,17 @@ pub(crate) const fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// A panic's message, where its payload is a string.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a non-string panic payload".to_string()
+    }
+}
+
 /// A non-zero hash of `parts`, for fingerprints of orders and datasets.
 pub(crate) fn fold(parts: impl IntoIterator<Item = u64>) -> u64 {
     parts.into_iter().fold(0x006f_7264_6572u64, |h, v| {

@@ -480,3 +480,61 @@ fn a_dataset_whose_locate_panics_is_read_from_its_mapping() {
     assert!(got == want, "the batches differ");
     assert_eq!(loader.state().epoch, 2);
 }
+
+/// A dataset whose `gather` panics (a bug of its own) on any batch past its first rows.
+struct PanicsToGather(Arc<dyn Dataset>);
+
+impl Dataset for PanicsToGather {
+    fn len(&self) -> u64 {
+        self.0.len()
+    }
+    fn columns(&self) -> &[stokehold::Column] {
+        self.0.columns()
+    }
+    fn gather(&self, epoch: u64, indices: &[u64], out: &mut [&mut [u8]]) -> stokehold::Result<()> {
+        assert!(indices.iter().all(|&i| i < 100), "gather is broken");
+        self.0.gather(epoch, indices, out)
+    }
+    fn files(&self) -> Vec<stokehold::MappedFile<'_>> {
+        self.0.files()
+    }
+}
+
+#[test]
+fn a_roofline_over_a_panicking_dataset_fails_its_pass_and_does_not_hang() {
+    use stokehold::bench::{self, BenchConfig, Roofline};
+    let digits = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
+    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(digits).unwrap());
+    let broken: Arc<dyn Dataset> = Arc::new(PanicsToGather(ds));
+    let layout = Loader::builder_shared(Arc::clone(&broken))
+        .batch_size(64)
+        .build()
+        .unwrap()
+        .layout()
+        .clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let roofline = Roofline::new(broken, &layout, 2).unwrap();
+        let indices: Arc<[u64]> = (0..1797).collect();
+        // Twice: a thread whose gather panicked still takes passes.
+        let passes: Vec<_> = (0..2)
+            .map(|_| roofline.pass(0, Arc::clone(&indices)))
+            .collect();
+        let _ = tx.send(passes);
+    });
+    let passes = rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the roofline's pass hangs");
+    for p in passes {
+        let err = p.unwrap_err().to_string();
+        assert!(err.contains("panicked: gather is broken"), "{err}");
+    }
+    // No timed pass: refused, not a panic on an empty list of figures.
+    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(digits).unwrap());
+    let cfg = BenchConfig {
+        reps: 0,
+        ..BenchConfig::default()
+    };
+    let err = bench::run(ds, &cfg).unwrap_err().to_string();
+    assert!(err.contains("at least one timed pass"), "{err}");
+}

@@ -136,8 +136,10 @@ impl Probe {
         let slots = self.len.saturating_sub(self.span as u64) / self.page as u64;
         if slots == 0 {
             return Err(Error::Config(format!(
-                "{} bytes leave no room for reads of {} bytes at random places",
-                self.len, self.span
+                "{}: {} bytes leave no room for reads of {} bytes at random places",
+                self.path.display(),
+                self.len,
+                self.span
             )));
         }
         let pass = self.passes.fetch_add(1, Ordering::Relaxed);

@@ -213,8 +213,16 @@ fn build(dataset: &Arc<dyn Dataset>, cfg: &BenchConfig, shuffle: Shuffle) -> Res
 /// the I/O roofline of the storage.
 ///
 /// # Errors
-/// Any error of the dataset, the loader or the page-cache calls.
+/// Any error of the dataset, the loader or the page-cache calls; [`Error::Config`] for
+/// no timed pass (`reps` 0) where the page-cached comparison runs.
+///
+/// [`Error::Config`]: crate::Error::Config
 pub fn run(dataset: Arc<dyn Dataset>, cfg: &BenchConfig) -> Result<BenchReport> {
+    if cfg.reps == 0 && !cfg.only_cold {
+        return Err(crate::Error::Config(
+            "the bench needs at least one timed pass (reps >= 1)".into(),
+        ));
+    }
     let shuffle = Shuffle::Full { seed: cfg.seed };
     let mut loader = build(&dataset, cfg, shuffle)?;
     let order = Order::new(
@@ -321,11 +329,13 @@ pub fn run(dataset: Arc<dyn Dataset>, cfg: &BenchConfig) -> Result<BenchReport> 
             })
         };
         // Each rate of the I/O roofline is measured just before and just after the
-        // epoch it bounds (see `io`). The rows of column 0 (x.npy): the file that holds
-        // nearly all the bytes.
-        let probe = match dataset.files().first() {
-            Some(f) => io::Probe::open(f.path(), dataset.columns()[0].row_bytes),
-            None => Err(crate::Error::Config("the dataset has no file".into())),
+        // epoch it bounds (see `io`), on the largest file (x.npy: nearly all the bytes),
+        // in reads of the widest row.
+        let widest = dataset.columns().iter().map(|c| c.row_bytes).max();
+        let largest = dataset.files().into_iter().max_by_key(|f| f.bytes().len());
+        let probe = match (largest, widest) {
+            (Some(f), Some(row)) => io::Probe::open(f.path(), row),
+            _ => Err(crate::Error::Config("the dataset has no file".into())),
         };
         let rate = |random: bool| -> Option<Result<f64>> {
             let p = probe.as_ref().ok()?;

@@ -63,7 +63,19 @@ impl Roofline {
                     // owned by `mem`, which this thread alone holds until it ends.
                     let buf = unsafe { std::slice::from_raw_parts_mut(mem.as_ptr(), mem.len()) };
                     for pass in rx {
-                        let _ = done.send(gather_pass(dataset.as_ref(), &layout, &pass, buf));
+                        // A dataset's panic is this pass's error: the thread goes on, and
+                        // `pass` does not wait for it forever.
+                        let gathered =
+                            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                gather_pass(dataset.as_ref(), &layout, &pass, buf)
+                            }))
+                            .unwrap_or_else(|p| {
+                                Err(Error::Config(format!(
+                                    "the roofline's gather panicked: {}",
+                                    crate::util::panic_message(p.as_ref())
+                                )))
+                            });
+                        let _ = done.send(gathered);
                     }
                 })
                 .map_err(|e| Error::io(format!("<roofline thread {id}>"), e))?;

@@ -34,15 +34,23 @@ impl BenchReport {
         if let Some(c) = &self.cold {
             for (name, e) in [("full", &c.full), ("block", &c.block)] {
                 s += &format!(
-                    "cold cache, {name:<5} shuffle: {:>7.2} s  {:>10.0} samples/s  read {:.0} MB ({:.2}x the rows), {}, resident {:.0}% -> {:.0}%\n",
+                    "cold cache, {name:<5} shuffle: {:>7.2} s  {:>10.0} samples/s  read {:.0} MB ({:.2}x the rows), {}, resident {} -> {}\n",
                     e.epoch_s,
                     e.samples_per_s,
                     e.bytes_read as f64 / 1e6,
                     e.read_amplification,
                     e.storage.name(),
-                    100.0 * e.residency_before.fraction(),
-                    100.0 * e.residency_after.fraction()
+                    e.residency_before,
+                    e.residency_after
                 );
+                let before = e.residency_before;
+                if before.unknown == 0 && before.fraction() > 0.05 {
+                    s += &format!(
+                        "  (not cold: {} of the set stayed cached after the eviction (tmpfs, \
+                         dirty pages, or another process mapping it): these figures are partly warm)\n",
+                        before
+                    );
+                }
             }
         }
         match (&self.io_roofline, &self.io_roofline_skipped) {

@@ -71,12 +71,7 @@ fn quietly<R>(f: impl FnOnce() -> R + std::panic::UnwindSafe) -> Result<R, Strin
     std::panic::set_hook(Box::new(|_| {}));
     let r = std::panic::catch_unwind(f);
     std::panic::set_hook(hook);
-    r.map_err(|p| {
-        p.downcast_ref::<String>()
-            .cloned()
-            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "a panic without a message".into())
-    })
+    r.map_err(|p| crate::util::panic_message(p.as_ref()))
 }
 
 /// Captures what `enqueue` puts on `stream` into a CUDA graph (this thread's capture

@@ -15,6 +15,7 @@ use super::pool::{Lease, Pool};
 use crate::dataset::Dataset;
 use crate::error::{Error, Result};
 use crate::sampler::EpochOrder;
+use crate::util::panic_message;
 
 /// What a worker hands back for one batch number.
 pub(crate) struct Done {
@@ -190,16 +191,6 @@ impl Job {
             }
         }
         dataset.gather(epoch, indices, out)
-    }
-}
-
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a non-string panic payload".to_string()
     }
 }
 

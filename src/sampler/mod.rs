@@ -22,6 +22,11 @@ pub use shard::{Shard, ShardTail};
 use crate::error::{Error, Result};
 use crate::util::{fold, mix};
 
+/// The version of the epochs' orders for a given seed (the permutation's round
+/// function, the block order), in the fingerprints: a state saved by a version that
+/// ordered epochs otherwise is refused rather than resumed into other samples.
+const ORDERS: u64 = 2;
+
 /// The key of `epoch`'s permutation under `seed`.
 const fn epoch_key(seed: u64, epoch: u64) -> u64 {
     mix(mix(seed ^ 0x7374_6f6b_6572) ^ epoch.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15))
@@ -226,7 +231,8 @@ impl Order {
         Ok(order)
     }
 
-    /// A non-zero fingerprint of everything the order depends on: equal fingerprints
+    /// A non-zero fingerprint of everything the order depends on (the version of the
+    /// ordering algorithms included): equal fingerprints
     /// give equal epochs.
     pub fn fingerprint(&self) -> u64 {
         let tail = match self.shard.tail() {
@@ -276,7 +282,7 @@ impl Order {
             }
         };
         let dataset = (self.dataset != 0).then_some(self.dataset);
-        [self.len, kind, seed, rows, window]
+        [self.len, kind, seed, rows, window, ORDERS]
             .into_iter()
             .chain(dataset)
     }
