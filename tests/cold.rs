@@ -423,10 +423,17 @@ fn random_token_windows_in_file_order_are_read_row_by_row() {
     assert!(amplification <= 1.5, "read {amplification:.2}x the windows");
 }
 
-/// A dataset whose `locate` panics (a bug of its own): the rest is `inner`'s.
-struct PanicsToLocate(Arc<dyn Dataset>);
+/// A dataset with a bug of its own: its `locate` panics, or its `gather` of any batch
+/// past its first 100 rows; the rest is the inner dataset's.
+struct Broken(Arc<dyn Dataset>, Bug);
 
-impl Dataset for PanicsToLocate {
+#[derive(PartialEq)]
+enum Bug {
+    Locate,
+    Gather,
+}
+
+impl Dataset for Broken {
     fn len(&self) -> u64 {
         self.0.len()
     }
@@ -434,13 +441,16 @@ impl Dataset for PanicsToLocate {
         self.0.columns()
     }
     fn gather(&self, epoch: u64, indices: &[u64], out: &mut [&mut [u8]]) -> stokehold::Result<()> {
+        let broken = self.1 == Bug::Gather && indices.iter().any(|&i| i >= 100);
+        assert!(!broken, "gather is broken");
         self.0.gather(epoch, indices, out)
     }
     fn files(&self) -> Vec<stokehold::MappedFile<'_>> {
         self.0.files()
     }
-    fn locate(&self, _: u64, index: u64, _: &mut dyn FnMut(usize, usize, usize)) {
-        panic!("locate({index}) is broken");
+    fn locate(&self, epoch: u64, index: u64, at: &mut dyn FnMut(usize, usize, usize)) {
+        assert!(self.1 != Bug::Locate, "locate({index}) is broken");
+        self.0.locate(epoch, index, at)
     }
 }
 
@@ -453,7 +463,7 @@ fn a_dataset_whose_locate_panics_is_read_from_its_mapping() {
         skip_cold("the page cache cannot be evicted on this file system");
         return;
     }
-    let broken: Arc<dyn Dataset> = Arc::new(PanicsToLocate(Arc::clone(&ds)));
+    let broken: Arc<dyn Dataset> = Arc::new(Broken(Arc::clone(&ds), Bug::Locate));
     // Resumed mid-epoch, streamed (budget 0) in file order: the plan asks `locate`
     // where the rows are on the thread starting the epoch.
     let build = |ds: &Arc<dyn Dataset>, resume| {
@@ -481,31 +491,12 @@ fn a_dataset_whose_locate_panics_is_read_from_its_mapping() {
     assert_eq!(loader.state().epoch, 2);
 }
 
-/// A dataset whose `gather` panics (a bug of its own) on any batch past its first rows.
-struct PanicsToGather(Arc<dyn Dataset>);
-
-impl Dataset for PanicsToGather {
-    fn len(&self) -> u64 {
-        self.0.len()
-    }
-    fn columns(&self) -> &[stokehold::Column] {
-        self.0.columns()
-    }
-    fn gather(&self, epoch: u64, indices: &[u64], out: &mut [&mut [u8]]) -> stokehold::Result<()> {
-        assert!(indices.iter().all(|&i| i < 100), "gather is broken");
-        self.0.gather(epoch, indices, out)
-    }
-    fn files(&self) -> Vec<stokehold::MappedFile<'_>> {
-        self.0.files()
-    }
-}
-
 #[test]
 fn a_roofline_over_a_panicking_dataset_fails_its_pass_and_does_not_hang() {
     use stokehold::bench::{self, BenchConfig, Roofline};
     let digits = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
     let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(digits).unwrap());
-    let broken: Arc<dyn Dataset> = Arc::new(PanicsToGather(ds));
+    let broken: Arc<dyn Dataset> = Arc::new(Broken(ds, Bug::Gather));
     let layout = Loader::builder_shared(Arc::clone(&broken))
         .batch_size(64)
         .build()
