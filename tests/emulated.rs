@@ -813,6 +813,15 @@ fn a_users_work_reads_cached_and_augmented_epochs_as_the_loader_gives_them() {
 }
 
 #[test]
+fn copies_overlapped_with_a_slow_step_are_no_stall() {
+    emulated(
+        "copies_overlapped_with_a_slow_step_are_no_stall",
+        50,
+        gpu_checks::copies_overlapped_with_a_slow_step_are_no_stall,
+    );
+}
+
+#[test]
 fn a_panic_while_an_epoch_is_captured_leaves_the_stream_usable() {
     emulated(
         "a_panic_while_an_epoch_is_captured_leaves_the_stream_usable",

@@ -98,6 +98,11 @@ fn a_users_work_reads_cached_and_augmented_epochs_as_the_loader_gives_them() {
 }
 
 #[test]
+fn copies_overlapped_with_a_slow_step_are_no_stall() {
+    on_gpu(gpu_checks::copies_overlapped_with_a_slow_step_are_no_stall);
+}
+
+#[test]
 fn a_panic_while_an_epoch_is_captured_leaves_the_stream_usable() {
     on_gpu(gpu_checks::a_panic_while_an_epoch_is_captured_leaves_the_stream_usable);
 }

@@ -138,6 +138,11 @@ pub struct FeedStats {
     pub wait_data: Duration,
     /// Device time of the copies (sum of copy events).
     pub copy: Duration,
+    /// Device time the compute stream stood idle while a batch's copy ran: for each
+    /// batch, from the later of the previous batch's end and its copy's start to the
+    /// earlier of its copy's end and its work's start. A copy overlapped with the work
+    /// on the batches before it costs none.
+    pub stall_copy: Duration,
     /// Device time of the work on each batch (sum of its events).
     pub compute: Duration,
     /// Bytes copied host to device.
@@ -268,6 +273,19 @@ impl Feeder {
         self.device_time(pair, (Stage::Compute, Track::Compute), k, at)
     }
 
+    /// Milliseconds the compute stream stood idle for slot `k`'s last copy, its work
+    /// and its copy complete: from the later of the previous batch's end (`prev_end`,
+    /// milliseconds after the epoch's start, which moves to this batch's end) and the
+    /// copy's start, to the earlier of the copy's end and the work's start.
+    fn copy_stall(&self, k: usize, prev_end: &mut f64) -> Result<f64> {
+        let at = |e: &CudaEvent| self.epoch_start.elapsed_ms(e).map(f64::from);
+        let (copy_start, copied) = (at(&self.copy_start[k])?, at(&self.copied[k])?);
+        let (start, end) = (at(&self.work_start[k])?, at(&self.consumed[k])?);
+        let idle = (copied.min(start) - prev_end.max(copy_start)).max(0.0);
+        *prev_end = end;
+        Ok(idle)
+    }
+
     /// The time between two completed events; when tracing, also a span placing device
     /// time relative to `epoch_start` (recorded at host instant `t0`).
     fn device_time(
@@ -394,6 +412,8 @@ impl Feeder {
         let mut stats = FeedStats::default();
         let mut inflight: VecDeque<(HostBatch, usize)> = VecDeque::with_capacity(k_slots);
         let (mut copy_ms, mut work_ms) = (0f64, 0f64);
+        // The compute stream's idle time for copies, and where its last batch ended.
+        let (mut stall_ms, mut prev_end) = (0f64, 0f64);
         let mut i = 0usize;
         // A panic of `work` or `progress` is caught until the clean-up below has run:
         // unwinding through here would hand the pinned buffers back with copies reading
@@ -414,6 +434,7 @@ impl Feeder {
                     self.consumed[k].synchronize()?;
                     self.host_span(Stage::WaitSlot, t, epoch_no, i as u64);
                     work_ms += self.work_done(k, (t0, epoch_no))?;
+                    stall_ms += self.copy_stall(k, &mut prev_end)?;
                 }
                 if let Some(tr) = self.trace.as_deref() {
                     tr.gather(&batch);
@@ -477,6 +498,7 @@ impl Feeder {
             for j in i.saturating_sub(k_slots)..i {
                 let k = j % k_slots;
                 work_ms += self.work_done(k, (t0, epoch_no))?;
+                stall_ms += self.copy_stall(k, &mut prev_end)?;
             }
             Ok(())
         })();
@@ -494,6 +516,7 @@ impl Feeder {
         stats.loader = epoch.stats();
         stats.copy = Duration::from_secs_f64(copy_ms / 1e3);
         stats.compute = Duration::from_secs_f64(work_ms / 1e3);
+        stats.stall_copy = Duration::from_secs_f64(stall_ms / 1e3);
         stats.wall = start.elapsed();
         Ok(stats)
     }

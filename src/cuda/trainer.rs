@@ -106,9 +106,12 @@ impl CudaTrainer {
         out.stages.copy = fed.copy;
         out.stages.compute = fed.compute;
         if !fed.cached {
-            // The host thread waits for data, then enqueues: its waits are the stalls
-            // (its copies are asynchronous, and count as their stream measured them).
-            out.stages.in_series();
+            // The host thread waits for data, then enqueues: its waits are the step's
+            // stalls for data. The copies are asynchronous, on a stream of their own:
+            // the step's stall for them is the compute stream's idle time while they
+            // ran, read from the device's events.
+            out.stages.stall_data = fed.wait_data;
+            out.stages.stall_copy = fed.stall_copy;
         }
         Ok(out)
     }

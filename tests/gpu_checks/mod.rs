@@ -1375,3 +1375,42 @@ pub fn a_panic_while_an_epoch_is_captured_leaves_the_stream_usable(c: Cuda) {
     // Epoch 1 captured anew (its work called once a batch), epoch 2 replayed the graph.
     assert_eq!(calls, n + 1 + n);
 }
+
+/// The step's stall for copies is the compute stream's idle time while they ran: behind
+/// a slow step (3 ms a batch), each copy runs while the batches before it are worked on,
+/// and only the first batch's keeps the step waiting. With no step at all, the stream
+/// waits for every copy.
+pub fn copies_overlapped_with_a_slow_step_are_no_stall(c: Cuda) {
+    use cudarc::driver::result;
+    use stokehold::cuda::Feeder;
+
+    let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(DIGITS).unwrap());
+    let mut loader = pinned_loader(&c, &ds, 64).build().unwrap();
+    let mut feeder = Feeder::new(&c, loader.layout(), 3).unwrap();
+    let mut slow_step = |db: &stokehold::cuda::DeviceBatch| {
+        // SAFETY: the host function takes no argument.
+        unsafe {
+            result::stream::launch_host_function(
+                db.stream().cu_stream(),
+                slow,
+                std::ptr::null_mut(),
+            )
+        }?;
+        Ok(())
+    };
+    let fed = feeder
+        .run_epoch(loader.epoch(0).unwrap(), &mut slow_step, &mut |_, _| {})
+        .unwrap();
+    assert!(fed.copy > std::time::Duration::ZERO, "{fed:?}");
+    // The first batch's copy and a little slack for the clocks' rounding.
+    let first = fed.copy / fed.batches as u32 * 4;
+    assert!(fed.stall_copy <= first, "{fed:?}");
+    assert!(
+        fed.compute >= std::time::Duration::from_millis(3 * fed.batches),
+        "{fed:?}"
+    );
+    let idle = feeder
+        .run_epoch(loader.epoch(1).unwrap(), &mut |_| Ok(()), &mut |_, _| {})
+        .unwrap();
+    assert!(idle.stall_copy * 2 >= idle.copy, "{idle:?}");
+}
