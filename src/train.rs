@@ -47,7 +47,8 @@ pub struct TrainConfig {
     pub workers: usize,
     /// Prefetch depth (`None`: the loader's default).
     pub prefetch: Option<usize>,
-    /// Bytes of page cache the loader may fill (`None`: half the available memory).
+    /// Bytes of page cache the loader may fill (`None`: half the available memory, or of
+    /// the memory cgroup's room where that is less).
     pub page_cache_budget: Option<u64>,
     /// Whether streamed files are read with direct I/O
     /// ([`LoaderBuilder::direct_reads`](crate::LoaderBuilder::direct_reads)).

@@ -252,8 +252,7 @@ impl LoaderBuilder {
     ///
     /// The smallest files are kept while they fit under the budget together (labels stay
     /// in memory while images stream). Kept files are read in during the first epoch
-    /// that finds them cold: the rows of the next batches first, the rest sequentially
-    /// in the background. The others are streamed straight from storage, bypassing the
+    /// that finds them cold, sequentially, in the background. The others are streamed straight from storage, bypassing the
     /// page cache (see [`direct_reads`](LoaderBuilder::direct_reads)): rows scattered
     /// over their file (a full shuffle, random token windows) are read by each worker
     /// (`O_DIRECT` through io_uring); rows in runs (a block shuffle's windows, file

@@ -154,7 +154,8 @@ pub(crate) struct LoaderArgs {
     #[arg(long)]
     pub(crate) prefetch: Option<usize>,
     /// Bytes of page cache the loader may fill with the dataset (default: half the
-    /// available memory); a larger dataset is streamed, 0 always streams.
+    /// available memory, or of the memory cgroup's room where that is less); a larger
+    /// dataset is streamed, 0 always streams.
     #[arg(long)]
     pub(crate) page_cache_budget: Option<u64>,
     /// Read streamed files through the page cache, not with direct I/O (`O_DIRECT`).
