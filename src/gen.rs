@@ -211,7 +211,15 @@ pub const DEFAULT_DATA: &str = "data/cifar";
 /// opening it fails with an error naming it, rather than 600 MB being generated into a
 /// mistyped path.
 pub fn default_missing(dir: &Path) -> bool {
-    dir == Path::new(DEFAULT_DATA) && !(dir.join("x.npy").is_file() && dir.join("y.npy").is_file())
+    is_default(dir) && !(dir.join("x.npy").is_file() && dir.join("y.npy").is_file())
+}
+
+/// Whether `dir` names [`DEFAULT_DATA`], however spelt (`./data/cifar`, `data/cifar/`).
+fn is_default(dir: &Path) -> bool {
+    let named = dir
+        .components()
+        .filter(|c| *c != std::path::Component::CurDir);
+    named.eq(Path::new(DEFAULT_DATA).components())
 }
 
 /// A sample shape such as `3x32x32` (or `3,32,32`).
@@ -397,7 +405,8 @@ fn write_classification(
     // (which is what `default_missing` looks for).
     x.flush()?;
     y.flush()?;
-    let x_path = dir.join("x.npy");
+    // Where x.npy lands: through a symbolic link, its target (the link stays).
+    let x_path = crate::util::destination(&dir.join("x.npy"));
     match std::fs::remove_file(&x_path) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&x_path, e)),
         _ => {}
@@ -493,5 +502,33 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, vec![std::ffi::OsString::from("y.npy")]);
+    }
+
+    #[test]
+    fn files_behind_symbolic_links_are_written_through_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let (set, store) = (dir.path().join("set"), dir.path().join("store"));
+        std::fs::create_dir_all(&set).unwrap();
+        std::fs::create_dir_all(&store).unwrap();
+        for f in ["x.npy", "y.npy"] {
+            std::os::unix::fs::symlink(store.join(f), set.join(f)).unwrap();
+        }
+        for seed in [1, 2] {
+            super::classification(&set, &spec(seed), &|_| {}).unwrap();
+            for f in ["x.npy", "y.npy"] {
+                let meta = std::fs::symlink_metadata(set.join(f)).unwrap();
+                assert!(meta.file_type().is_symlink(), "seed {seed}: {f} is no link");
+                assert!(set.join(f).is_file(), "seed {seed}: {f} leads nowhere");
+            }
+        }
+        crate::NpyDataset::open_xy(&set).unwrap();
+    }
+
+    #[test]
+    fn the_default_set_is_named_however_its_path_is_spelt() {
+        let default = |p: &str| super::is_default(std::path::Path::new(p));
+        assert!(default("data/cifar") && default("./data/cifar") && default("data/cifar/"));
+        assert!(!default("data/cifar10") && !default("other/data/cifar"));
+        assert!(!default("/data/cifar") && !default("data"));
     }
 }

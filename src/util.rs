@@ -51,6 +51,14 @@ pub fn megabytes(bytes: u64) -> String {
 pub fn write_whole(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
     let dest = destination(path);
+    if let Some(fd) = descriptor(&dest) {
+        // An inherited descriptor (`/dev/stdout`, `/dev/fd/3`): written through it, at its
+        // offset and with its flags (a `>> log` appends), as the shell's redirection
+        // would; opened again by name, a file would be written from its start.
+        return inherited(fd)
+            .and_then(|mut f| f.write_all(bytes))
+            .map_err(|e| Error::io(path, e));
+    }
     if std::fs::metadata(&dest).is_ok_and(|m| !m.is_file() && !m.is_dir()) {
         // A stream (`/dev/stdout`, a FIFO, `/dev/null`): written in place, as a shell
         // redirection would; renamed over, it would be replaced by a regular file.
@@ -79,9 +87,14 @@ pub fn write_whole(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// Where a write to `path` lands: `path`, or the file its symbolic links lead to (at
 /// most 40 of them, as the kernel follows; a dangling link leads to the file it names).
+/// A link to an open descriptor (`/dev/stdout`, `/proc/self/fd/1`) is not followed:
+/// the descriptor is where the write goes ([`descriptor`]).
 pub fn destination(path: &Path) -> std::path::PathBuf {
     let mut at = path.to_path_buf();
     for _ in 0..40 {
+        if descriptor(&at).is_some() {
+            break;
+        }
         let is_link = std::fs::symlink_metadata(&at).is_ok_and(|m| m.file_type().is_symlink());
         let Some(target) = is_link.then(|| std::fs::read_link(&at).ok()).flatten() else {
             break;
@@ -94,16 +107,69 @@ pub fn destination(path: &Path) -> std::path::PathBuf {
     at
 }
 
+/// The descriptor a path names, where it names one of this process's: `/dev/stdout`,
+/// `/dev/stderr`, `/dev/fd/N`, `/proc/self/fd/N`, `/proc/thread-self/fd/N` and
+/// `/proc/PID/fd/N` of this process's PID. The kernel's links there lead to what the
+/// descriptor has open, which its link text does not always name (`pipe:[N]`, a file
+/// since renamed or deleted), and opening it again starts a file at its beginning.
+pub fn descriptor(path: &Path) -> Option<std::os::fd::RawFd> {
+    let s = path.to_str()?;
+    match s {
+        "/dev/stdout" => return Some(1),
+        "/dev/stderr" => return Some(2),
+        _ => {}
+    }
+    let pid = format!("/proc/{}/fd/", std::process::id());
+    let n = [
+        "/dev/fd/",
+        "/proc/self/fd/",
+        "/proc/thread-self/fd/",
+        pid.as_str(),
+    ]
+    .iter()
+    .find_map(|dir| s.strip_prefix(dir))?;
+    n.parse().ok()
+}
+
+/// A write handle on the inherited descriptor `fd` (a duplicate of it, sharing its
+/// offset and flags), or why there is none: not open, or not open for writing.
+fn inherited(fd: std::os::fd::RawFd) -> std::io::Result<std::fs::File> {
+    // SAFETY: fcntl reads the descriptor table only.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if flags & libc::O_ACCMODE == libc::O_RDONLY {
+        return Err(std::io::Error::other("is open for reading only"));
+    }
+    // SAFETY: F_DUPFD_CLOEXEC makes a new descriptor, owned by the file returned.
+    let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if dup < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `dup` is a fresh descriptor that nothing else owns.
+    Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(dup) })
+}
+
 /// Checks, before a long run, that a file can be written at `path` later: it names a
 /// file (not a directory, nor a path ending in `/`), and its directory exists and takes
-/// a new file; or, where `streams`, it is an existing stream ([`write_whole`] writes
-/// `/dev/stdout`, a FIFO in place).
+/// a new file; or, where `streams`, it is an existing stream, or an open descriptor of
+/// this process ([`write_whole`] writes `/dev/stdout`, a FIFO in place).
 ///
 /// # Errors
 /// [`Error::Io`] naming `path` with the reason.
 pub fn check_writable(path: &Path, streams: bool) -> Result<()> {
     use std::os::unix::ffi::OsStrExt;
     let dest = destination(path);
+    if let Some(fd) = descriptor(&dest) {
+        return match streams {
+            true => inherited(fd).map(drop).map_err(|e| Error::io(path, e)),
+            false => Err(Error::io(
+                path,
+                std::io::Error::other("is a descriptor, not a regular file"),
+            )),
+        };
+    }
     let ends_in_slash = path.as_os_str().as_bytes().last() == Some(&b'/');
     if dest.is_dir() || ends_in_slash || dest.file_name().is_none() {
         let e = std::io::Error::other("is a directory, not a file");

@@ -355,6 +355,71 @@ fn outputs_go_through_links_into_streams_and_never_onto_each_other() {
 }
 
 #[test]
+fn json_into_stdout_goes_through_the_descriptor_a_pipe_or_a_log_in_append() {
+    // The first JSON value of `bytes` (the report; the table follows it).
+    let report = |bytes: &[u8]| -> serde_json::Value {
+        let mut values = serde_json::Deserializer::from_slice(bytes).into_iter();
+        values.next().expect("a JSON value").expect("the report")
+    };
+    // Into a pipe (`| jq`): the report, then the table.
+    let out = train_digits(&["--json", "/dev/stdout"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(report(&out.stdout)["epochs"].is_array(), "{text}");
+    assert!(
+        text.contains("epoch 0") || text.contains("one epoch only"),
+        "{text}"
+    );
+    // Into a log opened for appending (`>> run.log`): what the log held stays, the
+    // report and the table follow it.
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("run.log");
+    std::fs::write(&log, "earlier lines\n").unwrap();
+    let append = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
+    let digits = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
+    let status = Command::new(env!("CARGO_BIN_EXE_stokehold"))
+        .args([
+            "train", "--data", digits, "--epochs", "1", "--device", "cpu",
+        ])
+        .args(["--json", "/dev/stdout"])
+        .stdout(append)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let written = std::fs::read(&log).unwrap();
+    let rest = written
+        .strip_prefix(b"earlier lines\n".as_slice())
+        .expect("the log kept");
+    assert!(report(rest)["epochs"].is_array());
+    assert!(String::from_utf8_lossy(rest).contains("device: cpu"));
+    // A descriptor not open for writing is refused up front.
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_stokehold"));
+    cmd.args([
+        "train",
+        "--data",
+        digits,
+        "--epochs",
+        "1",
+        "--json",
+        "/dev/fd/0",
+    ]);
+    let out = cmd
+        .stdin(std::fs::File::open(&log).unwrap())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("reading only") && !err.contains("epoch 0"),
+        "{err}"
+    );
+}
+
+#[test]
 fn a_closed_stderr_is_no_panic() {
     use std::os::fd::{FromRawFd, OwnedFd};
     use std::process::Stdio;
