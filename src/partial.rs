@@ -1,7 +1,8 @@
 //! Temporary files beside their destination, for writes that land whole or not at all.
 //!
-//! A writer fills `.NAME.HOST.PID.N.partial` beside `NAME` and renames it into place; an
-//! error or a drop removes it. A process killed meanwhile (Ctrl-C while `stokehold
+//! A writer fills `.NAME.HOST.PID.N.partial` beside `NAME` and renames it into place, or
+//! removes it on an error (`util::write_whole`, the trace's writer, the generator's
+//! `Partial` when dropped). A process killed meanwhile (Ctrl-C while `stokehold
 //! train` makes its default set, the OOM killer) removes nothing, and a name with its
 //! process id would never be reused: each such file (the default set's is 600 MB) would
 //! stay, hidden. So each writer holds an exclusive `flock` on its file while it lives,

@@ -74,6 +74,12 @@ pub fn write_whole(path: &Path, bytes: &[u8]) -> Result<()> {
         path: tmp,
         mut file,
     } = crate::partial::claim(path).map_err(|e| Error::io(path, e))?;
+    // The file it replaces keeps its mode and owner (a report kept private stays so).
+    if let Ok(old) = std::fs::metadata(path) {
+        use std::os::unix::fs::MetadataExt;
+        let _ = file.set_permissions(old.permissions());
+        let _ = std::os::unix::fs::fchown(&file, Some(old.uid()), Some(old.gid()));
+    }
     let written = (|| {
         file.write_all(bytes)?;
         file.sync_all()?;
@@ -82,7 +88,12 @@ pub fn write_whole(path: &Path, bytes: &[u8]) -> Result<()> {
     written.map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
         Error::io(path, e)
-    })
+    })?;
+    // The rename itself made durable: a crash now cannot bring the old file back.
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        let _ = std::fs::File::open(dir).and_then(|d| d.sync_all());
+    }
+    Ok(())
 }
 
 /// Where a write to `path` lands: `path`, or the file its symbolic links lead to (at
@@ -185,17 +196,10 @@ pub fn check_writable(path: &Path, streams: bool) -> Result<()> {
             )),
         };
     }
-    let name = dest
-        .file_name()
-        .map(|n| n.to_string_lossy())
-        .unwrap_or_default();
-    let probe = dest.with_file_name(format!(".{name}.{}.check", std::process::id()));
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&probe)
-        .map_err(|e| Error::io(path, e))?;
-    let _ = std::fs::remove_file(&probe);
+    // The directory takes a new file: the temporary file a write will make there, made
+    // and removed now (a probe a killed process left is swept, not in the way).
+    let probe = crate::partial::claim(&dest).map_err(|e| Error::io(path, e))?;
+    let _ = std::fs::remove_file(&probe.path);
     Ok(())
 }
 
@@ -297,8 +301,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("out.json");
         std::fs::write(&path, "old").unwrap();
+        // Kept private: the file that replaces it is too.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
         write_whole(&path, b"new").unwrap();
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "new");
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
         assert_eq!(
             std::fs::read_dir(dir.path()).unwrap().count(),
             1,

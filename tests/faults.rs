@@ -521,6 +521,38 @@ fn a_broken_libcuda_falls_back_in_one_line_without_a_backtrace() {
 }
 
 #[test]
+fn a_libcuda_the_loader_refuses_is_named_with_the_loaders_words() {
+    // A libcuda.so.1 that is no shared object at all (a truncated copy, say): found, and
+    // refused, which is not "no libcuda found".
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["libcuda.so", "libcuda.so.1"] {
+        std::fs::write(dir.path().join(name), b"not an ELF file").unwrap();
+    }
+    let run = |device: &str| {
+        Command::new(env!("CARGO_BIN_EXE_stokehold"))
+            .args([
+                "train", "--data", DIGITS, "--epochs", "1", "--device", device,
+            ])
+            .env("LD_LIBRARY_PATH", dir.path())
+            .output()
+            .unwrap()
+    };
+    let auto = run("auto");
+    let stdout = String::from_utf8_lossy(&auto.stdout);
+    assert!(
+        auto.status.success(),
+        "{}",
+        String::from_utf8_lossy(&auto.stderr)
+    );
+    let reason = stdout.lines().find(|l| l.contains("CPU backend:")).unwrap();
+    assert!(reason.contains("libcuda does not load"), "{stdout}");
+    let cuda = run("cuda");
+    let stderr = String::from_utf8_lossy(&cuda.stderr);
+    assert_eq!(cuda.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("libcuda does not load"), "{stderr}");
+}
+
+#[test]
 fn output_and_data_paths_that_are_not_utf8_work() {
     use std::os::unix::ffi::OsStrExt;
     let dir = tempfile::tempdir().unwrap();

@@ -52,10 +52,30 @@ pub struct Cuda {
 /// time, or linked, as candle's `cuda` feature has it). Cheap, before any context is
 /// made: a first answer for a command asked for CUDA that has other work to do first.
 pub fn driver_present() -> bool {
-    ["libcuda.so", "libcuda.so.1"].into_iter().any(|name| {
+    driver_missing().is_none()
+}
+
+/// Why libcuda does not load ([`driver_present`]), or `None` where it does: not found,
+/// or found and refused by the dynamic loader (a missing dependency, another
+/// architecture), with the loader's own words.
+pub fn driver_missing() -> Option<String> {
+    let mut refused = None;
+    for name in ["libcuda.so", "libcuda.so.1"] {
         // SAFETY: opening libcuda runs its initialisers, which have no preconditions;
         // cudarc opens the same library for its first call.
-        unsafe { libloading::Library::new(name) }.is_ok()
+        match unsafe { libloading::Library::new(name) } {
+            Ok(_) => return None,
+            Err(e) => {
+                let why = e.to_string();
+                if !why.contains("No such file") {
+                    refused = Some(why);
+                }
+            }
+        }
+    }
+    Some(match refused {
+        Some(why) => format!("libcuda does not load: {why}"),
+        None => "no libcuda found (looked for libcuda.so and libcuda.so.1)".into(),
     })
 }
 
@@ -270,8 +290,8 @@ pub struct Driver {
 /// # Errors
 /// A one-line reason: "no libcuda found", "no CUDA device: ...".
 pub fn probe_driver(ordinal: usize) -> Result<Driver, String> {
-    if !driver_present() {
-        return Err("no libcuda found (looked for libcuda.so and libcuda.so.1)".into());
+    if let Some(why) = driver_missing() {
+        return Err(why);
     }
     // Making the context makes it current: the caller's (another library's, on another
     // device) is put back.

@@ -180,6 +180,12 @@ impl<'a> Epoch<'a> {
         }
     }
 
+    /// When the epoch started (its workers were handed it): what its `first_batch` is
+    /// measured from, and where a timer of the epoch starts.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
     /// The process's storage read counter (`read_bytes` of `/proc/self/io`) when the
     /// epoch started, which `stats().bytes_read` counts from; `None` where the kernel
     /// does not say.

@@ -65,9 +65,11 @@ impl<'a> EpochTimer<'a> {
         let residency_start = pagecache::residency(dataset)?;
         Ok(EpochTimer {
             number: epoch.epoch(),
+            // From the epoch's own start (its workers may be at work already), on the
+            // clock its first batch is measured on.
+            start: epoch.started(),
             epoch,
             dataset,
-            start: Instant::now(),
             residency_start,
             wait: Duration::ZERO,
             copy: Duration::ZERO,

@@ -1091,6 +1091,7 @@ impl Loader {
         // Ctrl-C while the loop waits for a batch: the wait stops every 50 ms for
         // `__next__` to run Python's signal handlers.
         started.interrupt_with(|| true);
+        let began = started.started();
         let len = started.len();
         // What the bar counts: the samples of the batches left (a resumed epoch starts
         // part of the way in; `drop_last` leaves the tail out).
@@ -1154,7 +1155,7 @@ impl Loader {
             exhausted: AtomicBool::new(false),
             failed: Mutex::new(None),
             last: Mutex::new(None),
-            started: std::time::Instant::now(),
+            started: began,
             copy_clock,
         })
     }
@@ -1271,7 +1272,8 @@ struct Epoch {
     /// The loader's figures when the epoch yielded its last batch: its row can still be
     /// had once the loader has started another epoch.
     last: Mutex<Option<stokehold::EpochStats>>,
-    /// When the epoch started: the progress bar's share of time stalled on data.
+    /// When the epoch started (the loader's own instant): the progress bar's share of
+    /// time stalled on data, and where an `EpochTimer` starts.
     started: std::time::Instant,
     /// With `device="cuda"`, the slots' copy clock and its reading at the epoch's
     /// start: the device time of stokehold's copies, which no host timer sees.
@@ -1552,6 +1554,12 @@ impl Epoch {
         d.set_item("bytes_read", s.bytes_read)?;
         d.set_item("device_cache", self.cached)?;
         Ok(d)
+    }
+
+    /// Seconds since the epoch started (its workers were handed it): where an
+    /// `EpochTimer`'s wall time starts.
+    fn elapsed(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
     }
 
     /// The epoch's row, as `stokehold train` reports it, from the times an

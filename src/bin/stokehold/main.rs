@@ -78,10 +78,11 @@ fn run(command: Command) -> stokehold::Result<ExitCode> {
                 }
             }
             // CUDA asked for where there is no driver: said before the default set is made.
-            if a.device == DeviceChoice::Cuda && !stokehold::cuda::driver_present() {
-                return Err(stokehold::Error::cuda(
-                    "no libcuda found (looked for libcuda.so and libcuda.so.1)",
-                ));
+            if let Some(why) = (a.device == DeviceChoice::Cuda)
+                .then(stokehold::cuda::driver_missing)
+                .flatten()
+            {
+                return Err(stokehold::Error::cuda(why));
             }
             ensure_dataset(&a.loader.data)?;
             let seed = a.seed;

@@ -818,7 +818,8 @@ class EpochTimer:
         self._wait = self._copy = self._compute = 0.0
         self._loss_sum, self._correct, self._samples = 0.0, 0, 0
         self._finished = False
-        self._start = time.perf_counter()
+        # From the epoch's own start (its workers may be at work already).
+        self._start = time.perf_counter() - epoch._raw.elapsed()
 
     def __iter__(self) -> "EpochTimer":
         return self
