@@ -13,6 +13,30 @@ pub(crate) const fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// Asks the CPU to start loading `bytes` (a row a gather copies next) into its caches:
+/// the first line of each page it spans, whose page walk and memory access the
+/// hardware's own prefetcher would not start (it does not cross pages). A hint only: it
+/// reads nothing architecturally and cannot fault; nothing off x86-64.
+#[inline(always)]
+pub(crate) fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let start = bytes.as_ptr() as usize;
+        let mut line = start;
+        let end = start + bytes.len();
+        while line < end {
+            // SAFETY: a prefetch is a hint: it has no architectural effect and does not
+            // fault, whatever the address; this one is inside `bytes`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(line as *const i8) };
+            // The next page's first byte.
+            line = (line | 4095) + 1;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
 /// A panic's message, where its payload is a string.
 pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {

@@ -175,7 +175,14 @@ impl Dataset for NpyDataset {
                 continue;
             }
             array.read(|data| {
-                for (dst, &index) in out.chunks_exact_mut(rb).zip(indices) {
+                // The row two ahead is asked for while this one is copied: a random row's
+                // first cache misses (and page walks) overlap the copies before it.
+                const AHEAD: usize = 2;
+                for (k, (dst, &index)) in out.chunks_exact_mut(rb).zip(indices).enumerate() {
+                    if let Some(&next) = indices.get(k + AHEAD) {
+                        let at = next as usize * rb;
+                        crate::util::prefetch(&data[at..at + rb]);
+                    }
                     let start = index as usize * rb;
                     dst.copy_from_slice(&data[start..start + rb]);
                 }
