@@ -123,12 +123,21 @@ pub(crate) fn resident_pages(file: MappedFile<'_>) -> Result<Vec<u8>> {
 /// [`Error::Io`] naming the file if `mincore` fails, or where its answer would not be
 /// the truth ([`residency_known`]).
 pub(crate) fn resident_range(file: MappedFile<'_>, offset: usize, len: usize) -> Result<Vec<u8>> {
+    if !residency_known(file) {
+        return Err(Error::io(file.path(), std::io::Error::other(UNKNOWN)));
+    }
+    mincore_range(file, offset, len)
+}
+
+/// [`resident_range`] without asking whether the kernel tells the truth: for a caller
+/// that asked [`residency_known`] once for many calls.
+///
+/// # Errors
+/// [`Error::Io`] naming the file if `mincore` fails.
+pub(crate) fn mincore_range(file: MappedFile<'_>, offset: usize, len: usize) -> Result<Vec<u8>> {
     let len = len.min(file.bytes().len().saturating_sub(offset));
     if len == 0 {
         return Ok(Vec::new());
-    }
-    if !residency_known(file) {
-        return Err(Error::io(file.path(), std::io::Error::other(UNKNOWN)));
     }
     let mut vec = vec![0u8; len.div_ceil(page_size())];
     // SAFETY: `offset` is page-aligned and `offset + len` within the live mapping of
@@ -145,6 +154,35 @@ pub(crate) fn resident_range(file: MappedFile<'_>, offset: usize, len: usize) ->
         return Err(Error::io(file.path(), std::io::Error::last_os_error()));
     }
     Ok(vec)
+}
+
+/// Whether the page of `fd` at `offset` is in the page cache, asked with a one-byte read
+/// that may not wait for storage (`preadv2` with `RWF_NOWAIT`: `EAGAIN` where it is not
+/// cached), which the kernel answers whoever owns the file; `None` where it cannot say
+/// (a kernel or file system without `RWF_NOWAIT`, a read error).
+pub(crate) fn page_cached(fd: &File, offset: u64) -> Option<bool> {
+    let mut byte = 0u8;
+    let iov = libc::iovec {
+        iov_base: (&mut byte as *mut u8).cast(),
+        iov_len: 1,
+    };
+    // SAFETY: one iovec of one writable byte, which lives across the call.
+    let n = unsafe {
+        libc::preadv2(
+            fd.as_raw_fd(),
+            &iov,
+            1,
+            offset as libc::off_t,
+            libc::RWF_NOWAIT,
+        )
+    };
+    match n {
+        0.. => Some(true),
+        _ => match std::io::Error::last_os_error().raw_os_error() {
+            Some(libc::EAGAIN) => Some(false),
+            _ => None,
+        },
+    }
 }
 
 /// Why [`resident_range`] refuses a file of unknown residency.
@@ -273,23 +311,36 @@ fn cgroup_room_in(root: &std::path::Path, procs: &str) -> Option<u64> {
         let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
         Some((controllers, path.trim_start_matches('/')))
     });
+    // Inside a container without its own cgroup namespace, the path names the host's
+    // view (`/docker/ID`) while the container's cgroup is mounted at the root itself.
+    let own_dir = |base: std::path::PathBuf, path: &str, file: &str| {
+        let named = base.join(path);
+        match named.join(file).exists() {
+            true => named,
+            false => base,
+        }
+    };
     let mut v2 = None;
     for (controllers, path) in paths {
         if controllers.split(',').any(|c| c == "memory") {
             // cgroup v1: the memory controller's own hierarchy, whose statistics give
-            // the limit over the ancestors too.
-            let text = read(root.join("memory").join(path).join("memory.stat"))?;
+            // the limit over the ancestors too. Shared memory (`/dev/shm`, which
+            // PyTorch's workers fill) is not reclaimed either.
+            let dir = own_dir(root.join("memory"), path, "memory.stat");
+            let text = read(dir.join("memory.stat"))?;
             let limit = limited(stat(&text, "hierarchical_memory_limit")?)?;
             let anon = stat(&text, "total_rss").or_else(|| stat(&text, "rss"))?;
-            return Some(limit.saturating_sub(anon));
+            let shmem = stat(&text, "total_shmem").or_else(|| stat(&text, "shmem"));
+            return Some(limit.saturating_sub(anon + shmem.unwrap_or(0)));
         }
         if controllers.is_empty() {
             v2 = Some(path);
         }
     }
     // cgroup v2: the unified hierarchy; the tightest `memory.max` up to the root.
-    let own = root.join(v2?);
-    let anon = stat(&read(own.join("memory.stat"))?, "anon")?;
+    let own = own_dir(root.to_path_buf(), v2?, "memory.stat");
+    let text = read(own.join("memory.stat"))?;
+    let anon = stat(&text, "anon")? + stat(&text, "shmem").unwrap_or(0);
     let limit = own
         .ancestors()
         .take_while(|d| d.starts_with(root))
@@ -461,8 +512,22 @@ mod tests {
             "hierarchical_memory_limit 9223372036854771712\n",
         );
         assert_eq!(cgroup_room_in(root.path(), "4:memory:/open\n"), None);
+        // A container without a cgroup namespace: the path is the host's, its own cgroup
+        // is at the root.
+        let boxed = tempfile::tempdir().unwrap();
+        std::fs::write(boxed.path().join("memory.max"), "2147483648\n").unwrap();
+        std::fs::write(
+            boxed.path().join("memory.stat"),
+            "anon 0\nshmem 1073741824\n",
+        )
+        .unwrap();
+        assert_eq!(
+            cgroup_room_in(boxed.path(), "0::/docker/abc\n"),
+            Some(1 << 30)
+        );
         // Nothing to read (cgroups not mounted there): none.
-        assert_eq!(cgroup_room_in(root.path(), "0::/elsewhere\n"), None);
+        let empty = tempfile::tempdir().unwrap();
+        assert_eq!(cgroup_room_in(empty.path(), "0::/elsewhere\n"), None);
     }
 
     #[test]
@@ -495,8 +560,11 @@ mod tests {
             );
             return;
         }
+        assert_eq!(page_cached(tmp.as_file(), page as u64), Some(true));
         drop_range(file, tmp.as_file(), 0, 4 * page);
         let left = resident(file).iter().filter(|&&p| p & 1 == 1).count();
         assert_eq!(left, 0, "pages still cached after the drop");
+        // Asked with a read that may not wait, whoever owns the file: not cached.
+        assert_eq!(page_cached(tmp.as_file(), page as u64), Some(false));
     }
 }

@@ -173,7 +173,11 @@ pub fn run(config: &TrainConfig) -> Result<TrainReport> {
         let t = Instant::now();
         loader.warmup()?;
         setup.warmup_s = t.elapsed().as_secs_f64();
-        setup.first_launch_s = Some(trainer.warm_up()?.as_secs_f64());
+        let launched = trainer.warm_up()?;
+        // On the CPU there are no launches to time.
+        if matches!(backend.device(), crate::device::Device::Cuda(_)) {
+            setup.first_launch_s = Some(launched.as_secs_f64());
+        }
     }
     let mut device_cache = None;
     if config.device_cache {

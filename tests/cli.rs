@@ -390,6 +390,19 @@ fn json_into_stdout_goes_through_the_descriptor_a_pipe_or_a_log_in_append() {
         .status()
         .unwrap();
     assert!(status.success());
+    // The JSON into stdout where stdout is the trace's file: one would replace the other.
+    let trace = dir.path().join("trace.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_stokehold"))
+        .args([
+            "train", "--data", digits, "--epochs", "1", "--device", "cpu",
+        ])
+        .args(["--json", "/dev/stdout", "--trace", trace.to_str().unwrap()])
+        .stdout(std::fs::File::create(&trace).unwrap())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("both name"), "{err}");
     let written = std::fs::read(&log).unwrap();
     let rest = written
         .strip_prefix(b"earlier lines\n".as_slice())
@@ -518,8 +531,13 @@ fn a_dataset_of_another_user_has_unknown_residency() {
     let out = tempfile::tempdir().unwrap();
     perms(out.path(), 0o777);
     let json = out.path().join("run.json");
+    // The binary beside the data, where that user may run it (the checkout may be in a
+    // directory of root's own).
+    let bin = data.path().join("stokehold");
+    std::fs::copy(env!("CARGO_BIN_EXE_stokehold"), &bin).unwrap();
+    perms(&bin, 0o755);
     let as_nobody = |args: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_stokehold"))
+        let out = Command::new(&bin)
             .args(args)
             .uid(65534)
             .gid(65534)

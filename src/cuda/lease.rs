@@ -446,7 +446,7 @@ impl DeviceSlots {
     /// `batch` into it (or, for a batch of indices only, its gather from the device
     /// cache), its augmentation, and, while the cache is being filled, the scatter of the
     /// batch's raw rows into it; then the slot's `copied` event. `timed` is recorded
-    /// around that work (after the waits).
+    /// around that work (after the waits and the host's checks).
     fn enqueue_copy(&mut self, k: usize, batch: &HostBatch, timed: &Timed) -> Result<()> {
         let s = &*self.shared;
         s.ctx.bind_to_thread()?;
@@ -459,7 +459,6 @@ impl DeviceSlots {
                 waited?;
             }
         }
-        timed[0].record(&self.copy)?;
         let gather = batch.is_indices_only();
         let fill = !gather && self.cache.as_ref().is_some_and(|c| !c.filled());
         if gather && !self.cache.as_ref().is_some_and(SlotCache::filled) {
@@ -492,6 +491,9 @@ impl DeviceSlots {
                 .collect(),
             None => Vec::new(),
         };
+        // The copy stream's work on the batch starts here: the host's checks and waits
+        // above are not its time.
+        timed[0].record(&self.copy)?;
         let idx = match (&mut self.cache, gather || fill) {
             // SAFETY: slot k's earlier work is done (above); the slot's indices are used
             // on the copy stream only.

@@ -625,7 +625,8 @@ fn check_resume(order: &Order, r: LoaderState, how: Resume) -> Result<LoaderStat
         if r.global != order.global_fingerprint() {
             return Err(Error::Config(format!(
                 "the resume state was saved by a loader with another global order (dataset \
-                 length, shuffle or seed differ{}): fingerprint {:#x}, this loader's is {:#x}",
+                 length, shuffle or seed differ{}, or a stokehold version that ordered \
+                 epochs otherwise): fingerprint {:#x}, this loader's is {:#x}",
                 match order.shuffle() {
                     Shuffle::Grouped { group, .. } => format!(
                         ", or a grouped shuffle's group, here {group}, or the samples' \
@@ -656,8 +657,8 @@ fn check_resume(order: &Order, r: LoaderState, how: Resume) -> Result<LoaderStat
     if r.order != 0 && r.order != order.fingerprint() {
         return Err(Error::Config(format!(
             "the resume state was saved by a loader with another order (dataset \
-             length, shuffle, seed, shard, batch size or drop_last differ): \
-             fingerprint {:#x}, this loader's is {:#x}",
+             length, shuffle, seed, shard, batch size or drop_last differ, or a stokehold \
+             version that ordered epochs otherwise): fingerprint {:#x}, this loader's is {:#x}",
             r.order,
             order.fingerprint()
         )));

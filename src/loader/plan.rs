@@ -39,8 +39,8 @@ use super::extents::{Clearing, Closing, Extents, Window, READERS};
 use super::worker::{Assignment, Job};
 use crate::dataset::{Dataset, MappedFile};
 use crate::pagecache::{
-    advise_random, drop_range, residency_known, resident_pages, resident_range, will_need,
-    will_need_piece, WILL_NEED_PIECE,
+    advise_random, drop_range, mincore_range, page_cached, residency_known, resident_pages,
+    will_need, will_need_piece, WILL_NEED_PIECE,
 };
 use crate::sampler::{EpochOrder, Shuffle};
 use crate::util::page_size;
@@ -249,6 +249,9 @@ struct Pages<'a> {
     refs: Vec<u16>,
     /// The file, open: for its device's read-ahead piece, and to drop pages.
     fd: Option<File>,
+    /// Whether `mincore` tells this process the truth about its pages
+    /// ([`residency_known`]): else a page is asked after with a read that may not wait.
+    known: bool,
     /// Bytes per read-ahead request ([`will_need_piece`]).
     piece: usize,
     /// The extents its pages are read into ([`Mode::Window`] only).
@@ -256,6 +259,19 @@ struct Pages<'a> {
 }
 
 impl Pages<'_> {
+    /// Whether the page at `offset` is in the page cache: by `mincore` where the kernel
+    /// tells this process, else by a one-byte read that may not wait ([`page_cached`]).
+    /// One that cannot be checked counts as there: the plan is only advice.
+    fn cached(&self, offset: usize) -> bool {
+        if self.known {
+            let page = page_size();
+            return mincore_range(self.file, offset, page).map_or(true, |v| v[0] & 1 != 0);
+        }
+        let fd = self.fd.as_ref();
+        fd.and_then(|fd| page_cached(fd, offset as u64))
+            .unwrap_or(true)
+    }
+
     /// Whether planned rows are counted per page, and pages dropped behind them.
     fn streamed(&self) -> bool {
         matches!(self.mode, Mode::Stream | Mode::Window)
@@ -368,6 +384,7 @@ fn plan_files(job: &Job, ahead: u64, extents: Option<&Arc<Extents>>) {
             state: plan.pages,
             refs: Vec::new(),
             fd: None,
+            known: residency_known(file),
             piece: 0,
             window: None,
         })
@@ -575,8 +592,7 @@ impl Queue {
             // A page dropped since (its rows gathered, maybe asked for again and not
             // yet issued) is done with; one that cannot be checked counts as read: the
             // plan is only advice.
-            let read = p.state[last] & ISSUED == 0
-                || resident_range(p.file, last * page, page).map_or(true, |v| v[0] & 1 != 0);
+            let read = p.state[last] & ISSUED == 0 || p.cached(last * page);
             if !read {
                 break;
             }
@@ -687,7 +703,7 @@ fn warm(
 ) {
     while let Some(&(f, at)) = asked.front() {
         // A page that cannot be checked counts as read: the plan is only advice.
-        let resident = resident_range(pages[f].file, at, page).map_or(true, |v| v[0] & 1 != 0);
+        let resident = pages[f].cached(at);
         if !resident {
             break;
         }
@@ -728,7 +744,7 @@ mod tests {
         // SAFETY: a private temporary file that nothing else writes.
         let map = unsafe { memmap2::Mmap::map(f.as_file()).unwrap() };
         let file = MappedFile::new(f.path(), &map);
-        let _ = resident_range(file, 0, page_size());
+        let _ = mincore_range(file, 0, page_size());
         evict_file(file).unwrap();
         let evicted = file_residency(file).unwrap().resident == 0;
         if !evicted {
@@ -745,6 +761,7 @@ mod tests {
             state: vec![0; n],
             refs: vec![0; n],
             fd: file.reopen().ok(),
+            known: true,
             piece: WILL_NEED_PIECE,
             window: None,
         }

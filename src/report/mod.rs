@@ -183,7 +183,7 @@ impl Warmup {
         // Epochs of other sample counts (a resumed first epoch, one a loop stopped
         // early) are compared per sample: the steady one's figures scaled to the first's.
         let scale = match (first.samples, steady.samples) {
-            (a, b) if a == b || b == 0 => 1.0,
+            (a, b) if a == b || a == 0 || b == 0 => 1.0,
             (a, b) => a as f64 / b as f64,
         };
         let steady_s = steady.wall_s * scale;
@@ -469,6 +469,16 @@ pub fn check_output(path: &std::path::Path) -> crate::Result<()> {
 /// name, once their symbolic links are followed. Two outputs given one path would
 /// replace each other.
 pub fn same_output(a: &std::path::Path, b: &std::path::Path) -> bool {
+    // A descriptor (`/dev/stdout`) and a file are one output where the descriptor has
+    // that file open (`--json /dev/stdout > run.json`): the same device and inode.
+    if let (Some(_), _) | (_, Some(_)) = (crate::util::descriptor(a), crate::util::descriptor(b)) {
+        use std::os::unix::fs::MetadataExt;
+        let id = |p: &std::path::Path| {
+            let m = std::fs::metadata(crate::util::destination(p)).ok()?;
+            Some((m.dev(), m.ino()))
+        };
+        return matches!((id(a), id(b)), (Some(x), Some(y)) if x == y);
+    }
     let key = |p: &std::path::Path| {
         let p = crate::util::destination(p);
         let dir = match p.parent() {

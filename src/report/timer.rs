@@ -62,12 +62,14 @@ impl<'a> EpochTimer<'a> {
     /// # Errors
     /// The error of [`pagecache::residency`] on the dataset's mappings.
     pub fn new(epoch: Epoch<'a>, dataset: &'a dyn Dataset) -> Result<EpochTimer<'a>> {
+        let scan = Instant::now();
         let residency_start = pagecache::residency(dataset)?;
         Ok(EpochTimer {
             number: epoch.epoch(),
             // From the epoch's own start (its workers may be at work already), on the
-            // clock its first batch is measured on.
-            start: epoch.started(),
+            // clock its first batch is measured on; the residency scan, the timer's own
+            // work, left out.
+            start: epoch.started() + scan.elapsed(),
             epoch,
             dataset,
             residency_start,

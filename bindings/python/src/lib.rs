@@ -1580,6 +1580,16 @@ impl Epoch {
         samples: u64,
         residency_start: (u64, u64, u64),
     ) -> PyResult<Row> {
+        // Checked before the epoch is ended: a refused row changes nothing.
+        let secs = |name: &str, s: f64| {
+            let d = s
+                .is_finite()
+                .then(|| std::time::Duration::try_from_secs_f64(s.max(0.0)));
+            d.and_then(Result::ok)
+                .ok_or_else(|| PyValueError::new_err(format!("{name}={s}: not seconds")))
+        };
+        let (wall, wait) = (secs("wall_s", wall_s)?, secs("wait_s", wait_s)?);
+        let (copy, compute) = (secs("copy_s", copy_s)?, secs("compute_s", compute_s)?);
         forked(self.pid)?;
         let Some(loader) = self.loader_stats(py) else {
             return Err(Error::new_err(
@@ -1592,20 +1602,6 @@ impl Epoch {
             let generation = self.generation;
             py.detach(move || drop(end_epoch(&slot, &seen, Some(generation))));
         }
-        let given = [
-            ("wall_s", wall_s),
-            ("wait_s", wait_s),
-            ("copy_s", copy_s),
-            ("compute_s", compute_s),
-        ];
-        for (name, s) in given {
-            if !s.is_finite() {
-                return Err(PyValueError::new_err(format!(
-                    "{name}={s}: not finite seconds"
-                )));
-            }
-        }
-        let secs = |s: f64| std::time::Duration::from_secs_f64(s.max(0.0));
         // With `device="cuda"`, stokehold's own copies of the epoch's batches (those seen
         // complete: all of them once the epoch has run to its end) beside the loop's.
         let copied = self
@@ -1615,11 +1611,11 @@ impl Epoch {
                 c.elapsed().saturating_sub(*at)
             });
         let times = LoopTimes {
-            wall: secs(wall_s),
-            wait: secs(wait_s),
-            copy: secs(copy_s),
+            wall,
+            wait,
+            copy,
             overlapped_copy: copied,
-            compute: secs(compute_s),
+            compute,
         };
         let metrics = Metrics {
             loss_sum,

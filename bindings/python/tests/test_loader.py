@@ -1176,6 +1176,11 @@ def test_the_report_refuses_what_would_make_its_figures_wrong(cols):
         timer.finish()
     for b in timer:
         timer.record(0.5 * len(b), 1, len(b))
+    # Times that are not seconds are refused before the epoch's row is taken.
+    residency = loader._raw.residency()
+    for bad in (float("nan"), float("inf"), 1e300):
+        with pytest.raises(ValueError, match="wall_s"):
+            epoch._raw.row(bad, 0.0, 0.0, 0.0, 0.0, 0, 0, residency)
     row = timer.finish()
     with pytest.raises(stokehold.Error, match="finished already"):
         timer.finish()

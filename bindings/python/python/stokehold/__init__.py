@@ -814,12 +814,15 @@ class EpochTimer:
             raise Error("this epoch already has an EpochTimer: one timer an epoch")
         epoch._timed = True
         self._epoch = epoch
+        scan = time.perf_counter()
         self._residency = epoch._loader._raw.residency()
+        scan = time.perf_counter() - scan
         self._wait = self._copy = self._compute = 0.0
         self._loss_sum, self._correct, self._samples = 0.0, 0, 0
         self._finished = False
-        # From the epoch's own start (its workers may be at work already).
-        self._start = time.perf_counter() - epoch._raw.elapsed()
+        # From the epoch's own start (its workers may be at work already), the residency
+        # scan (the timer's own work) left out.
+        self._start = time.perf_counter() - epoch._raw.elapsed() + scan
 
     def __iter__(self) -> "EpochTimer":
         return self
