@@ -544,12 +544,17 @@ fn a_libcuda_the_loader_refuses_is_named_with_the_loaders_words() {
         "{}",
         String::from_utf8_lossy(&auto.stderr)
     );
+    // The loader's own words name the file and what is wrong with it.
     let reason = stdout.lines().find(|l| l.contains("CPU backend:")).unwrap();
-    assert!(reason.contains("libcuda does not load"), "{stdout}");
+    assert!(reason.contains("libcuda does not load: "), "{stdout}");
+    assert!(
+        reason.contains("libcuda.so") && reason.contains(dir.path().to_str().unwrap()),
+        "{stdout}"
+    );
     let cuda = run("cuda");
     let stderr = String::from_utf8_lossy(&cuda.stderr);
     assert_eq!(cuda.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("libcuda does not load"), "{stderr}");
+    assert!(stderr.contains("libcuda does not load: "), "{stderr}");
 }
 
 #[test]

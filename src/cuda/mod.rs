@@ -65,12 +65,15 @@ pub fn driver_missing() -> Option<String> {
         // cudarc opens the same library for its first call.
         match unsafe { libloading::Library::new(name) } {
             Ok(_) => return None,
-            Err(e) => {
-                let why = e.to_string();
-                if !why.contains("No such file") {
+            // The loader's own words (`dlerror`, the error's source): a refusal unless the
+            // file is not there. A failure it gave no words for is taken as not there.
+            Err(e @ libloading::Error::DlOpen { .. }) => {
+                let why = std::error::Error::source(&e).map(|s| s.to_string());
+                if let Some(why) = why.filter(|w| !w.contains("No such file")) {
                     refused = Some(why);
                 }
             }
+            Err(_) => {}
         }
     }
     Some(match refused {

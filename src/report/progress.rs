@@ -51,30 +51,40 @@ impl EpochProgress {
         }
     }
 
-    /// Records `samples` more, with the share of time so far stalled on data.
+    /// Records `samples` more, with the share of time so far stalled on data. The rates
+    /// are worked out only when shown: on the bar at most 20 times a second (indicatif's
+    /// own pace), off a terminal once a line is due.
     pub fn advance(&mut self, samples: u64, stalled: f64) {
         self.done += samples;
-        let secs = self.start.elapsed().as_secs_f64().max(1e-9);
-        let rate = self.done as f64 / secs;
-        let msg = format!(
-            "{:>9.0} samples/s {:>7.1} MB/s stalled {:>3.0}%",
-            rate,
-            rate * self.bytes_per_sample as f64 / 1e6,
-            100.0 * stalled
-        );
         match &self.bar {
             Some(bar) => {
                 bar.set_position(self.done);
-                bar.set_message(msg);
+                if self.last_line.elapsed() >= Duration::from_millis(50) {
+                    self.last_line = Instant::now();
+                    bar.set_message(self.message(stalled));
+                }
             }
             None if self.last_line.elapsed() >= self.every => {
                 self.last_line = Instant::now();
                 // A closed stderr (`2>&1 | head`) is no reason to stop the run.
+                let msg = self.message(stalled);
                 let line = format!("epoch {} {}/{} {msg}\n", self.epoch, self.done, self.total);
                 let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
             }
             None => {}
         }
+    }
+
+    /// The rates so far, and the share of time stalled on data.
+    fn message(&self, stalled: f64) -> String {
+        let secs = self.start.elapsed().as_secs_f64().max(1e-9);
+        let rate = self.done as f64 / secs;
+        format!(
+            "{:>9.0} samples/s {:>7.1} MB/s stalled {:>3.0}%",
+            rate,
+            rate * self.bytes_per_sample as f64 / 1e6,
+            100.0 * stalled
+        )
     }
 
     /// Clears the bar.

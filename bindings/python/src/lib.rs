@@ -1286,11 +1286,27 @@ impl Epoch {
         if let Some(last) = *lock(&self.last) {
             return Some(last);
         }
+        self.shown(py).map(|s| s.stats())
+    }
+
+    /// How long the loop has waited for the epoch's batches so far (for the progress
+    /// bar, each batch: without the storage counter `loader_stats` reads from
+    /// `/proc/self/io`).
+    fn waited(&self, py: Python<'_>) -> std::time::Duration {
+        if let Some(last) = *lock(&self.last) {
+            return last.waited;
+        }
+        self.shown(py)
+            .map_or(Default::default(), |s| s.counts.waited)
+    }
+
+    /// The loader's glance at this epoch, while it runs.
+    fn shown(&self, py: Python<'_>) -> Option<Shown> {
         let seen = Arc::clone(&self.seen);
         let generation = self.generation;
         // From the glance, not the slot: a thread waiting in `__next__` for a buffer
         // that this thread's batches hold keeps the slot locked.
-        let shown = py.detach(move || {
+        py.detach(move || {
             let glance = lock(&seen);
             match glance.shown {
                 Some(s) if s.generation == generation && glance.ended != Some(generation) => {
@@ -1298,8 +1314,7 @@ impl Epoch {
                 }
                 _ => None,
             }
-        });
-        shown.map(|s| s.stats())
+        })
     }
 
     /// The epoch has yielded its last batch: `__next__` stops from now on, and its
@@ -1503,9 +1518,7 @@ impl Epoch {
             Ok((Some((Ok(batch), before, after)), _)) => {
                 if let Some(bar) = &*self.progress.lock().unwrap_or_else(|e| e.into_inner()) {
                     // The share of the epoch's time the loop waited for its batches.
-                    let waited = self
-                        .loader_stats(py)
-                        .map_or(Default::default(), |s| s.waited);
+                    let waited = self.waited(py);
                     let stalled = stokehold::telemetry::stalled(waited, self.started.elapsed());
                     let mut bar = bar.lock().unwrap_or_else(|e| e.into_inner());
                     bar.advance(batch.len() as u64, stalled);
