@@ -109,7 +109,8 @@ pub fn residency_known(file: MappedFile<'_>) -> bool {
     rc == 0 || (euid == 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EROFS))
 }
 
-/// One byte per page of `file`'s mapping, bit 0 set where the page is resident.
+/// One byte per page of `file`'s mapping, bit 0 set where the page is resident: the
+/// truth only where [`residency_known`] says so, which the caller asks first.
 ///
 /// # Errors
 /// [`Error::Io`] naming the file if `mincore` fails.
@@ -120,21 +121,8 @@ pub(crate) fn resident_pages(file: MappedFile<'_>) -> Result<Vec<u8>> {
 /// As [`resident_pages`], for the pages of `len` bytes at `offset` (page-aligned).
 ///
 /// # Errors
-/// [`Error::Io`] naming the file if `mincore` fails, or where its answer would not be
-/// the truth ([`residency_known`]).
-pub(crate) fn resident_range(file: MappedFile<'_>, offset: usize, len: usize) -> Result<Vec<u8>> {
-    if !residency_known(file) {
-        return Err(Error::io(file.path(), std::io::Error::other(UNKNOWN)));
-    }
-    mincore_range(file, offset, len)
-}
-
-/// [`resident_range`] without asking whether the kernel tells the truth: for a caller
-/// that asked [`residency_known`] once for many calls.
-///
-/// # Errors
 /// [`Error::Io`] naming the file if `mincore` fails.
-pub(crate) fn mincore_range(file: MappedFile<'_>, offset: usize, len: usize) -> Result<Vec<u8>> {
+pub(crate) fn resident_range(file: MappedFile<'_>, offset: usize, len: usize) -> Result<Vec<u8>> {
     let len = len.min(file.bytes().len().saturating_sub(offset));
     if len == 0 {
         return Ok(Vec::new());
@@ -184,10 +172,6 @@ pub(crate) fn page_cached(fd: &File, offset: u64) -> Option<bool> {
         },
     }
 }
-
-/// Why [`resident_range`] refuses a file of unknown residency.
-const UNKNOWN: &str = "the kernel does not tell which of its pages are cached to a process that \
-                       neither owns the file nor may write to it";
 
 /// Bytes per `MADV_WILLNEED` call where the device does not say: the kernel reads at
 /// most `max(read_ahead_kb, max_sectors_kb)` of its device per call and silently drops

@@ -124,15 +124,19 @@ fn left_by(file_name: &str, name: &str, host: &str) -> bool {
     numbers && parts.next() == Some(host)
 }
 
+/// The directory `dest` is in: its parent, or `.` for a bare file name.
+pub(crate) fn directory(dest: &Path) -> &Path {
+    match dest.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    }
+}
+
 /// Removes the temporary files of `dest` (named `name`) that `host` (this machine) left
 /// and whose writer is gone: those whose lock can be taken. Errors leave a file where
 /// it is.
 fn sweep(dest: &Path, name: &str, host: &str) {
-    let dir = match dest.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let Ok(entries) = std::fs::read_dir(dir) else {
+    let Ok(entries) = std::fs::read_dir(directory(dest)) else {
         return;
     };
     for entry in entries.flatten() {

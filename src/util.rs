@@ -114,10 +114,7 @@ pub fn write_whole(path: &Path, bytes: &[u8]) -> Result<()> {
         Error::io(path, e)
     })?;
     // The rename itself made durable: a crash now cannot bring the old file back.
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
+    let dir = crate::partial::directory(path);
     let _ = std::fs::File::open(dir).and_then(|d| d.sync_all());
     Ok(())
 }

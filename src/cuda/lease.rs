@@ -390,17 +390,9 @@ impl DeviceSlots {
 
     /// Copies `batch` into slot `k`, which this call now owns, and lends it.
     fn lend_into(&mut self, k: usize, batch: HostBatch) -> Result<LentBatch> {
-        let timed = match self.spare_timed.pop() {
-            Some(t) => Ok(t),
-            None => self.new_timed(),
-        };
-        let enqueued = timed.and_then(|t| match self.enqueue_copy(k, &batch, &t) {
-            Ok(()) => Ok(t),
-            Err(e) => {
-                self.spare_timed.push(t);
-                Err(e)
-            }
-        });
+        let timed = self.spare_timed.pop().map_or_else(|| self.new_timed(), Ok);
+        // On an error the events go with it (the context is settled below).
+        let enqueued = timed.and_then(|t| self.enqueue_copy(k, &batch, &t).map(|()| t));
         let timed = match enqueued {
             Ok(t) => t,
             Err(e) => {

@@ -252,13 +252,13 @@ impl LoaderBuilder {
     ///
     /// The smallest files are kept while they fit under the budget together (labels stay
     /// in memory while images stream). Kept files are read in during the first epoch
-    /// that finds them cold, sequentially, in the background. The others are streamed straight from storage, bypassing the
-    /// page cache (see [`direct_reads`](LoaderBuilder::direct_reads)): rows scattered
-    /// over their file (a full shuffle, random token windows) are read by each worker
-    /// (`O_DIRECT` through io_uring); rows in runs (a block shuffle's windows, file
-    /// order) are read by the planner into the loader's own buffers, and the workers
-    /// copy them from there. `0` streams every file (a set
-    /// larger than memory, simulated). Either way the batches are the same; see
+    /// that finds them cold, sequentially, in the background. The others are streamed
+    /// straight from storage, bypassing the page cache (see
+    /// [`direct_reads`](LoaderBuilder::direct_reads)): rows scattered over their file (a
+    /// full shuffle, random token windows) are read by each worker (`O_DIRECT` through
+    /// io_uring); rows in runs (a block shuffle's windows, file order) are read by the
+    /// planner into the loader's own buffers, and the workers copy them from there. `0`
+    /// streams every file (a set larger than memory, simulated). Either way the batches are the same; see
     /// [`Storage`].
     pub fn page_cache_budget(mut self, bytes: u64) -> Self {
         self.budget = Some(bytes);

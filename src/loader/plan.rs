@@ -39,7 +39,7 @@ use super::extents::{Clearing, Closing, Extents, Window, READERS};
 use super::worker::{Assignment, Job};
 use crate::dataset::{Dataset, MappedFile};
 use crate::pagecache::{
-    advise_random, drop_range, mincore_range, page_cached, residency_known, resident_pages,
+    advise_random, drop_range, page_cached, residency_known, resident_pages, resident_range,
     will_need, will_need_piece, WILL_NEED_PIECE,
 };
 use crate::sampler::{EpochOrder, Shuffle};
@@ -90,11 +90,14 @@ pub(crate) enum Mode {
 }
 
 /// One file's plan for an epoch: its mode and its residency as the epoch started (one
-/// byte per page, bit 0 set where resident).
+/// byte per page, bit 0 set where resident; none where the kernel does not tell).
 #[derive(Debug, Clone)]
 pub(crate) struct FilePlan {
     pub(crate) mode: Mode,
     pub(crate) pages: Vec<u8>,
+    /// Whether `mincore` tells this process the truth about the file's pages
+    /// ([`residency_known`]), asked once as the epoch starts.
+    pub(crate) known: bool,
 }
 
 /// The residency of every file of `dataset` as an epoch starts, and what storage will
@@ -106,11 +109,11 @@ pub(crate) fn snapshot(dataset: &dyn Dataset, budget: u64) -> (Storage, Vec<File
     let files = dataset.files();
     // A file whose residency the kernel does not tell is planned as cold (its reads
     // are the planner's); one whose `mincore` fails leaves the epoch to page faults.
-    let pages: Option<Vec<Vec<u8>>> = files
+    let pages: Option<Vec<(Vec<u8>, bool)>> = files
         .iter()
         .map(|&f| match residency_known(f) {
-            true => resident_pages(f).ok(),
-            false => Some(vec![0; f.bytes().len().div_ceil(page_size())]),
+            true => resident_pages(f).ok().map(|p| (p, true)),
+            false => Some((vec![0; f.bytes().len().div_ceil(page_size())], false)),
         })
         .collect();
     let Some(pages) = pages else {
@@ -120,9 +123,10 @@ pub(crate) fn snapshot(dataset: &dyn Dataset, budget: u64) -> (Storage, Vec<File
     by_size.sort_by_key(|&f| files[f].bytes().len());
     let mut plans: Vec<FilePlan> = pages
         .into_iter()
-        .map(|pages| FilePlan {
+        .map(|(pages, known)| FilePlan {
             mode: Mode::Resident,
             pages,
+            known,
         })
         .collect();
     let mut kept = 0u64;
@@ -265,7 +269,7 @@ impl Pages<'_> {
     fn cached(&self, offset: usize) -> bool {
         if self.known {
             let page = page_size();
-            return mincore_range(self.file, offset, page).map_or(true, |v| v[0] & 1 != 0);
+            return resident_range(self.file, offset, page).map_or(true, |v| v[0] & 1 != 0);
         }
         let fd = self.fd.as_ref();
         fd.and_then(|fd| page_cached(fd, offset as u64))
@@ -384,7 +388,7 @@ fn plan_files(job: &Job, ahead: u64, extents: Option<&Arc<Extents>>) {
             state: plan.pages,
             refs: Vec::new(),
             fd: None,
-            known: residency_known(file),
+            known: plan.known,
             piece: 0,
             window: None,
         })
@@ -744,7 +748,7 @@ mod tests {
         // SAFETY: a private temporary file that nothing else writes.
         let map = unsafe { memmap2::Mmap::map(f.as_file()).unwrap() };
         let file = MappedFile::new(f.path(), &map);
-        let _ = mincore_range(file, 0, page_size());
+        let _ = resident_range(file, 0, page_size());
         evict_file(file).unwrap();
         let evicted = file_residency(file).unwrap().resident == 0;
         if !evicted {

@@ -254,11 +254,6 @@ pub struct TrainReport {
     pub error: Option<String>,
 }
 
-/// A residency as a whole percentage, rounded down ([`Residency`]'s `Display`).
-fn pct(r: Residency) -> String {
-    r.to_string()
-}
-
 impl Setup {
     /// The loader's own one-off costs (pool allocation, worker start); the rest zero,
     /// for you to fill in.
@@ -338,8 +333,8 @@ impl TrainReport {
                 r.wait_data_s,
                 r.copy_s,
                 r.compute_s,
-                pct(r.residency_start),
-                pct(r.residency_end),
+                r.residency_start,
+                r.residency_end,
                 r.storage.name(),
                 r.bytes_read as f64 / 1e6,
                 r.loss,
@@ -408,8 +403,8 @@ impl TrainReport {
         s += &format!(
             "  cold page cache (step idle for data): {:+.3} s  (resident {} -> {}, {}",
             w.cold_cache_s,
-            pct(first.residency_start),
-            pct(first.residency_end),
+            first.residency_start,
+            first.residency_end,
             first.storage.name(),
         );
         if w.cold_read_bytes > 0 {
@@ -481,10 +476,7 @@ pub fn same_output(a: &std::path::Path, b: &std::path::Path) -> bool {
     }
     let key = |p: &std::path::Path| {
         let p = crate::util::destination(p);
-        let dir = match p.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-            _ => std::path::PathBuf::from("."),
-        };
+        let dir = crate::partial::directory(&p).to_path_buf();
         let dir = std::fs::canonicalize(&dir).unwrap_or(dir);
         (dir, p.file_name().map(|n| n.to_owned()))
     };
@@ -618,11 +610,11 @@ mod tests {
             pages,
             unknown,
         };
-        assert_eq!(super::pct(r(999, 1000, 0)), "99%");
-        assert_eq!(super::pct(r(1000, 1000, 0)), "100%");
-        assert_eq!(super::pct(r(0, 0, 0)), "100%");
+        assert_eq!(r(999, 1000, 0).to_string(), "99%");
+        assert_eq!(r(1000, 1000, 0).to_string(), "100%");
+        assert_eq!(r(0, 0, 0).to_string(), "100%");
         // Pages whose residency the kernel would not tell are not shown as cached.
-        assert_eq!(super::pct(r(0, 1000, 1000)), "?");
-        assert_eq!(super::pct(r(500, 1000, 400)), "50%?");
+        assert_eq!(r(0, 1000, 1000).to_string(), "?");
+        assert_eq!(r(500, 1000, 400).to_string(), "50%?");
     }
 }

@@ -184,9 +184,19 @@ struct Shape {
     order: stokehold::Order,
     /// What the loader runs with (`info()`), fixed once built: read without ending the
     /// running epoch.
-    info: [(&'static str, u64); 6],
+    info: Info,
     /// The process that built the loader: its worker threads live there only.
     pid: u32,
+}
+
+/// What a loader runs with, as built (`_Loader.info`).
+struct Info {
+    workers: usize,
+    prefetch: usize,
+    buffers: usize,
+    pool_bytes: usize,
+    page_cache_budget: u64,
+    direct_reads: bool,
 }
 
 /// An opened dataset, for a loader to be built over.
@@ -908,14 +918,14 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
         copy_clock,
         cache_refused,
         order: loader.order().clone(),
-        info: [
-            ("workers", loader.workers() as u64),
-            ("prefetch", loader.prefetch() as u64),
-            ("buffers", loader.buffers() as u64),
-            ("pool_bytes", loader.pool_bytes() as u64),
-            ("page_cache_budget", loader.page_cache_budget()),
-            ("direct_reads", u64::from(loader.direct_reads())),
-        ],
+        info: Info {
+            workers: loader.workers(),
+            prefetch: loader.prefetch(),
+            buffers: loader.buffers(),
+            pool_bytes: loader.pool_bytes(),
+            page_cache_budget: loader.page_cache_budget(),
+            direct_reads: loader.direct_reads(),
+        },
         pid: std::process::id(),
     };
     Ok(Loader {
@@ -1211,7 +1221,8 @@ impl Loader {
         drained.map_err(error)
     }
 
-    /// The page-cache residency of the dataset's files: `(resident pages, pages, pages of unknown residency)`.
+    /// The page-cache residency of the dataset's files: `(resident pages, pages, pages
+    /// of unknown residency)`.
     fn residency(&self, py: Python<'_>) -> PyResult<(u64, u64, u64)> {
         let dataset = Arc::clone(&self.shape.dataset);
         let r = py
@@ -1230,13 +1241,14 @@ impl Loader {
     /// The epoch report's figures of the loader (workers, prefetch, buffers, pool): as
     /// built, so the running epoch goes on.
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let i = &self.shape.info;
         let d = PyDict::new(py);
-        for (key, value) in self.shape.info {
-            match key {
-                "direct_reads" => d.set_item(key, value != 0)?,
-                _ => d.set_item(key, value)?,
-            }
-        }
+        d.set_item("workers", i.workers)?;
+        d.set_item("prefetch", i.prefetch)?;
+        d.set_item("buffers", i.buffers)?;
+        d.set_item("pool_bytes", i.pool_bytes)?;
+        d.set_item("page_cache_budget", i.page_cache_budget)?;
+        d.set_item("direct_reads", i.direct_reads)?;
         Ok(d)
     }
 }
