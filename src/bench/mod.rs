@@ -109,10 +109,11 @@ pub struct ColdEpoch {
     pub epoch_s: f64,
     /// Samples per second.
     pub samples_per_s: f64,
-    /// Bytes the process read from storage during the epoch (`/proc/self/io`).
-    pub bytes_read: u64,
-    /// `bytes_read` over the sample bytes delivered.
-    pub read_amplification: f64,
+    /// Bytes the process read from storage during the epoch (`/proc/self/io`); `None`
+    /// (JSON `null`) where the kernel does not say.
+    pub bytes_read: Option<u64>,
+    /// `bytes_read` over the sample bytes delivered; `None` with `bytes_read`.
+    pub read_amplification: Option<f64>,
     /// What the loader's planner did: warming or streaming.
     pub storage: crate::loader::Storage,
     /// Residency of the dataset's files before the epoch (after eviction).

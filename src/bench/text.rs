@@ -34,11 +34,16 @@ impl BenchReport {
         if let Some(c) = &self.cold {
             for (name, e) in [("full", &c.full), ("block", &c.block)] {
                 s += &format!(
-                    "cold cache, {name:<5} shuffle: {:>7.2} s  {:>10.0} samples/s  read {:.0} MB ({:.2}x the rows), {}, resident {} -> {}\n",
+                    "cold cache, {name:<5} shuffle: {:>7.2} s  {:>10.0} samples/s  read {}, {}, resident {} -> {}\n",
                     e.epoch_s,
                     e.samples_per_s,
-                    e.bytes_read as f64 / 1e6,
-                    e.read_amplification,
+                    match (e.bytes_read, e.read_amplification) {
+                        (Some(read), Some(amplification)) => format!(
+                            "{:.0} MB ({amplification:.2}x the rows)",
+                            read as f64 / 1e6
+                        ),
+                        _ => "? MB (the kernel does not count this process's reads)".into(),
+                    },
                     e.storage.name(),
                     e.residency_before,
                     e.residency_after

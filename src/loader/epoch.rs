@@ -36,19 +36,20 @@ pub struct EpochStats {
     pub first_batch: Option<Duration>,
     /// What storage did for this epoch's data: warm, warming or streaming.
     pub storage: Storage,
-    /// Bytes this process read from storage since the epoch started (`/proc/self/io`;
-    /// 0 where the kernel does not say).
-    pub bytes_read: u64,
+    /// Bytes this process read from storage since the epoch started (`/proc/self/io`);
+    /// `None` where the kernel does not say (no `/proc`, a kernel without task I/O
+    /// accounting), and in [`Epoch::counts`].
+    pub bytes_read: Option<u64>,
 }
 
 impl EpochStats {
     /// These figures with `bytes_read` counted now: what this process has read from
-    /// storage since its counter read `start` ([`Epoch::read_at_start`]); 0 where the
-    /// kernel does not say.
+    /// storage since its counter read `start` ([`Epoch::read_at_start`]); `None` where
+    /// the kernel does not say.
     pub fn with_reads_since(self, start: Option<u64>) -> EpochStats {
         let read = crate::pagecache::storage_read_bytes();
         EpochStats {
-            bytes_read: read.zip(start).map_or(0, |(n, s)| n.saturating_sub(s)),
+            bytes_read: read.zip(start).map(|(n, s)| n.saturating_sub(s)),
             ..self
         }
     }
@@ -86,9 +87,10 @@ type Interrupt = Box<dyn FnMut() -> bool + Send>;
 impl EpochStats {
     /// Bytes read from storage over the sample bytes delivered, for samples of
     /// `bytes_per_sample`: 1.0 reads each byte used once; above 1, storage read bytes no
-    /// batch used (whole pages, read-around).
-    pub fn read_amplification(&self, bytes_per_sample: u64) -> f64 {
-        self.bytes_read as f64 / self.samples.saturating_mul(bytes_per_sample).max(1) as f64
+    /// batch used (whole pages, read-around). `None` where the bytes read are not known.
+    pub fn read_amplification(&self, bytes_per_sample: u64) -> Option<f64> {
+        let used = self.samples.saturating_mul(bytes_per_sample).max(1) as f64;
+        self.bytes_read.map(|read| read as f64 / used)
     }
 }
 
@@ -168,14 +170,14 @@ impl<'a> Epoch<'a> {
         self.counts().with_reads_since(self.read_at_start)
     }
 
-    /// [`stats`](Epoch::stats) bar `bytes_read` (left 0), without the system call that
+    /// [`stats`](Epoch::stats) bar `bytes_read` (left `None`), without the system call that
     /// reads the storage counter: cheap enough to take after every batch, for a view of
     /// the epoch that another thread reads (with [`read_at_start`](Epoch::read_at_start)
     /// for the bytes read).
     pub fn counts(&self) -> EpochStats {
         EpochStats {
             storage: self.job.storage,
-            bytes_read: 0,
+            bytes_read: None,
             ..self.stats
         }
     }

@@ -54,11 +54,13 @@ pub struct EpochRow {
     /// What storage did: `warm` (all resident at the start), `warming` (read in, the
     /// files fit the page-cache budget) or `streaming` (read as planned, dropped behind).
     pub storage: Storage,
-    /// Bytes the process read from storage during the epoch (`/proc/self/io`).
-    pub bytes_read: u64,
+    /// Bytes the process read from storage during the epoch (`/proc/self/io`); `None`
+    /// (JSON `null`) where the kernel does not say.
+    pub bytes_read: Option<u64>,
     /// `bytes_read` over the sample bytes delivered: 1.0 reads each byte used once;
-    /// above 1, storage read bytes no batch used (whole pages, read-around).
-    pub read_amplification: f64,
+    /// above 1, storage read bytes no batch used (whole pages, read-around). `None`
+    /// with `bytes_read`.
+    pub read_amplification: Option<f64>,
 }
 
 impl EpochRow {
@@ -147,8 +149,9 @@ pub struct Warmup {
     /// cache), over the steady epoch.
     pub cold_cache_s: f64,
     /// Bytes the first epoch read from storage beyond the steady epoch
-    /// (`/proc/self/io`): what the cold cache cost in reads.
-    pub cold_read_bytes: u64,
+    /// (`/proc/self/io`): what the cold cache cost in reads. `None` where either epoch's
+    /// reads are not known.
+    pub cold_read_bytes: Option<u64>,
     /// Extra time the loader's workers spent gathering in the first epoch over the steady
     /// epoch, summed over workers: mostly blocked on storage reads (page faults or
     /// direct reads) when the data was cold.
@@ -189,8 +192,10 @@ impl Warmup {
         let steady_s = steady.wall_s * scale;
         let excess = first.wall_s - steady_s;
         let cold = first.stall_data_s - steady.stall_data_s * scale;
-        let steady_read = (steady.bytes_read as f64 * scale) as u64;
-        let cold_read_bytes = first.bytes_read.saturating_sub(steady_read);
+        let cold_read_bytes = first
+            .bytes_read
+            .zip(steady.bytes_read)
+            .map(|(first, steady)| first.saturating_sub((steady as f64 * scale) as u64));
         let cold_gather_s = first.gather_s - steady.gather_s * scale;
         let compute = first.compute_s - steady.compute_s * scale;
         let copy = first.stall_copy_s - steady.stall_copy_s * scale;
@@ -323,7 +328,7 @@ impl TrainReport {
         );
         for r in &self.epochs {
             s += &format!(
-                "{:>5} {:>7.2} {:>10.0} {:>6.2} {:>6.3}s {:>6.2}s {:>6.2}s {:>6.2}s {:>7.2}s {:>4}>{:<4} {:>9} {:>8.1} {:>7.4} {:>5.1}%\n",
+                "{:>5} {:>7.2} {:>10.0} {:>6.2} {:>6.3}s {:>6.2}s {:>6.2}s {:>6.2}s {:>7.2}s {:>4}>{:<4} {:>9} {:>8} {:>7.4} {:>5.1}%\n",
                 r.epoch,
                 r.wall_s,
                 r.samples_per_s,
@@ -336,7 +341,8 @@ impl TrainReport {
                 r.residency_start,
                 r.residency_end,
                 r.storage.name(),
-                r.bytes_read as f64 / 1e6,
+                r.bytes_read
+                    .map_or_else(|| "?".to_string(), |b| format!("{:.1}", b as f64 / 1e6)),
                 r.loss,
                 100.0 * r.accuracy
             );
@@ -407,14 +413,16 @@ impl TrainReport {
             first.residency_end,
             first.storage.name(),
         );
-        if w.cold_read_bytes > 0 {
-            s += &format!(
-                ": {} more read from storage than a steady epoch, {:.2}x the rows; \
-                 the workers gathered {:+.3} s longer, blocked on those reads",
-                megabytes(w.cold_read_bytes),
-                first.read_amplification,
-                w.cold_gather_s
-            );
+        if let (Some(cold), Some(amplification)) = (w.cold_read_bytes, first.read_amplification) {
+            if cold > 0 {
+                s += &format!(
+                    ": {} more read from storage than a steady epoch, {:.2}x the rows; \
+                     the workers gathered {:+.3} s longer, blocked on those reads",
+                    megabytes(cold),
+                    amplification,
+                    w.cold_gather_s
+                );
+            }
         }
         s += ")\n";
         s += &format!(
@@ -536,8 +544,8 @@ mod tests {
             loss: 0.0,
             accuracy: 0.0,
             storage: crate::loader::Storage::Warm,
-            bytes_read: 0,
-            read_amplification: 0.0,
+            bytes_read: Some(0),
+            read_amplification: Some(0.0),
         }
     }
 
@@ -601,6 +609,38 @@ mod tests {
             text.contains("per sample: epoch 3 ran 25 samples"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn reads_the_kernel_does_not_count_are_unknown_not_zero() {
+        // Where /proc/self/io is missing, an epoch's reads are `None`: the JSON says
+        // null, the table "?", and the split compares no reads.
+        let mut first = row(0, 2.0, 1.0, 0.5, 0.0);
+        first.bytes_read = None;
+        first.read_amplification = None;
+        let mut steady = row(1, 1.0, 0.0, 0.5, 0.0);
+        steady.bytes_read = Some(1000);
+        let w = Warmup::of(&[first.clone(), steady.clone()]).unwrap();
+        assert_eq!(w.cold_read_bytes, None);
+        let report = super::TrainReport {
+            epochs: vec![first.clone(), steady.clone()],
+            warmup: Some(w),
+            ..Default::default()
+        };
+        let json = serde_json::to_value(&report).unwrap();
+        assert!(json["epochs"][0]["bytes_read"].is_null(), "{json}");
+        assert!(json["epochs"][0]["read_amplification"].is_null(), "{json}");
+        assert!(json["warmup"]["cold_read_bytes"].is_null(), "{json}");
+        assert_eq!(json["epochs"][1]["bytes_read"], 1000);
+        let table = report.table();
+        let line = table.lines().nth(1).unwrap();
+        assert!(line.contains(" ? "), "{table}");
+        assert!(!report.warmup_text().contains("more read from storage"));
+        // Counted on both sides, the extra reads are told.
+        first.bytes_read = Some(5_000_000);
+        first.read_amplification = Some(1.25);
+        let w = Warmup::of(&[first, steady]).unwrap();
+        assert_eq!(w.cold_read_bytes, Some(4_999_000));
     }
 
     #[test]

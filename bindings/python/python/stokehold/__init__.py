@@ -202,7 +202,8 @@ class Epoch:
     def stats(self) -> Dict[str, Any]:
         """The loader's figures of this epoch so far: batches, samples, gather_s,
         waited_s, stalls, first_batch_s, storage (warm, warming, streaming),
-        bytes_read, and device_cache (whether the batches are gathered from the device
+        bytes_read (None where the kernel does not count the process's reads), and
+        device_cache (whether the batches are gathered from the device
         cache, the loader computing their indices only)."""
         return self._raw.stats()
 
