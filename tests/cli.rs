@@ -269,6 +269,15 @@ fn train_augments_x_when_asked_and_refuses_a_crop_too_large() {
     assert_eq!(augmented["config"]["crop"], 1);
     assert_eq!(augmented["config"]["flip"], true);
     assert_eq!(plain["config"]["crop"], 0);
+    // Only the augmentation differs: the seed, the shuffle and every other setting match.
+    let rest = |r: &serde_json::Value| {
+        let mut config = r["config"].as_object().unwrap().clone();
+        config.remove("crop");
+        config.remove("flip");
+        config
+    };
+    assert!(rest(&plain).contains_key("seed"), "{}", plain["config"]);
+    assert_eq!(rest(&plain), rest(&augmented));
     let loss = |r: &serde_json::Value| r["epochs"][0]["loss"].as_f64().unwrap();
     assert_ne!(loss(&plain), loss(&augmented));
 

@@ -434,7 +434,14 @@ fn random_token_windows_in_file_order_are_read_row_by_row() {
 
 /// A dataset with a bug of its own: its `locate` panics, or its `gather` of any batch
 /// past its first 100 rows; the rest is the inner dataset's.
-struct Broken(Arc<dyn Dataset>, Bug);
+/// The third field counts the calls of `locate`.
+struct Broken(Arc<dyn Dataset>, Bug, std::sync::atomic::AtomicUsize);
+
+impl Broken {
+    fn new(ds: Arc<dyn Dataset>, bug: Bug) -> Broken {
+        Broken(ds, bug, Default::default())
+    }
+}
 
 #[derive(PartialEq)]
 enum Bug {
@@ -458,6 +465,7 @@ impl Dataset for Broken {
         self.0.files()
     }
     fn locate(&self, epoch: u64, index: u64, at: &mut dyn FnMut(usize, usize, usize)) {
+        self.2.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         assert!(self.1 != Bug::Locate, "locate({index}) is broken");
         self.0.locate(epoch, index, at)
     }
@@ -472,7 +480,9 @@ fn a_dataset_whose_locate_panics_is_read_from_its_mapping() {
         skip_cold("the page cache cannot be evicted on this file system");
         return;
     }
-    let broken: Arc<dyn Dataset> = Arc::new(Broken(Arc::clone(&ds), Bug::Locate));
+    let broken = Arc::new(Broken::new(Arc::clone(&ds), Bug::Locate));
+    let calls = Arc::clone(&broken);
+    let broken: Arc<dyn Dataset> = broken;
     // Resumed mid-epoch, streamed (budget 0) in file order: the plan asks `locate`
     // where the rows are on the thread starting the epoch.
     let build = |ds: &Arc<dyn Dataset>, resume| {
@@ -498,6 +508,11 @@ fn a_dataset_whose_locate_panics_is_read_from_its_mapping() {
     assert_eq!(got.len(), want.len());
     assert!(got == want, "the batches differ");
     assert_eq!(loader.state().epoch, 2);
+    // The plan did ask (and met the panic), so the fallback is what read the batches.
+    assert!(
+        calls.2.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "locate never called"
+    );
 }
 
 #[test]
@@ -505,7 +520,7 @@ fn a_roofline_over_a_panicking_dataset_fails_its_pass_and_does_not_hang() {
     use stokehold::bench::{self, BenchConfig, Roofline};
     let digits = concat!(env!("CARGO_MANIFEST_DIR"), "/datasets/digits");
     let ds: Arc<dyn Dataset> = Arc::new(NpyDataset::open(digits).unwrap());
-    let broken: Arc<dyn Dataset> = Arc::new(Broken(ds, Bug::Gather));
+    let broken: Arc<dyn Dataset> = Arc::new(Broken::new(ds, Bug::Gather));
     let layout = Loader::builder_shared(Arc::clone(&broken))
         .batch_size(64)
         .build()

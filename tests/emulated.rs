@@ -1025,6 +1025,10 @@ fn train_on_the_cuda_backend_matches_the_cpu_backend() {
         "digits fit the cache"
     );
     let epochs = |v: &serde_json::Value| v["epochs"].as_array().unwrap().clone();
+    assert_eq!(
+        (epochs(&g).len(), epochs(&c).len(), epochs(&w).len()),
+        (3, 3, 3)
+    );
     let pairs = epochs(&g).into_iter().zip(epochs(&c));
     for (a, b) in pairs.chain(epochs(&w).into_iter().zip(epochs(&c))) {
         let (la, lb) = (a["loss"].as_f64().unwrap(), b["loss"].as_f64().unwrap());
@@ -1165,6 +1169,7 @@ fn train_augments_on_the_device_and_from_the_device_cache_as_the_cpus_workers() 
                 "{extra:?}: {e}"
             );
         }
+        assert_eq!((epochs(&g).len(), epochs(&cpu).len()), (3, 3), "{extra:?}");
         for (a, b) in epochs(&g).into_iter().zip(epochs(&cpu)) {
             let (la, lb) = (a["loss"].as_f64().unwrap(), b["loss"].as_f64().unwrap());
             // They agree to 1e-8 here; an epoch with other draws differs by 1e-4 or more.
@@ -1240,10 +1245,11 @@ fn the_cuda_example_runs_a_users_kernel() {
     let Some(dir) = emulator() else { return };
     // Examples are built by `cargo test`, next to this binary's directory.
     let example = common::example("05_cuda_kernel");
-    if !example.exists() {
-        println!("skipping: {} is not built", example.display());
-        return;
-    }
+    assert!(
+        example.exists(),
+        "{} is not built: `cargo test` builds the examples, or `cargo build --examples`",
+        example.display()
+    );
     let mut cmd = Command::new(&example);
     let out = output_within(with_emulator(&mut cmd, dir, 20));
     let text = shown(&out);

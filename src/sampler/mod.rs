@@ -734,6 +734,10 @@ mod tests {
             !is_permutation(v[..4000].to_vec(), 4000),
             "not shuffled at all"
         );
+        // And the rows within each window are shuffled, not read in file order: of a
+        // random order of 4 blocks' rows, about 1 in 4,000 follows its neighbour.
+        let runs = v[..4000].windows(2).filter(|w| w[1] == w[0] + 1).count();
+        assert!(runs < 40, "{runs} of 4,000 rows follow their neighbour");
     }
 
     #[test]

@@ -450,6 +450,51 @@ def test_a_device_epoch_ends_at_once_and_a_small_pool_keeps_going(emulator: Path
     """)
 
 
+def test_dlpack_keywords_as_consumers_pass_them(emulator: Path) -> None:
+    run_child(emulator, """
+        # torch >= 2.4 asks with max_version and dl_device; the array API lets a consumer
+        # ask for a copy or a device, or name no stream (-1). Each is answered or refused
+        # as the DLPack protocol says, and the tensor holds the batch's rows.
+        loader = stokehold.Loader(sys.argv[1], batch_size=100, seed=2, device="cuda")
+        bind()
+        stream = ctypes.c_void_p()
+        ok(cuda.cuStreamCreate(ctypes.byref(stream), 0), "cuStreamCreate")
+        for i, batch in enumerate(loader.epoch(0)):
+            x = batch["x"]
+            want = x_file[batch.indices]
+            if i == 0:
+                capsule = x.__dlpack__(stream=stream.value, max_version=(1, 0),
+                                       dl_device=(2, 0), copy=False)
+                ok(cuda.cuStreamSynchronize(stream), "cuStreamSynchronize")
+            elif i == 1:
+                # No wait asked for: the consumer orders itself, here by waiting for all.
+                capsule = x.__dlpack__(stream=-1)
+                ok(cuda.cuCtxSynchronize(), "cuCtxSynchronize")
+            elif i == 2:
+                capsule = x.__dlpack__(stream=2)  # the per-thread default stream
+                ok(cuda.cuCtxSynchronize(), "cuCtxSynchronize")
+            else:
+                for kw, text in [({"dl_device": (1, 0)}, "cannot be exported"),
+                                 ({"dl_device": (2, 1)}, "cannot be exported"),
+                                 ({"copy": True}, "without a copy"),
+                                 ({"stream": 0}, "0 is ambiguous")]:
+                    try:
+                        x.__dlpack__(**kw)
+                    except BufferError as e:
+                        assert text in str(e), (kw, e)
+                    else:
+                        raise AssertionError(f"{kw} was not refused")
+                del x, batch
+                continue
+            t = tensor(capsule).contents.dl_tensor
+            assert (t.device.device_type, t.device.device_id) == (2, 0)
+            got = device_bytes(t.data, want.nbytes).reshape(want.shape)
+            assert np.array_equal(got, want), f"batch {i}"
+            del t, capsule, x, batch
+        print("child passed")
+    """)
+
+
 def test_an_epoch_timer_counts_stokeholds_own_copies(emulator: Path) -> None:
     run_child(emulator, """
         # The copies run on stokehold's stream, overlapped with the step: no host timer
