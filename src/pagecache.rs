@@ -225,6 +225,12 @@ pub(crate) fn advise_random(file: MappedFile<'_>) {
     let _ = file.mapping().advise(Advice::Random);
 }
 
+/// Turns the kernel's read-around on page faults in `file`'s mapping back on
+/// (`madvise(MADV_NORMAL)`), after [`advise_random`].
+pub(crate) fn advise_normal(file: MappedFile<'_>) {
+    let _ = file.mapping().advise(Advice::Normal);
+}
+
 /// Drops `len` bytes of `file` at `offset` (page-aligned) from this process's mapping
 /// and from the page cache, as [`evict_file`] does for a whole file; `fd` is the file
 /// open for reading.

@@ -447,6 +447,8 @@ impl Broken {
 enum Bug {
     Locate,
     Gather,
+    /// `locate` also names a file past those `files` lists (as `Concat` may).
+    Unlisted,
 }
 
 impl Dataset for Broken {
@@ -467,6 +469,9 @@ impl Dataset for Broken {
     fn locate(&self, epoch: u64, index: u64, at: &mut dyn FnMut(usize, usize, usize)) {
         self.2.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         assert!(self.1 != Bug::Locate, "locate({index}) is broken");
+        if self.1 == Bug::Unlisted {
+            at(self.0.files().len(), 0, 8);
+        }
         self.0.locate(epoch, index, at)
     }
 }
@@ -552,4 +557,111 @@ fn a_roofline_over_a_panicking_dataset_fails_its_pass_and_does_not_hang() {
     };
     let err = bench::run(ds, &cfg).unwrap_err().to_string();
     assert!(err.contains("at least one timed pass"), "{err}");
+}
+
+/// The `VmFlags` of this process's mapping that holds `addr` (`/proc/self/smaps`).
+fn vm_flags(addr: usize) -> String {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut inside = false;
+    for line in smaps.lines() {
+        let head = line.split_whitespace().next().unwrap_or("");
+        if let Some((a, b)) = head.split_once('-') {
+            if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) {
+                inside = (a..b).contains(&addr);
+                continue;
+            }
+        }
+        if inside {
+            if let Some(flags) = line.strip_prefix("VmFlags:") {
+                return flags.to_string();
+            }
+        }
+    }
+    panic!("no mapping holds {addr:#x}");
+}
+
+#[test]
+fn a_planned_epoch_gives_the_mappings_their_read_around_back() {
+    // The planner turns read-around off (`MADV_RANDOM`: `rr` in VmFlags) while it plans
+    // every read; a later epoch with no plan must not fault one page at a time.
+    let _turn = turn();
+    let dir = tempdir();
+    let ds = dataset(dir.path(), 3000);
+    if !evicts(ds.as_ref()) {
+        skip_cold("the page cache cannot be evicted on this file system");
+        return;
+    }
+    let x = ds.files()[0].bytes().as_ptr() as usize;
+    assert!(!vm_flags(x).contains(" rr"), "{}", vm_flags(x));
+    let mut loader = loader(&ds, Shuffle::block(4), false);
+    pagecache::evict(ds.as_ref()).unwrap();
+    let mut it = loader.epoch(0).unwrap();
+    it.next().unwrap().unwrap();
+    // Mid-epoch, the plan holds.
+    let during = vm_flags(x);
+    it.by_ref().for_each(|b| drop(b.unwrap()));
+    assert_eq!(it.stats().storage, Storage::Streaming);
+    drop(it);
+    // The planner leaves within a millisecond of the epoch's end.
+    let start = std::time::Instant::now();
+    while vm_flags(x).contains(" rr") && start.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert!(during.contains(" rr"), "not planned: {during}");
+    assert!(!vm_flags(x).contains(" rr"), "{}", vm_flags(x));
+}
+
+#[test]
+fn every_shard_of_a_streamed_set_is_read_directly() {
+    // Two shards, each with its images and labels: the rows of the second shard's
+    // images are as long as the first's, so both are read with O_DIRECT under a full
+    // shuffle, and neither fills the page cache.
+    let _turn = turn();
+    let (a, b) = (tempdir(), tempdir());
+    let parts = vec![dataset(a.path(), 2000), dataset(b.path(), 2000)];
+    if !parts.iter().all(|p| evicts(p.as_ref())) {
+        skip_cold("the page cache cannot be evicted on this file system");
+        return;
+    }
+    let ds: Arc<dyn Dataset> = Arc::new(stokehold::Concat::new(parts).unwrap());
+    let mut direct = loader(&ds, Shuffle::Full { seed: 1 }, true);
+    if !direct.direct_reads() {
+        skip_cold("no io_uring here");
+        return;
+    }
+    pagecache::evict(ds.as_ref()).unwrap();
+    let mut it = direct.epoch(0).unwrap();
+    let n: usize = it.by_ref().map(|b| b.unwrap().len()).sum();
+    assert_eq!(n, 4000);
+    assert_eq!(it.stats().storage, Storage::Streaming);
+    drop(it);
+    let files = ds.files();
+    assert_eq!(files.len(), 4);
+    for k in [0, 2] {
+        let r = pagecache::file_residency(files[k]).unwrap();
+        assert_eq!(r.resident, 0, "{}: {r}", files[k].path().display());
+    }
+}
+
+#[test]
+fn a_row_in_a_file_not_listed_is_left_out_of_the_plan() {
+    // The plan still streams the listed files (their pages dropped behind), where a
+    // panic on the unlisted index used to leave the whole epoch unplanned.
+    let _turn = turn();
+    let dir = tempdir();
+    let ds = dataset(dir.path(), 20_000);
+    if !evicts(ds.as_ref()) {
+        skip_cold("the page cache cannot be evicted on this file system");
+        return;
+    }
+    let odd: Arc<dyn Dataset> = Arc::new(Broken::new(Arc::clone(&ds), Bug::Unlisted));
+    let mut loader = Loader::builder_shared(odd)
+        .batch_size(16)
+        .workers(2)
+        .page_cache_budget(0)
+        .direct_reads(false)
+        .build()
+        .unwrap();
+    pagecache::evict(ds.as_ref()).unwrap();
+    assert!(streamed_then_resident(&mut loader, 20_000, ds.files()[0]) < 0.25);
 }

@@ -431,7 +431,9 @@ impl Reader {
     /// leaves `in_flight` counted, for [`settle`](Reader::settle) or `Drop`.
     ///
     /// Returns `Ok(false)` where the file system refused a direct read as such
-    /// ([`refusal`]), after the reads in flight have completed.
+    /// ([`refusal`]), after the reads in flight have completed, and where the ring
+    /// failed (the reader is then broken, and the mapping serves this batch and the
+    /// next).
     fn read_all(&mut self, sources: &[Source], files: &[MappedFile<'_>]) -> Result<bool> {
         let base = match &self.buf {
             Some(b) => b.as_ptr(),
@@ -474,9 +476,12 @@ impl Reader {
             }
             if let Err(e) = self.ring.submit_and_wait(1) {
                 // Anything but a transient error leaves the ring's state unknown.
+                // The reads' bytes are not trusted and the reader is broken from now
+                // on; the batch, none of it yet copied out, is gathered from the
+                // mapping instead, as a refused read's is.
                 if !transient(&e) {
                     self.abandon();
-                    return Err(Error::io("<io_uring>", e));
+                    return Ok(false);
                 }
             }
             for cqe in self.ring.completion() {

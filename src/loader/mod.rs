@@ -478,6 +478,10 @@ impl LoaderBuilder {
     }
 }
 
+/// Samples, evenly spaced, whose rows [`direct_sources`] measures for each file's row
+/// length: a file that holds one in 4,096 of the samples or more is measured.
+const ROW_PROBES: u64 = 4096;
+
 /// Opens every file of `dataset` for the workers' direct reads. A streamed file is read
 /// with `O_DIRECT` (its mode becomes [`plan::Mode::Direct`]) when its rows are at least
 /// [`DIRECT_ROW`] long; shorter rows share pages with the planned rows around them
@@ -493,12 +497,19 @@ fn direct_sources(
     if files.len() != plans.len() || !direct::describes(dataset) {
         return None;
     }
+    // Each file's row length, from samples spread over the dataset: a set of many
+    // files (shards, chunks, a mixture's corpora) holds sample 0 in a few of them only.
     let mut row = vec![0usize; files.len()];
-    dataset.locate(0, 0, &mut |f, _, len| {
-        if let Some(r) = row.get_mut(f) {
-            *r = (*r).max(len);
-        }
-    });
+    let n = dataset.len();
+    let probes = n.min(ROW_PROBES);
+    for k in 0..probes {
+        let i = (u128::from(k) * u128::from(n) / u128::from(probes)) as u64;
+        dataset.locate(0, i, &mut |f, _, len| {
+            if let Some(r) = row.get_mut(f) {
+                *r = (*r).max(len);
+            }
+        });
+    }
     let direct: Vec<bool> = plans
         .iter()
         .zip(&row)
@@ -907,15 +918,10 @@ impl Loader {
             indices_only,
         });
         self.last = Some(Arc::clone(&job));
-        for w in &self.workers {
-            if let Some(jobs) = &w.jobs {
-                // A worker that is gone drops the assignment, and with it its sender.
-                let _ = jobs.send((Arc::clone(&job), finished_tx.clone()));
-            }
-        }
         // The planner holds the job (and so the dataset) for as long as it works on it,
         // and leaves within a millisecond of the epoch's end or drop: nothing waits
-        // for it, so its own finished channel goes nowhere.
+        // for it, so its own finished channel goes nowhere. It has the job before the
+        // workers, so that it asks for the first batches' rows as they start on them.
         let jobs = self.planner.as_ref().filter(|_| planned);
         let sent = jobs.and_then(|p| p.jobs.as_ref()).is_some_and(|jobs| {
             jobs.send((Arc::clone(&job), crossbeam_channel::bounded(0).0))
@@ -925,6 +931,12 @@ impl Loader {
         // mapping rather than wait for extents.
         if let (false, Some(x)) = (sent, &job.extents) {
             x.close();
+        }
+        for w in &self.workers {
+            if let Some(jobs) = &w.jobs {
+                // A worker that is gone drops the assignment, and with it its sender.
+                let _ = jobs.send((Arc::clone(&job), finished_tx.clone()));
+            }
         }
         drop(finished_tx);
         Ok(Epoch::new(

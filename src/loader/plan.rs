@@ -39,8 +39,8 @@ use super::extents::{Clearing, Closing, Extents, Window, READERS};
 use super::worker::{Assignment, Job};
 use crate::dataset::{Dataset, MappedFile};
 use crate::pagecache::{
-    advise_random, drop_range, page_cached, residency_known, resident_pages, resident_range,
-    will_need, will_need_piece, WILL_NEED_PIECE,
+    advise_normal, advise_random, drop_range, page_cached, residency_known, resident_pages,
+    resident_range, will_need, will_need_piece, WILL_NEED_PIECE,
 };
 use crate::sampler::{EpochOrder, Shuffle};
 use crate::util::page_size;
@@ -107,18 +107,19 @@ pub(crate) struct FilePlan {
 /// the planner's thread has got; the planner then starts from these pages.
 pub(crate) fn snapshot(dataset: &dyn Dataset, budget: u64) -> (Storage, Vec<FilePlan>) {
     let files = dataset.files();
-    // A file whose residency the kernel does not tell is planned as cold (its reads
-    // are the planner's); one whose `mincore` fails leaves the epoch to page faults.
-    let pages: Option<Vec<(Vec<u8>, bool)>> = files
+    // A file whose residency the kernel does not tell, or whose `mincore` fails, is
+    // planned as cold: its reads are the planner's, which checks each page it would ask
+    // for without waiting (`Pages::cached`).
+    let pages: Vec<(Vec<u8>, bool)> = files
         .iter()
-        .map(|&f| match residency_known(f) {
-            true => resident_pages(f).ok().map(|p| (p, true)),
-            false => Some((vec![0; f.bytes().len().div_ceil(page_size())], false)),
+        .map(|&f| {
+            let known = residency_known(f).then(|| resident_pages(f).ok()).flatten();
+            match known {
+                Some(p) => (p, true),
+                None => (vec![0; f.bytes().len().div_ceil(page_size())], false),
+            }
         })
         .collect();
-    let Some(pages) = pages else {
-        return (Storage::Warm, Vec::new());
-    };
     let mut by_size: Vec<usize> = (0..files.len()).collect();
     by_size.sort_by_key(|&f| files[f].bytes().len());
     let mut plans: Vec<FilePlan> = pages
@@ -316,7 +317,7 @@ const CACHED: u8 = 4;
 fn batch_pages(
     job: &Job,
     b: u64,
-    page: usize,
+    (page, files): (usize, usize),
     idx: &mut Vec<u64>,
     runs: &mut Vec<(usize, usize, usize)>,
 ) {
@@ -325,12 +326,27 @@ fn batch_pages(
     let epoch = job.order.epoch();
     for &i in idx.iter() {
         job.dataset.locate(epoch, i, &mut |f, off, len| {
-            if len > 0 {
+            // A range in a file past those listed (`Concat` locates its parts' unlisted
+            // files so) is the mapping's to read: nothing to plan.
+            if len > 0 && f < files {
                 runs.push((f, off / page, (off + len).div_ceil(page)));
             }
         });
     }
     merge(runs, 0);
+}
+
+/// Files whose mappings a plan turned read-around off in ([`advise_random`]), turned
+/// back on when it ends: a later epoch with no plan (all resident, or a loader built
+/// without planned reads over the same files) must not fault one page at a time.
+struct Advised<'a>(Vec<MappedFile<'a>>);
+
+impl Drop for Advised<'_> {
+    fn drop(&mut self) {
+        for &f in &self.0 {
+            advise_normal(f);
+        }
+    }
 }
 
 /// Plans `job`, with the threads that read its extents when it has windowed files.
@@ -394,6 +410,8 @@ fn plan_files(job: &Job, ahead: u64, extents: Option<&Arc<Extents>>) {
         })
         .collect();
     let (mut keep, mut stream) = (false, false);
+    // The kernel's read-around comes back when the plan ends, by return or panic.
+    let mut advised = Advised(Vec::new());
     for (f, p) in pages.iter_mut().enumerate() {
         match p.mode {
             Mode::Keep => keep = true,
@@ -419,6 +437,7 @@ fn plan_files(job: &Job, ahead: u64, extents: Option<&Arc<Extents>>) {
         p.fd = p.file.reopen().ok();
         p.piece = p.fd.as_ref().map_or(WILL_NEED_PIECE, will_need_piece);
         advise_random(p.file);
+        advised.0.push(p.file);
     }
     if !keep && !stream {
         return;
@@ -435,7 +454,10 @@ fn plan_files(job: &Job, ahead: u64, extents: Option<&Arc<Extents>>) {
         true => 0,
         false => GAP / page,
     };
-    let first = job.next.load(Ordering::Relaxed).min(job.end);
+    // From the epoch's (or the resume's) first batch, whatever the workers have claimed
+    // already: those batches' rows are still being read, and without a plan each fault
+    // would read one page (the mapping reads at random).
+    let first = job.delivered.load(Ordering::Acquire).min(job.end);
     let (mut planned, mut dropped) = (first, first);
     // Sequential warming: the next chunk to ask for, and those asked for, oldest first.
     let (mut cursor, mut asked) = ((0usize, 0usize), std::collections::VecDeque::new());
@@ -454,7 +476,7 @@ fn plan_files(job: &Job, ahead: u64, extents: Option<&Arc<Extents>>) {
         // an earlier batch asked for are not asked again, so a block shuffle's window is
         // still read in long runs, with its first batch.
         while planned < target {
-            batch_pages(job, planned, page, &mut idx, &mut runs);
+            batch_pages(job, planned, (page, pages.len()), &mut idx, &mut runs);
             for &(f, start, end) in &runs {
                 ask(&mut pages[f], f, start, end, &mut wanted);
             }
@@ -479,7 +501,7 @@ fn plan_files(job: &Job, ahead: u64, extents: Option<&Arc<Extents>>) {
         if stream {
             let delivered = job.delivered.load(Ordering::Acquire).min(planned);
             while dropped < delivered {
-                batch_pages(job, dropped, page, &mut idx, &mut runs);
+                batch_pages(job, dropped, (page, pages.len()), &mut idx, &mut runs);
                 for &(f, start, end) in &runs {
                     release(&mut pages[f], f, start, end, &mut wanted);
                 }
