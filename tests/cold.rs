@@ -86,6 +86,17 @@ fn read(stats: &EpochStats) -> f64 {
         .expect("/proc/self/io counts this process's reads, the test checked") as f64
 }
 
+/// [`dataset`], where evicting works (not on tmpfs, for one); `None`, saying so,
+/// elsewhere.
+fn evictable(dir: &Path, samples: u64) -> Option<Arc<dyn Dataset>> {
+    let ds = dataset(dir, samples);
+    if !evicts(ds.as_ref()) {
+        skip_cold("the page cache cannot be evicted on this file system");
+        return None;
+    }
+    Some(ds)
+}
+
 /// Whether evicting works here (not on tmpfs, for one): the figures need it.
 fn evicts(ds: &dyn Dataset) -> bool {
     pagecache::evict(ds).unwrap();
@@ -144,11 +155,9 @@ fn streamed_then_resident(
 fn streaming_keeps_the_page_cache_it_fills_small() {
     let _turn = turn();
     let dir = tempdir();
-    let ds = dataset(dir.path(), 20_000);
-    if !evicts(ds.as_ref()) {
-        skip_cold("the page cache cannot be evicted on this file system");
+    let Some(ds) = evictable(dir.path(), 20_000) else {
         return;
-    }
+    };
     let mut loader = Loader::builder_shared(Arc::clone(&ds))
         .batch_size(16)
         .workers(2)
@@ -280,11 +289,9 @@ fn a_streamed_block_shuffle_drops_the_pages_between_its_rows() {
     // window's blocks whole, the other rank's rows with them, and must drop those too.
     let _turn = turn();
     let dir = tempdir();
-    let ds = dataset(dir.path(), 40_000);
-    if !evicts(ds.as_ref()) {
-        skip_cold("the page cache cannot be evicted on this file system");
+    let Some(ds) = evictable(dir.path(), 40_000) else {
         return;
-    }
+    };
     let mut loader = Loader::builder_shared(Arc::clone(&ds))
         .batch_size(64)
         .workers(2)
@@ -480,11 +487,9 @@ impl Dataset for Broken {
 fn a_dataset_whose_locate_panics_is_read_from_its_mapping() {
     let _turn = turn();
     let dir = tempdir();
-    let ds = dataset(dir.path(), 3000);
-    if !evicts(ds.as_ref()) {
-        skip_cold("the page cache cannot be evicted on this file system");
+    let Some(ds) = evictable(dir.path(), 3000) else {
         return;
-    }
+    };
     let broken = Arc::new(Broken::new(Arc::clone(&ds), Bug::Locate));
     let calls = Arc::clone(&broken);
     let broken: Arc<dyn Dataset> = broken;
@@ -586,11 +591,9 @@ fn a_planned_epoch_gives_the_mappings_their_read_around_back() {
     // every read; a later epoch with no plan must not fault one page at a time.
     let _turn = turn();
     let dir = tempdir();
-    let ds = dataset(dir.path(), 3000);
-    if !evicts(ds.as_ref()) {
-        skip_cold("the page cache cannot be evicted on this file system");
+    let Some(ds) = evictable(dir.path(), 3000) else {
         return;
-    }
+    };
     let x = ds.files()[0].bytes().as_ptr() as usize;
     assert!(!vm_flags(x).contains(" rr"), "{}", vm_flags(x));
     let mut loader = loader(&ds, Shuffle::block(4), false);
@@ -649,11 +652,9 @@ fn a_row_in_a_file_not_listed_is_left_out_of_the_plan() {
     // panic on the unlisted index used to leave the whole epoch unplanned.
     let _turn = turn();
     let dir = tempdir();
-    let ds = dataset(dir.path(), 20_000);
-    if !evicts(ds.as_ref()) {
-        skip_cold("the page cache cannot be evicted on this file system");
+    let Some(ds) = evictable(dir.path(), 20_000) else {
         return;
-    }
+    };
     let odd: Arc<dyn Dataset> = Arc::new(Broken::new(Arc::clone(&ds), Bug::Unlisted));
     let mut loader = Loader::builder_shared(odd)
         .batch_size(16)
