@@ -42,6 +42,14 @@ fn stokehold_epoch(builder: LoaderBuilder, epoch: u64) -> Vec<Vec<u64>> {
 }
 
 #[test]
+fn a_batch_of_indices_only_has_no_data() {
+    let mut loader = digits().build().unwrap();
+    let batch = Batch::new(loader.epoch_indices(0).unwrap().next().unwrap().unwrap());
+    let err = batch.data(0).unwrap_err();
+    assert!(err.to_string().contains("indices only"), "{err}");
+}
+
+#[test]
 fn columns_are_the_loaders_buffer_not_a_copy() {
     let mut loader = digits().build().unwrap();
     let all = loader.buffers();

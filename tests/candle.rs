@@ -30,6 +30,15 @@ fn columns_become_tensors_of_the_same_values() {
 }
 
 #[test]
+fn a_batch_of_indices_only_is_refused() {
+    let ds = NpyDataset::open(DIGITS).unwrap();
+    let mut loader = Loader::builder(ds).batch_size(100).build().unwrap();
+    let batch = loader.epoch_indices(0).unwrap().next().unwrap().unwrap();
+    let err = tensors(&batch, &Device::Cpu).unwrap_err();
+    assert!(err.to_string().contains("indices only"), "{err}");
+}
+
+#[test]
 fn token_ids_widen_to_u32() {
     // candle has no u16: token windows arrive as u32, same values.
     let batch = common::llmc_tokens(4);

@@ -110,6 +110,59 @@ fn token_ids_are_widened_on_the_device() {
 }
 
 #[test]
+fn tensors_dropped_at_once_are_read_before_their_memory_is_reused() {
+    // Only what candle derives is kept; the tensors stokehold made are dropped at once,
+    // while candle's stream is held back behind a product: their memory must not go to
+    // the next batch's copy before candle's kernels (`to_dtype`, which takes its input
+    // on the slice's own stream, the widening of ids) have read it.
+    let Some(dev) = cuda() else { return };
+    let device = Device::Cuda(dev.clone());
+    let big = candle_core::Tensor::ones((2048, 2048), CDType::F32, &device).unwrap();
+    let mut loader = pinned(
+        NpyDataset::open(DIGITS).unwrap(),
+        100,
+        Shuffle::Full { seed: 4 },
+        &dev,
+    );
+    let mut feed = CudaTensors::new(&dev).unwrap();
+    let mut kept = Vec::new();
+    for epoch in 0..2 {
+        for batch in loader.epoch(epoch).unwrap() {
+            let batch = batch.unwrap();
+            let x = batch.column::<u8>(0).unwrap().to_vec();
+            let y = batch.column::<i64>(1).unwrap().to_vec();
+            let _busy = big.matmul(&big).unwrap();
+            let t = feed.tensors(batch).unwrap();
+            let xf = t[0].to_dtype(CDType::F32).unwrap();
+            let yu = t[1].to_dtype(CDType::U32).unwrap();
+            drop(t);
+            kept.push((xf, yu, x, y));
+        }
+    }
+    for (xf, yu, x, y) in kept {
+        let want: Vec<f32> = x.iter().map(|&v| f32::from(v)).collect();
+        assert_eq!(xf.flatten_all().unwrap().to_vec1::<f32>().unwrap(), want);
+        let want: Vec<u32> = y.iter().map(|&v| v as u32).collect();
+        assert_eq!(yu.to_vec1::<u32>().unwrap(), want);
+    }
+}
+
+#[test]
+fn indices_only_batches_are_refused() {
+    let Some(dev) = cuda() else { return };
+    let mut loader = pinned(
+        NpyDataset::open(DIGITS).unwrap(),
+        100,
+        Shuffle::Full { seed: 1 },
+        &dev,
+    );
+    let mut feed = CudaTensors::new(&dev).unwrap();
+    let batch = loader.epoch_indices(0).unwrap().next().unwrap().unwrap();
+    let err = feed.tensors(batch).unwrap_err();
+    assert!(err.to_string().contains("indices only"), "{err}");
+}
+
+#[test]
 fn candles_own_copy_from_a_pinned_batch_is_done_before_the_batch_goes_back() {
     use stokehold::interop::candle::tensors;
     let Some(dev) = cuda() else { return };

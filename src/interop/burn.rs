@@ -116,11 +116,13 @@ impl Batch {
     ///
     /// # Errors
     /// [`Error::Config`] if the column's sample shape does not hold its bytes (a
-    /// [`Dataset`] of your own whose columns disagree with themselves).
+    /// [`Dataset`] of your own whose columns disagree with themselves), or for a batch
+    /// of indices only ([`Loader::epoch_indices`](crate::Loader::epoch_indices)).
     ///
     /// # Panics
     /// If `c` is not a column of the batch.
     pub fn data(&self, c: usize) -> Result<TensorData> {
+        self.host.has_data()?;
         let col = &self.host.columns()[c];
         let mut shape = Vec::with_capacity(col.shape.len() + 1);
         shape.push(self.host.len());

@@ -54,12 +54,14 @@ pub(super) fn dims(batch: &HostBatch, c: usize) -> Vec<usize> {
 /// Column `c` of `batch` as a tensor on `device` (see the module docs for the types).
 ///
 /// # Errors
-/// [`Error::Config`] for a `u64` column or an error from candle (a device it cannot
-/// reach, say).
+/// [`Error::Config`] for a `u64` column, a batch of indices only
+/// ([`Loader::epoch_indices`](crate::Loader::epoch_indices)), or an error from candle
+/// (a device it cannot reach, say).
 ///
 /// # Panics
 /// If `c` is not a column of the batch.
 pub fn column(batch: &HostBatch, c: usize, device: &Device) -> Result<Tensor> {
+    batch.has_data()?;
     let col = &batch.columns()[c];
     let shape = dims(batch, c);
     match col.dtype {

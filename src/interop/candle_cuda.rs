@@ -11,16 +11,24 @@
 //! Ordering, on the device:
 //! - candle's stream waits for an event recorded after the batch's copies, so no kernel
 //!   candle enqueues from then on reads a column before it lands;
-//! - each allocation is freed on the copy stream when its tensor is dropped, after the
-//!   kernels that read it (cudarc records an event on candle's stream for every kernel
-//!   argument, which is why [`CudaTensors::new`] refuses a context with event tracking
-//!   turned off): dropping a tensor makes the copy stream wait for those kernels;
-//! - the copies wait for nothing else of candle's: a batch's copy overlaps the step on
-//!   candle's stream as long as the tensors of the batches that step reads are still
-//!   alive when it is enqueued. A loop that drops a step's tensors before asking for
-//!   the next batch (`for b in epoch { let t = ct.tensors(b?)?; step(&t)?; }`) queues
-//!   each copy behind the step before it; to overlap, ask for batch `k + 1` before
-//!   dropping batch `k`'s tensors.
+//! - each allocation is then handed to candle's stream (`CudaSlice::leak`,
+//!   `CudaStream::upgrade_device_ptr`): candle records its reads there and frees it
+//!   there when the tensor is dropped, in order after every kernel candle enqueued
+//!   before the drop. (Left the copy stream's, the allocation was freed on the copy
+//!   stream: the stream-ordered allocator hands memory freed on a stream straight to
+//!   that stream's next allocation, the next batch's copy, and candle's ops that take
+//!   their input's pointer on the slice's own stream (`to_dtype`, `index_select`,
+//!   `gather`, `where_cond`) recorded their reads there, not on candle's stream;
+//! - the copies wait for nothing of candle's (but where the allocator's pool, reusing
+//!   memory freed on candle's stream, orders a copy after the kernels that freed it).
+//!
+//! candle's default device ([`CudaDevice::new`](candle_core::CudaDevice), through
+//! `Device::new_cuda`) runs on the *per-thread* default stream, which names the calling
+//! thread's own stream: call [`CudaTensors::tensors`] on the thread that runs candle's
+//! ops on its tensors (or build the device with `CudaDevice::new_with_stream`, whose
+//! stream is one for every thread); called on another thread, the wait for the copies
+//! lands on that thread's stream, and candle's kernels could read a batch before it
+//! lands.
 //!
 //! The host batch is kept until its copies are done (at most two batches at a time), then
 //! goes back to the loader's pool; the loader must allow that many batches out at once,
@@ -37,7 +45,7 @@ use std::sync::Arc;
 
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, Device, Storage, Tensor, D};
-use cudarc::driver::{result, CudaEvent, CudaStream, DevicePtrMut, DeviceRepr};
+use cudarc::driver::{result, sys, CudaEvent, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr};
 
 use super::candle::{candle_err, column, dims};
 use crate::dataset::DType;
@@ -47,20 +55,30 @@ use crate::loader::HostBatch;
 /// Host batches whose copies may still be running, at most.
 const IN_FLIGHT: usize = 2;
 
+/// A column's copy, enqueued on the copy stream, its allocation still the copy
+/// stream's until candle's stream waits for it ([`adopt`]).
+type Pending = Box<dyn FnOnce(&CudaDevice) -> Tensor>;
+
 /// A column copied, as candle will get it.
 enum Column {
     /// Its own element type.
-    Same(Tensor),
+    Same(Pending),
     /// Token ids: `[.., 2]` bytes, little-endian.
-    Ids(Tensor),
+    Ids(Pending),
+    /// Made by candle itself (an `i8` column), on its own stream.
+    Candle(Tensor),
 }
 
 impl Column {
-    /// The tensor; token ids widened to `u32` on candle's stream: low + 256 * high.
-    fn tensor(self) -> Result<Tensor> {
+    /// The tensor, its allocation handed to candle's stream (which must wait for the
+    /// batch's copies first); token ids widened to `u32` on candle's stream:
+    /// low + 256 * high.
+    fn tensor(self, device: &CudaDevice) -> Result<Tensor> {
         match self {
-            Column::Same(t) => Ok(t),
-            Column::Ids(bytes) => {
+            Column::Candle(t) => Ok(t),
+            Column::Same(pending) => Ok(pending(device)),
+            Column::Ids(pending) => {
+                let bytes = pending(device);
                 let wide = bytes
                     .to_dtype(candle_core::DType::U32)
                     .map_err(candle_err)?;
@@ -73,6 +91,24 @@ impl Column {
             }
         }
     }
+}
+
+/// `slice`, allocated and written on the copy stream, as a tensor of `shape` whose
+/// allocation is candle's stream's: candle's reads of it are recorded there and it is
+/// freed there, after them. Candle's stream must already wait for the copy.
+fn adopt<T>(slice: CudaSlice<T>, shape: Vec<usize>, device: &CudaDevice) -> Tensor
+where
+    T: DeviceRepr + candle_core::cuda::CudaDType,
+{
+    let len = slice.len();
+    // The copy stream gives the allocation up (it waits for its own write: nothing).
+    let ptr = slice.leak();
+    // SAFETY: `ptr` is the live allocation of `len` elements of `T` just given up, now
+    // owned by the new slice alone (freed once, on candle's stream, when it drops); its
+    // bytes are the copy's, which candle's stream waits for before any of its kernels.
+    let slice = unsafe { device.cuda_stream().upgrade_device_ptr::<T>(ptr, len) };
+    let storage = CudaStorage::wrap_cuda_slice(slice, device.clone());
+    Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false)
 }
 
 /// Hands host batches to candle as CUDA tensors (see the module docs).
@@ -120,14 +156,23 @@ impl CudaTensors {
     /// the batch: it goes back to the loader once its copies are done.
     ///
     /// # Errors
-    /// [`Error::Config`] for a `u64` column or an error from candle; [`Error::Cuda`] on a
-    /// driver error; [`Error::CopyFailed`] when the copy of an earlier batch failed,
-    /// naming the oldest still in flight (resume from it: `batch` was not copied).
+    /// [`Error::Config`] for a `u64` column, a batch of indices only, or an error from
+    /// candle; [`Error::Cuda`] on a driver error; [`Error::CopyFailed`] when the copy of
+    /// an earlier batch failed, naming the oldest still in flight (resume from it:
+    /// `batch` was not copied), or when candle's context holds an error (left by a
+    /// drop), naming `batch`.
     pub fn tensors(&mut self, batch: HostBatch) -> Result<Vec<Tensor>> {
+        batch.has_data()?;
+        let _current = crate::cuda::KeepCurrent::new();
         // Earlier batches first: a failed copy among them is found before this batch's
         // copies are enqueued for nothing.
         self.retire(IN_FLIGHT - 1)?;
-        self.copy.context().bind_to_thread()?;
+        // An error left in candle's context (by a drop, anywhere in it) fails this
+        // batch before it is copied: named, so that a resume yields it again.
+        let ctx = self.copy.context();
+        if let Err(e) = ctx.bind_to_thread() {
+            return Err(Error::copy_failed(batch.epoch(), batch.number(), e.into()));
+        }
         if let Some(col) = batch.columns().iter().find(|c| c.dtype == DType::U64) {
             return Err(Error::Config(format!(
                 "column {}: candle has no uint64 tensors",
@@ -138,8 +183,13 @@ impl CudaTensors {
             let copies = (0..batch.columns().len())
                 .map(|c| self.column(&batch, c))
                 .collect::<Result<Vec<_>>>()?;
-            let copied = self.copy.record_event(None)?;
-            // Before any of candle's kernels (the widening below included) is enqueued.
+            // A host wait for it (in `retire`) sleeps instead of spinning a core the
+            // loader's workers need.
+            let copied = self
+                .copy
+                .record_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))?;
+            // Before any of candle's kernels (the widening below included) is enqueued,
+            // and before the allocations become candle's stream's.
             self.device.cuda_stream().wait(&copied)?;
             Ok((copies, copied))
         })();
@@ -153,7 +203,7 @@ impl CudaTensors {
             }
         };
         self.in_flight.push_back((batch, copied));
-        copies.into_iter().map(Column::tensor).collect()
+        copies.into_iter().map(|c| c.tensor(&self.device)).collect()
     }
 
     /// Column `c` of `batch`, its copy enqueued.
@@ -176,7 +226,10 @@ impl CudaTensors {
                 shape.push(2);
                 return Ok(Column::Ids(self.copied::<u8>(name, bytes, shape)?));
             }
-            DType::I8 => column(batch, c, &Device::Cuda(self.device.clone())),
+            DType::I8 => {
+                let device = Device::Cuda(self.device.clone());
+                return column(batch, c, &device).map(Column::Candle);
+            }
             DType::U64 => Err(Error::Config(format!(
                 "column {}: candle has no uint64 tensors",
                 col.name
@@ -186,15 +239,16 @@ impl CudaTensors {
     }
 
     /// A device allocation for the elements of type `T` in `bytes`, on the copy stream,
-    /// `bytes` copied into it there, as a tensor of `shape` on candle's device.
+    /// `bytes` copied into it there, to become a tensor of `shape` on candle's device
+    /// once candle's stream waits for the copy.
     ///
     /// # Errors
     /// [`Error::Config`] naming column `name` if `shape` does not hold exactly the
     /// elements in `bytes` (a dataset whose column's shape and row size disagree): candle
     /// does not check a tensor made from storage, whose kernels would read past it.
-    fn copied<T>(&self, name: &str, bytes: &[u8], shape: Vec<usize>) -> Result<Tensor>
+    fn copied<T>(&self, name: &str, bytes: &[u8], shape: Vec<usize>) -> Result<Pending>
     where
-        T: DeviceRepr + candle_core::cuda::CudaDType,
+        T: DeviceRepr + candle_core::cuda::CudaDType + 'static,
     {
         let len = bytes.len() / std::mem::size_of::<T>();
         let elements = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
@@ -218,13 +272,9 @@ impl CudaTensors {
             unsafe { result::memcpy_htod_async(ptr, bytes, self.copy.cu_stream()) }?;
             // Dropping `_written` records the slice's write event on the copy stream.
         }
-        let storage = CudaStorage::wrap_cuda_slice(slice, self.device.clone());
-        Ok(Tensor::from_storage(
-            Storage::Cuda(storage),
-            shape,
-            BackpropOp::none(),
-            false,
-        ))
+        Ok(Box::new(move |device: &CudaDevice| {
+            adopt(slice, shape, device)
+        }))
     }
 
     /// Hands back the host batches whose copies are done, waiting for the oldest while
@@ -232,6 +282,7 @@ impl CudaTensors {
     /// batch in flight; every copy is then waited for (none still reads a host batch)
     /// and the batches go back.
     fn retire(&mut self, most: usize) -> Result<()> {
+        let _current = crate::cuda::KeepCurrent::new();
         while let Some((batch, event)) = self.in_flight.front() {
             let done = match self.in_flight.len() <= most {
                 true => event.try_is_complete().map_err(Error::from),
@@ -258,6 +309,7 @@ impl Drop for CudaTensors {
     fn drop(&mut self) {
         // The host batches go back to the pool only once no copy reads them (a wait
         // that an error left in candle's context by another thread cannot skip).
+        let _current = crate::cuda::KeepCurrent::new();
         let ctx = std::sync::Arc::clone(self.copy.context());
         for (_, event) in self.in_flight.drain(..) {
             let _ = crate::cuda::wait_event(&ctx, &event);

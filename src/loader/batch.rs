@@ -268,6 +268,23 @@ impl HostBatch {
         self.indices_only
     }
 
+    /// Fails for a batch of [indices only](HostBatch::is_indices_only), whose bytes a
+    /// hand-over to a framework must not pass on as data.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the batch and what it holds.
+    pub(crate) fn has_data(&self) -> Result<()> {
+        match self.indices_only {
+            false => Ok(()),
+            true => Err(Error::Config(format!(
+                "batch {} of epoch {} holds indices only (an epoch of \
+                 Loader::epoch_indices): its columns were not read",
+                self.number(),
+                self.epoch()
+            ))),
+        }
+    }
+
     /// The layout of the buffer.
     pub fn layout(&self) -> &BatchLayout {
         &self.layout
