@@ -32,6 +32,12 @@ fn cuda() -> Option<CudaDevice> {
     }
 }
 
+/// The digits in batches of 100, fully shuffled with `seed`, into page-locked buffers.
+fn digits(dev: &CudaDevice, seed: u64) -> Loader {
+    let ds = NpyDataset::open(DIGITS).unwrap();
+    pinned(ds, 100, Shuffle::Full { seed }, dev)
+}
+
 /// A loader over `ds` gathering into page-locked buffers in candle's context.
 fn pinned<D: Dataset + 'static>(ds: D, batch: usize, shuffle: Shuffle, dev: &CudaDevice) -> Loader {
     Loader::builder(ds)
@@ -49,12 +55,7 @@ fn pinned<D: Dataset + 'static>(ds: D, batch: usize, shuffle: Shuffle, dev: &Cud
 #[test]
 fn device_tensors_hold_the_host_batches_values() {
     let Some(dev) = cuda() else { return };
-    let mut loader = pinned(
-        NpyDataset::open(DIGITS).unwrap(),
-        100,
-        Shuffle::Full { seed: 1 },
-        &dev,
-    );
+    let mut loader = digits(&dev, 1);
     let mut feed = CudaTensors::new(&dev).unwrap();
     // Two epochs' tensors kept alive: every host buffer is reused many times before the
     // first tensor is read back.
@@ -118,12 +119,7 @@ fn tensors_dropped_at_once_are_read_before_their_memory_is_reused() {
     let Some(dev) = cuda() else { return };
     let device = Device::Cuda(dev.clone());
     let big = candle_core::Tensor::ones((2048, 2048), CDType::F32, &device).unwrap();
-    let mut loader = pinned(
-        NpyDataset::open(DIGITS).unwrap(),
-        100,
-        Shuffle::Full { seed: 4 },
-        &dev,
-    );
+    let mut loader = digits(&dev, 4);
     let mut feed = CudaTensors::new(&dev).unwrap();
     let mut kept = Vec::new();
     for epoch in 0..2 {
@@ -150,12 +146,7 @@ fn tensors_dropped_at_once_are_read_before_their_memory_is_reused() {
 #[test]
 fn indices_only_batches_are_refused() {
     let Some(dev) = cuda() else { return };
-    let mut loader = pinned(
-        NpyDataset::open(DIGITS).unwrap(),
-        100,
-        Shuffle::Full { seed: 1 },
-        &dev,
-    );
+    let mut loader = digits(&dev, 1);
     let mut feed = CudaTensors::new(&dev).unwrap();
     let batch = loader.epoch_indices(0).unwrap().next().unwrap().unwrap();
     let err = feed.tensors(batch).unwrap_err();
@@ -167,12 +158,7 @@ fn candles_own_copy_from_a_pinned_batch_is_done_before_the_batch_goes_back() {
     use stokehold::interop::candle::tensors;
     let Some(dev) = cuda() else { return };
     let device = Device::Cuda(dev.clone());
-    let mut loader = pinned(
-        NpyDataset::open(DIGITS).unwrap(),
-        100,
-        Shuffle::Full { seed: 2 },
-        &dev,
-    );
+    let mut loader = digits(&dev, 2);
     // A product queued on candle's stream before each copy holds the copy back, so a
     // copy that read the buffer late would read the batch the workers put there next.
     let big = candle_core::Tensor::ones((2048, 2048), CDType::F32, &device).unwrap();
