@@ -227,6 +227,36 @@ impl KeepCurrent {
     }
 }
 
+/// The device a bare `cuda` means for the calling thread: the device of its current
+/// context (PyTorch's current device, once it has used CUDA: `torch.cuda.set_device`
+/// then any CUDA call), else `LOCAL_RANK` where it names a visible device (torchrun's
+/// process per GPU, each seeing them all), else 0.
+pub fn default_device() -> usize {
+    use cudarc::driver::{result, sys};
+    if !driver_usable() {
+        return 0;
+    }
+    if let Ok(Some(_)) = result::ctx::get_current() {
+        let mut device: sys::CUdevice = 0;
+        // SAFETY: writes the current context's device (its ordinal) into `device`.
+        let rc = unsafe { sys::cuCtxGetDevice(&mut device) };
+        if let (sys::CUresult::CUDA_SUCCESS, Ok(d)) = (rc, usize::try_from(device)) {
+            return d;
+        }
+    }
+    let local: Option<usize> = std::env::var("LOCAL_RANK")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    let visible = || {
+        result::init().ok()?;
+        usize::try_from(result::device::get_count().ok()?).ok()
+    };
+    match (local, local.and_then(|_| visible())) {
+        (Some(rank), Some(count)) if rank < count => rank,
+        _ => 0,
+    }
+}
+
 /// Whether cudarc's driver calls can be made: libcuda is there and has what cudarc loads
 /// (cudarc panics at its first call otherwise). Asked once.
 fn driver_usable() -> bool {

@@ -62,6 +62,26 @@ pub struct Column {
     pub row_bytes: usize,
 }
 
+/// A dataset file open for reading ([`MappedFile::opened`]).
+#[derive(Debug)]
+pub(crate) enum Opened<'a> {
+    /// The dataset's own descriptor.
+    Dataset(&'a std::fs::File),
+    /// One opened for the caller.
+    Own(std::fs::File),
+}
+
+impl std::ops::Deref for Opened<'_> {
+    type Target = std::fs::File;
+
+    fn deref(&self) -> &std::fs::File {
+        match self {
+            Opened::Dataset(f) => f,
+            Opened::Own(f) => f,
+        }
+    }
+}
+
 /// A file a dataset reads through a memory map.
 ///
 /// Only a real file mapping can be wrapped (the page-cache calls advise the kernel on
@@ -107,6 +127,19 @@ impl<'a> MappedFile<'a> {
             Some(w) => w.file().try_clone(),
             None => std::fs::File::open(self.path),
         })
+    }
+
+    /// The file behind the mapping, open for reading, without a descriptor more where
+    /// it can: the dataset's own, borrowed, or else the path opened again (see
+    /// [`reopen`](MappedFile::reopen)).
+    ///
+    /// # Errors
+    /// The error of `open`.
+    pub(crate) fn opened(&self) -> std::io::Result<Opened<'a>> {
+        match self.watched {
+            Some(w) => Ok(Opened::Dataset(w.file())),
+            None => self.reopen().map(Opened::Own),
+        }
     }
 
     /// The file's path.

@@ -273,6 +273,7 @@ impl HostBatch {
     ///
     /// # Errors
     /// [`Error::Config`] naming the batch and what it holds.
+    #[cfg(any(feature = "candle", feature = "burn"))]
     pub(crate) fn has_data(&self) -> Result<()> {
         match self.indices_only {
             false => Ok(()),

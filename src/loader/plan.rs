@@ -26,7 +26,6 @@
 //! page not read yet then reads that page, not a window of `read_ahead_kb`. The plan is
 //! advice: the gathers read the same bytes whatever it did.
 
-use std::fs::File;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -37,7 +36,7 @@ use crossbeam_channel::Receiver;
 
 use super::extents::{Clearing, Closing, Extents, Window, READERS};
 use super::worker::{Assignment, Job};
-use crate::dataset::{Dataset, MappedFile};
+use crate::dataset::{Dataset, MappedFile, Opened};
 use crate::pagecache::{
     advise_normal, advise_random, drop_range, page_cached, residency_known, resident_pages,
     resident_range, will_need, will_need_piece, WILL_NEED_PIECE,
@@ -252,8 +251,9 @@ struct Pages<'a> {
     mode: Mode,
     state: Vec<u8>,
     refs: Vec<u16>,
-    /// The file, open: for its device's read-ahead piece, and to drop pages.
-    fd: Option<File>,
+    /// The file, open: for its device's read-ahead piece, and to drop pages (the
+    /// dataset's own descriptor where it has one: no descriptor more per file).
+    fd: Option<Opened<'a>>,
     /// Whether `mincore` tells this process the truth about its pages
     /// ([`residency_known`]): else a page is asked after with a read that may not wait.
     known: bool,
@@ -272,7 +272,7 @@ impl Pages<'_> {
             let page = page_size();
             return resident_range(self.file, offset, page).map_or(true, |v| v[0] & 1 != 0);
         }
-        let fd = self.fd.as_ref();
+        let fd = self.fd.as_deref();
         fd.and_then(|fd| page_cached(fd, offset as u64))
             .unwrap_or(true)
     }
@@ -434,8 +434,8 @@ fn plan_files(job: &Job, ahead: u64, extents: Option<&Arc<Extents>>) {
             }
             Mode::Resident | Mode::Direct => continue,
         }
-        p.fd = p.file.reopen().ok();
-        p.piece = p.fd.as_ref().map_or(WILL_NEED_PIECE, will_need_piece);
+        p.fd = p.file.opened().ok();
+        p.piece = p.fd.as_deref().map_or(WILL_NEED_PIECE, will_need_piece);
         advise_random(p.file);
         advised.0.push(p.file);
     }
@@ -786,7 +786,7 @@ mod tests {
             mode: Mode::Stream,
             state: vec![0; n],
             refs: vec![0; n],
-            fd: file.reopen().ok(),
+            fd: file.opened().ok(),
             known: true,
             piece: WILL_NEED_PIECE,
             window: None,

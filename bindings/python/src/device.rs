@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use numpy::PyArray1;
 use pyo3::exceptions::{PyBufferError, PyKeyError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyTuple};
 
 use stokehold::cuda::{DeviceSlots, LentBatch, Reserved, StreamHandle, LEGACY_STREAM};
 use stokehold::{Column, DType};
@@ -401,16 +401,18 @@ impl DeviceArray {
         Ok(d)
     }
 
-    /// The shape: `(samples, *sample_shape)`.
+    /// The shape: `(samples, *sample_shape)`, a tuple, as a NumPy array's.
     #[getter]
-    fn shape(&self) -> Vec<i64> {
-        self.shape.clone()
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.shape)
     }
 
-    /// NumPy's name of the element type.
+    /// The element type, a `numpy.dtype`, as a NumPy array's.
     #[getter]
-    fn dtype(&self) -> &'static str {
-        self.dtype.name()
+    fn dtype<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        py.import("numpy")?
+            .getattr("dtype")?
+            .call1((self.dtype.name(),))
     }
 
     /// The device address of the first element.

@@ -710,7 +710,8 @@ struct Options {
 fn device_ordinal(device: Option<&str>) -> PyResult<Option<usize>> {
     match device {
         None | Some("cpu") => Ok(None),
-        Some("cuda") => Ok(Some(0)),
+        // The thread's current device (PyTorch's), else torchrun's LOCAL_RANK, else 0.
+        Some("cuda") => Ok(Some(stokehold::cuda::default_device())),
         Some(d) => d
             .strip_prefix("cuda:")
             .and_then(|n| n.parse().ok())
@@ -906,6 +907,9 @@ fn build(dataset: Arc<dyn Dataset>, o: Options) -> PyResult<Loader> {
     report.setup.dataset_open_s = open_s;
     // The bytes of a sample as the loop gets it (augmented, where the device augments).
     let bytes_per_sample = columns.iter().map(|c| c.row_bytes as u64).sum();
+    // Left to stderr being a terminal, only rank 0 of several draws its bar: each rank of
+    // a torchrun job shares the terminal, and their bars would overwrite each other.
+    let progress = progress.or((shard.world_size() > 1 && shard.rank() != 0).then_some(false));
     let shape = Shape {
         batches: loader.batches(),
         columns,

@@ -186,7 +186,7 @@ def test_device_batches_wait_for_their_copy_and_their_consumer(emulator: Path) -
             assert isinstance(batch, stokehold.DeviceBatch)
             x = batch["x"]
             assert x.__dlpack_device__() == (2, 0)
-            assert x.shape == [len(batch), 8, 8] and x.dtype == "uint8" and x.nbytes == len(batch) * 64
+            assert x.shape == (len(batch), 8, 8) and x.dtype == np.uint8 and x.nbytes == len(batch) * 64
             capsule = x.__dlpack__(stream=stream.value)
             managed = tensor(capsule)
             t = managed.contents.dl_tensor

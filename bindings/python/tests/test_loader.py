@@ -179,7 +179,7 @@ def test_a_state_from_another_configuration_raises(cols):
         other.load_state_dict(dict(state, epoch="zero"))
     with pytest.raises(stokehold.Error, match="needs its 'order' key"):
         other.load_state_dict({"epoch": 0, "batch": 0})
-    with pytest.raises(stokehold.Error, match="is a dict, not list"):
+    with pytest.raises(TypeError, match="is a dict, not list"):
         other.load_state_dict([1, 2])
     # A misspelt or missing key would turn the check off: refused.
     ordr = {("ordr" if k == "order" else k): v for k, v in state.items()}
@@ -609,6 +609,70 @@ def test_an_epoch_ended_by_an_error_says_so_again_and_goes_on_where_it_stopped(c
     rest = [b.indices.copy() for b in loader.epoch(0)]
     assert len(rest) == len(want) - 2
     assert all(np.array_equal(a, b) for a, b in zip(rest, want[2:]))
+
+
+def test_for_batch_in_loader_goes_on_with_an_epoch_an_error_ended(cols):
+    # Iterating the loader itself: after an error (or Ctrl-C) while a batch is awaited,
+    # the next `for batch in loader` goes on with that epoch, from that batch; a break
+    # leaves the epoch, as before.
+    loader = stokehold.Loader(cols, batch_size=50, workers=1, prefetch=1, held=1, seed=4)
+    want = [b.indices.copy() for b in stokehold.Loader(cols, batch_size=50, seed=4).epoch(0)]
+    kept = []
+    with pytest.raises(stokehold.Error, match="buffers are held"):
+        for batch in loader:
+            kept.append(batch)
+    n = len(kept)
+    del kept, batch
+    rest = [b.indices.copy() for b in loader]
+    assert len(rest) == len(want) - n
+    assert all(np.array_equal(a, b) for a, b in zip(rest, want[n:]))
+    for batch in loader:  # epoch 1, left at once
+        break
+    del batch
+    assert next(iter(loader)).epoch == 2
+
+
+def test_loaders_epochs_and_batches_refuse_to_be_pickled_or_copied(cols):
+    import copy
+    import pickle
+
+    loader = stokehold.Loader(cols, batch_size=50)
+    it = loader.epoch(0)
+    batch = next(it)
+    for thing in (loader, it, batch):
+        for share in (pickle.dumps, copy.copy, copy.deepcopy):
+            with pytest.raises(TypeError, match="cannot be pickled"):
+                share(thing)
+    # A batch's arrays copied are plain NumPy arrays, which pickle.
+    sent = pickle.loads(pickle.dumps({k: np.array(v) for k, v in batch.items()}))
+    np.testing.assert_array_equal(sent["x"], batch["x"])
+
+
+def test_a_closed_loader_frees_its_threads_and_refuses_use(cols):
+    with stokehold.Loader(cols, batch_size=50) as loader:
+        kept = next(iter(loader))
+    # The batch held keeps its own buffer.
+    assert kept["x"].shape[0] == 50
+    with pytest.raises(stokehold.Error, match="closed"):
+        loader.epoch(0)
+    with pytest.raises(stokehold.Error, match="closed"):
+        len(loader)
+
+
+def test_arguments_after_batch_size_are_keywords_and_types_resolve(cols):
+    import typing
+
+    with pytest.raises(TypeError):
+        stokehold.Loader(cols, 50, "none")
+    for cls in (stokehold.Loader, stokehold.TokenLoader, stokehold.DocumentLoader,
+                stokehold.PackedLoader, stokehold.MixLoader):
+        hints = typing.get_type_hints(cls.__init__)  # names resolve (PathLike's os)
+        assert "batch_size" in hints
+    # A device named as an int or an object whose str is the name.
+    assert stokehold._device(1) == "cuda:1"
+    assert stokehold._device("cpu") == "cpu"
+    with pytest.raises(TypeError, match="device is"):
+        stokehold._device(1.5)
 
 
 def test_starting_an_epoch_ends_the_last(cols):
@@ -1099,13 +1163,13 @@ def test_a_mix_gives_each_source_its_share_and_resumes(tmp_path):
         stokehold.MixLoader(sources, weights=[1, -1])
     with pytest.raises(stokehold.Error, match="2 parts was given 1 weights"):
         stokehold.MixLoader(sources, weights=[1])
-    with pytest.raises(stokehold.Error, match="not str"):
+    with pytest.raises(TypeError, match="not str"):
         stokehold.MixLoader([sources[0], "code.bin"], weights=[1, 1])
     with pytest.raises(IndexError, match="position 400"):
         loader.source(0, [400])
     with pytest.raises(IndexError, match="position -1"):
         loader.source(0, [3, -1])
-    with pytest.raises(stokehold.Error, match="integers, not float64"):
+    with pytest.raises(TypeError, match="integers, not float64"):
         loader.source(0, [1.5])
 
 

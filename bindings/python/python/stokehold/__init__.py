@@ -1,6 +1,7 @@
 """stokehold: a loader that keeps a GPU fed, from Python.
 
-Batches are dicts of NumPy arrays that view the loader's own host buffers (no copy);
+Batches are dict-like (``batch["x"]``, ``keys()``, ``items()``, ``in``) over NumPy arrays
+that view the loader's own host buffers (no copy);
 ``torch.from_dlpack(batch["x"])`` and ``jax.dlpack.from_dlpack`` share that memory too.
 A buffer goes back to the loader when its batch and every array viewing it are gone.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import operator
+import os
 import sys
 import time
 from pathlib import Path
@@ -40,6 +42,7 @@ __all__ = [
     "DeviceBatch",
     "DocumentLoader",
     "Epoch",
+    "EpochRow",
     "EpochTimer",
     "Error",
     "Loader",
@@ -51,6 +54,28 @@ __all__ = [
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+
+def _not_shared(kind: str) -> TypeError:
+    """What pickling or copying a loader or an epoch raises: they own threads and
+    buffers of this process."""
+    return TypeError(
+        f"a stokehold {kind} cannot be pickled or copied: it owns this process's worker "
+        "threads and buffers; build one in each process from the path and options (and "
+        "load_state_dict() to carry its position)")
+
+
+def _device(device: Any) -> Optional[str]:
+    """``device`` as the loader takes it: ``None``, ``"cpu"``, ``"cuda"`` or
+    ``"cuda:N"``, from a string, an int (a CUDA ordinal) or a ``torch.device``."""
+    if device is None or isinstance(device, str):
+        return device
+    if isinstance(device, int) and not isinstance(device, bool):
+        return f"cuda:{device}"
+    if type(device).__name__ == "device":  # torch.device: "cuda", "cuda:1", "cpu"
+        return str(device)
+    raise TypeError(f"device is 'cpu', 'cuda', 'cuda:N', an int or a torch.device, "
+                    f"not {type(device).__name__}")
 
 
 def _count(name: str, value: Any) -> Any:
@@ -93,10 +118,19 @@ class _Columns:
         raise NotImplementedError
 
     def keys(self) -> List[str]:
+        """The column names, in the loader's order."""
         return list(self._columns)
 
     def items(self) -> Iterator[Tuple[str, Any]]:
+        """``(name, column)`` pairs, in the loader's order."""
         return ((name, self[name]) for name in self._columns)
+
+    def __reduce__(self) -> Any:
+        # Pickled (a multiprocessing queue, Ray), the arrays would have to be copied: the
+        # batch views this process's buffers, which another process does not have.
+        raise TypeError(
+            f"a stokehold {type(self).__name__} views this process's buffers and cannot be "
+            "pickled; send {name: np.array(batch[name]) for name in batch} (a copy) instead")
 
     def __contains__(self, name: object) -> bool:
         return name in self._columns
@@ -114,6 +148,7 @@ class _Columns:
 
     @property
     def epoch(self) -> int:
+        """The epoch the batch belongs to."""
         return self._raw.epoch
 
     @property
@@ -197,7 +232,12 @@ class Epoch:
         return Batch(raw, self._loader._columns)
 
     def __len__(self) -> int:
+        """Batches this epoch yields in all: from its first, or, resumed, from the
+        batch after the saved one."""
         return len(self._raw)
+
+    def __reduce__(self) -> Any:
+        raise _not_shared("epoch")
 
     def stats(self) -> Dict[str, Any]:
         """The loader's figures of this epoch so far: batches, samples, gather_s,
@@ -279,8 +319,12 @@ class Loader:
     ``path`` is a directory (every ``.npy`` in it becomes a column named by its stem,
     ``x`` and ``y`` first), or give ``columns``, a list of ``.npy`` paths.
     ``shuffle`` is ``"full"``, ``"block"`` or ``"none"`` (``"grouped"``, by length, is
-    for ``DocumentLoader``). ``rank``/``world_size``
-    default from torchrun, Slurm or Open MPI variables. ``held`` is how many batches
+    for ``DocumentLoader``). ``workers`` defaults to the available CPUs, at most 8 (a
+    process per GPU on an 8-GPU node may want fewer); ``prefetch`` (batches assembled
+    ahead) to about 32 MiB of batches, at least ``2 * workers`` and at most 64.
+    ``rank``/``world_size``
+    default from torchrun, Slurm or Open MPI variables (only rank 0 then draws the
+    progress bar, unless ``progress`` says otherwise). ``held`` is how many batches
     the loop may keep alive at once beyond the prefetched ones (default 2): a loop that
     keeps more (a list, a queue) needs a larger ``held``, or the loader reports that
     every buffer is held. ``progress`` draws a per-epoch bar on stderr (default: when
@@ -292,7 +336,9 @@ class Loader:
     storage, with ``O_DIRECT`` unless ``direct_reads=False`` (for a file system where
     direct reads are slow), which streams them through the page cache instead.
 
-    ``device="cuda"`` (or ``"cuda:N"``) gathers batches into page-locked memory and
+    ``device="cuda"`` (or ``"cuda:N"``, an int, a ``torch.device``; a bare ``"cuda"`` is
+    the calling thread's current device, PyTorch's once it has used CUDA, else
+    ``LOCAL_RANK``'s under torchrun, else 0) gathers batches into page-locked memory and
     copies each to the GPU on stokehold's own stream: the epoch yields ``DeviceBatch``es,
     whose columns export DLPack (``torch.from_dlpack``) without a copy. The device holds
     ``held + 2`` batch slots (the batches a loop keeps, the one it works on and the one
@@ -323,6 +369,7 @@ class Loader:
         self,
         path: Optional[PathLike] = None,
         batch_size: int = 256,
+        *,
         shuffle: str = "full",
         seed: int = 0,
         workers: Optional[int] = None,
@@ -334,7 +381,7 @@ class Loader:
         page_cache_budget: Optional[int] = None,
         held: Optional[int] = None,
         progress: Optional[bool] = None,
-        device: Optional[str] = None,
+        device: Union[None, str, int, Any] = None,
         direct_reads: bool = True,
         augment: Optional[Augment] = None,
         device_cache: Union[bool, float] = False,
@@ -353,9 +400,11 @@ class Loader:
                workers: Optional[int], drop_last: bool, prefetch: Optional[int],
                held: Optional[int], rank: Optional[int], world_size: Optional[int],
                page_cache_budget: Optional[int], progress: Optional[bool],
-               device: Optional[str], direct_reads: bool = True,
+               device: Any, direct_reads: bool = True,
                group: Optional[int] = None, augment: Optional[Augment] = None,
                device_cache: Union[bool, float] = False) -> None:
+        device = _device(device)
+        self._closed = False
         self._dataset = dataset
         options = (
             _count("batch_size", batch_size), shuffle, _count("seed", seed),
@@ -382,8 +431,28 @@ class Loader:
     def _raw(self) -> Any:
         """The Rust loader: its buffers and threads, started again if given back."""
         if self._running is None:
+            if self._closed:
+                raise Error("this loader was closed")
             self._running = self._start()
         return self._running
+
+    def close(self) -> None:
+        """Ends the running epoch and frees the loader's threads and buffers (and, with
+        ``device="cuda"``, its page-locked memory and device slots) now, rather than
+        when the loader is collected. Batches still held keep their own buffers until
+        they go. A closed loader raises ``stokehold.Error`` when used; ``with
+        stokehold.Loader(...) as loader:`` closes it at the block's end."""
+        self._closed = True
+        self._running = None
+
+    def __enter__(self) -> "Loader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __reduce__(self) -> Any:
+        raise _not_shared("loader")
 
     def _give_back(self) -> None:
         """Frees the buffers and threads of a loader never iterated nor resumed (a
@@ -430,8 +499,24 @@ class Loader:
         epoch started (an epoch left early is not begun again), or the epoch a loaded
         state resumes, or the one given to ``set_epoch``. The epoch starts at the first
         batch asked for: an iterator made and never used (Lightning's check that the
-        loader is iterable) starts none."""
-        yield from self.epoch(self._next)
+        loader is iterable) starts none.
+
+        An epoch that ends by an exception while a batch is awaited (Ctrl-C's
+        ``KeyboardInterrupt``, a failed read) is not left behind: the next
+        ``iter(loader)`` goes on with it, from the batch it was waiting for."""
+        epoch = self._next
+        try:
+            yield from self.epoch(epoch)
+        except GeneratorExit:
+            # Closed by the loop (a break): the epoch is left, as documented.
+            raise
+        except BaseException:
+            if not self._closed:
+                state = self.state_dict()
+                if state["epoch"] == epoch:
+                    self.load_state_dict(state)
+                    self._next = epoch
+            raise
 
     def set_epoch(self, epoch: int) -> None:
         """Makes ``epoch`` the one ``iter(loader)`` runs next (as
@@ -457,7 +542,7 @@ class Loader:
         ranks had not taken, and the new ranks together take each of them once. Only
         another dataset, shuffle or seed raises."""
         if not isinstance(state, dict):
-            raise Error(f"a loader state is a dict, not {type(state).__name__}")
+            raise TypeError(f"a loader state is a dict, not {type(state).__name__}")
         if "order" not in state:
             # Left out (or misspelt), it would read as 0: resumed without the check.
             raise Error(
@@ -498,6 +583,7 @@ class TokenLoader(Loader):
         path: PathLike,
         seq_len: int,
         batch_size: int = 32,
+        *,
         windows: str = "random",
         seed: int = 0,
         dtype: Optional[str] = None,
@@ -510,7 +596,7 @@ class TokenLoader(Loader):
         page_cache_budget: Optional[int] = None,
         held: Optional[int] = None,
         progress: Optional[bool] = None,
-        device: Optional[str] = None,
+        device: Union[None, str, int, Any] = None,
         direct_reads: bool = True,
         device_cache: Union[bool, float] = False,
     ):
@@ -625,6 +711,7 @@ class DocumentLoader(Loader):
         path: Union[PathLike, Sequence[PathLike]],
         max_len: int,
         batch_size: int = 32,
+        *,
         offsets: Optional[PathLike] = None,
         column: Optional[str] = None,
         pad: int = 0,
@@ -639,7 +726,7 @@ class DocumentLoader(Loader):
         page_cache_budget: Optional[int] = None,
         held: Optional[int] = None,
         progress: Optional[bool] = None,
-        device: Optional[str] = None,
+        device: Union[None, str, int, Any] = None,
         direct_reads: bool = True,
         dtype: Optional[str] = None,
         device_cache: Union[bool, float] = False,
@@ -685,6 +772,7 @@ class PackedLoader(Loader):
         path: Union[PathLike, Sequence[PathLike]],
         seq_len: int,
         batch_size: int = 32,
+        *,
         offsets: Optional[PathLike] = None,
         column: Optional[str] = None,
         windows: str = "random",
@@ -698,7 +786,7 @@ class PackedLoader(Loader):
         page_cache_budget: Optional[int] = None,
         held: Optional[int] = None,
         progress: Optional[bool] = None,
-        device: Optional[str] = None,
+        device: Union[None, str, int, Any] = None,
         direct_reads: bool = True,
         shuffle_documents: bool = False,
         dtype: Optional[str] = None,
@@ -742,6 +830,7 @@ class MixLoader(Loader):
         weights: Sequence[float],
         samples: Optional[int] = None,
         batch_size: int = 32,
+        *,
         shuffle: str = "full",
         seed: int = 0,
         workers: Optional[int] = None,
@@ -752,13 +841,13 @@ class MixLoader(Loader):
         page_cache_budget: Optional[int] = None,
         held: Optional[int] = None,
         progress: Optional[bool] = None,
-        device: Optional[str] = None,
+        device: Union[None, str, int, Any] = None,
         direct_reads: bool = True,
     ):
         sources = list(sources)
         bad = [type(s).__name__ for s in sources if not isinstance(s, Loader)]
         if bad:
-            raise Error(f"a mix's sources are stokehold loaders, not {', '.join(bad)}")
+            raise TypeError(f"a mix's sources are stokehold loaders, not {', '.join(bad)}")
         dataset = _stokehold._Dataset.mix(
             [s._dataset for s in sources], [float(w) for w in weights],
             _count("samples", samples), _count("seed", seed),
@@ -781,7 +870,7 @@ class MixLoader(Loader):
         (``uint64``) each of ``indices`` (a batch's ``indices``) is in ``epoch``."""
         given = np.asarray(indices)
         if given.size and given.dtype.kind not in "ui":
-            raise Error(f"a mix's positions are integers, not {given.dtype}")
+            raise TypeError(f"a mix's positions are integers, not {given.dtype}")
         if given.size and given.dtype.kind == "i" and given.min() < 0:
             raise IndexError(f"position {given.min()} of a mix")
         flat = given.astype(np.uint64).ravel()
@@ -893,7 +982,9 @@ class EpochTimer:
 
 
 class EpochRow:
-    """One epoch's figures, as a row of ``stokehold train``'s table."""
+    """One epoch's figures, as a row of ``stokehold train``'s table (what
+    ``EpochTimer.finish()`` returns): ``row["wall_s"]``, ``row.as_dict()``, the keys of
+    an epoch in ``stokehold train --json``."""
 
     __slots__ = ("_raw", "_dict", "_loader")
 
@@ -903,9 +994,11 @@ class EpochRow:
         self._loader = loader
 
     def as_dict(self) -> Dict[str, Any]:
+        """The row as a plain dict (a copy)."""
         return dict(self._dict)
 
     def __getitem__(self, key: str) -> Any:
+        """The figure ``key`` (``wall_s``, ``samples_per_s``, ``stall_data_s``...)."""
         return self._dict[key]
 
     def __repr__(self) -> str:
@@ -914,7 +1007,8 @@ class EpochRow:
 
 class TrainReport:
     """The epochs of a loop and why the first was slower: the table and warm-up split of
-    ``stokehold train``, and its JSON."""
+    ``stokehold train``, and its JSON. ``device`` is a label for the report's
+    ``device`` line and key (``"cuda:0"``, ``"H100"``...), nothing more."""
 
     def __init__(self, loader: Loader, device: str = "python"):
         if not isinstance(loader, Loader):
@@ -937,9 +1031,12 @@ class TrainReport:
         self._raw.push(row._raw)
 
     def table(self) -> str:
+        """The epochs' table, as ``stokehold train`` prints it."""
         return self._raw.table()
 
     def warmup_text(self) -> str:
+        """Why the first epoch was slower than the steady ones: the setup costs and the
+        split of its excess (empty with fewer than two epochs)."""
         return self._raw.warmup_text()
 
     def json(self) -> Dict[str, Any]:
@@ -947,6 +1044,7 @@ class TrainReport:
         return json.loads(self._raw.json())
 
     def print(self, file: Any = None) -> None:
+        """Prints the table and the warm-up split (to ``file``, default stdout)."""
         print(self.table() + self.warmup_text(), end="", file=file or sys.stdout)
 
     def __str__(self) -> str:
