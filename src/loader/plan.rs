@@ -656,11 +656,25 @@ impl Queue {
                 w.read((first, last + 1), wanted, cached, page, len);
                 continue;
             }
-            p.state[first..=last].iter_mut().for_each(|b| *b |= ISSUED);
-            let bytes = (last + 1 - first) * page;
-            will_need(p.file, first * page, bytes, p.piece);
-            self.asked.push_back((f, last, bytes));
-            self.in_flight += bytes;
+            // Only the pages still wanted, in runs: one between them was released (its
+            // rows gathered from faults while the run waited), and read again it would
+            // stay cached, past the budget, with nothing left to drop it.
+            let mut k = first;
+            while k <= last {
+                if p.state[k] & WANTED == 0 {
+                    k += 1;
+                    continue;
+                }
+                let start = k;
+                while k <= last && p.state[k] & WANTED != 0 {
+                    p.state[k] |= ISSUED;
+                    k += 1;
+                }
+                let bytes = (k - start) * page;
+                will_need(p.file, start * page, bytes, p.piece);
+                self.asked.push_back((f, k - 1, bytes));
+                self.in_flight += bytes;
+            }
         }
     }
 
@@ -878,6 +892,29 @@ mod tests {
             queue.issue(&mut pages, page, None);
         }
         assert!(queue.pending.is_empty());
+    }
+
+    #[test]
+    fn pages_released_before_their_run_is_issued_are_not_read() {
+        // A run waited behind the limit while the rows of its middle pages were gathered
+        // from faults and released: issued, it asks for the pages still wanted only.
+        let page = page_size();
+        let Some((f, map)) = mapped(64 * page as u64) else {
+            return;
+        };
+        let mut pages = [streamed(MappedFile::new(f.path(), &map))];
+        let mut queue = Queue::default();
+        want(&mut queue, &mut pages[0], 0, 16);
+        for k in 4..8 {
+            pages[0].unwant(k);
+        }
+        queue.issue(&mut pages, page, None);
+        let issued: Vec<usize> = (0..16)
+            .filter(|&k| pages[0].state[k] & ISSUED != 0)
+            .collect();
+        assert_eq!(issued, [0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15]);
+        assert_eq!(queue.in_flight, 12 * page);
+        assert_eq!(queue.asked.len(), 2);
     }
 
     #[test]
