@@ -1631,8 +1631,13 @@ impl Epoch {
             let generation = self.generation;
             py.detach(move || drop(end_epoch(&slot, &seen, Some(generation))));
         }
-        // With `device="cuda"`, stokehold's own copies of the epoch's batches (those seen
-        // complete: all of them once the epoch has run to its end) beside the loop's.
+        // With `device="cuda"`, stokehold's own copies of the epoch's batches beside the
+        // loop's: all of them, those still in flight too when the loop left the epoch
+        // early (else the next epoch would count them). A copy that failed fails the
+        // row: a batch the loop was handed did not land.
+        if let Some(slots) = &self.device {
+            device::drain(py, slots).map_err(error)?;
+        }
         let copied = self
             .copy_clock
             .as_ref()
