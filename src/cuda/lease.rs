@@ -138,11 +138,12 @@ impl Shared {
                     None => self.ctx.new_event(None)?,
                 };
                 // SAFETY: the event is live (owned here); the stream handle is the
-                // consumer's, named to `wait_on`, and a consumer keeps the stream it
-                // names alive for as long as its arrays of the batch live (see
-                // `LentBatch::wait_on`: PyTorch's streams live as long as the process).
-                // A handle destroyed regardless is refused by the driver, which the
-                // context's synchronisation below stands in for.
+                // consumer's, named to `wait_on`, whose contract is that the stream
+                // lives as long as the batch (PyTorch's and JAX's streams live as long
+                // as the process; a stream destroyed before the batch is dropped is the
+                // caller's undefined behaviour, which the driver need not catch). An
+                // error the driver does return is stood in for by the context's
+                // synchronisation below.
                 let status = unsafe { result::event::record(event.cu_event(), s as sys::CUstream) };
                 match status {
                     Ok(()) => r.events.push(event),
@@ -794,17 +795,32 @@ impl LentBatch {
     /// # Safety
     /// `stream` is [`LEGACY_STREAM`], [`PER_THREAD_STREAM`] or a stream of the batch's
     /// context that stays alive, and is not destroyed (its handle reused for another
-    /// stream), until the batch is dropped, as DLPack's `stream` promises. A handle of
-    /// another context is refused by the driver; anything else is undefined.
+    /// stream), until the batch is dropped, as DLPack's `stream` promises. Anything
+    /// else is undefined.
     ///
     /// # Errors
-    /// [`Error::Cuda`] when the driver refuses the stream (a handle of another context,
-    /// or not a stream).
+    /// [`Error::Config`] for a stream of another context (another device's: the driver
+    /// would let it wait, but the slot's release could not be recorded on it);
+    /// [`Error::Cuda`] when the driver refuses the stream (not a stream).
     pub unsafe fn wait_on(&self, stream: StreamHandle) -> Result<()> {
         let _current = KeepCurrent::new();
         self.touch();
         let s = &*self.shared;
         s.ctx.bind_to_thread()?;
+        if stream > PER_THREAD_STREAM {
+            let mut ctx: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: writes the stream's context into `ctx`; the stream is valid by
+            // this function's contract.
+            let rc = unsafe { sys::cuStreamGetCtx(stream as sys::CUstream, &mut ctx) };
+            rc.result()?;
+            if ctx != s.ctx.cu_ctx() {
+                return Err(Error::Config(format!(
+                    "the consumer's stream belongs to another CUDA context than the \
+                     batch's (device {}): name a stream of that device",
+                    s.ctx.ordinal()
+                )));
+            }
+        }
         let event = s.copied[self.slot].cu_event();
         // SAFETY: the event is live (owned by `shared`, which `self` holds); the stream
         // is valid by this function's contract.

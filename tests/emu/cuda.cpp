@@ -1072,6 +1072,14 @@ CUresult cuStreamCreate(CUstream* s, unsigned flags) {
 
 CUresult cuStreamCreateWithPriority(CUstream* s, unsigned flags, int) { return cuStreamCreate(s, flags); }
 
+// One context here: every stream is the primary context's.
+CUresult cuStreamGetCtx(CUstream s, CUcontext* c) {
+    STICKY();
+    if (!stream_of(s)) return CUDA_ERROR_INVALID_HANDLE;
+    *c = &g_ctx;
+    return CUDA_SUCCESS;
+}
+
 CUresult cuStreamDestroy_v2(CUstream s) {
     STICKY();
     {

@@ -209,11 +209,27 @@ impl Drop for Held {
             std::mem::forget(batch);
             return;
         }
-        if batch.as_ref().is_some_and(|b| Arc::strong_count(b) == 1) {
+        // The last handle goes without the GIL where this thread holds it (the release
+        // may wait for the device on a driver error). The GIL is never taken here: the
+        // deleter of a tensor made from the batch runs on whatever thread frees it (an
+        // autograd thread, holding a lock of its own), which must not wait for it.
+        if batch.as_ref().is_some_and(|b| Arc::strong_count(b) == 1) && holds_gil() {
             Python::try_attach(|py| py.detach(|| drop(batch.take())));
         }
         drop(batch);
     }
+}
+
+/// Whether this thread holds the GIL (`PyGILState_Check`, exported by every CPython
+/// since 3.4 though outside the limited API that pyo3's abi3 bindings declare).
+fn holds_gil() -> bool {
+    unsafe extern "C" {
+        fn PyGILState_Check() -> std::ffi::c_int;
+    }
+    // SAFETY: reads this thread's own interpreter state; callable with or without
+    // the GIL, from any thread, once the interpreter is initialised (a batch exists
+    // only in a running interpreter).
+    unsafe { PyGILState_Check() == 1 }
 }
 
 /// One batch on the device: a DLPack column per name, and the samples on the host.

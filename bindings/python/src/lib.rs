@@ -1625,18 +1625,25 @@ impl Epoch {
                 "this epoch was ended before its row was taken",
             ));
         };
+        // With `device="cuda"`, stokehold's own copies of the epoch's batches count
+        // beside the loop's: all of them, those still in flight too when the loop left
+        // the epoch early (else the next epoch would count them). A copy that failed
+        // fails the row, and the state goes back to its batch, as at an epoch's end: a
+        // checkpoint saved in the handler resumes with it.
+        if let Some(slots) = &self.device {
+            if let Err(e) = device::drain(py, slots) {
+                self.end_progress();
+                let seen = Arc::clone(&self.seen);
+                let state = py.detach(move || lock(&seen).state);
+                self.rewind(py, state, &e);
+                return Err(error(e));
+            }
+        }
         self.end_progress();
         {
             let (slot, seen) = (Arc::clone(&self.slot), Arc::clone(&self.seen));
             let generation = self.generation;
             py.detach(move || drop(end_epoch(&slot, &seen, Some(generation))));
-        }
-        // With `device="cuda"`, stokehold's own copies of the epoch's batches beside the
-        // loop's: all of them, those still in flight too when the loop left the epoch
-        // early (else the next epoch would count them). A copy that failed fails the
-        // row: a batch the loop was handed did not land.
-        if let Some(slots) = &self.device {
-            device::drain(py, slots).map_err(error)?;
         }
         let copied = self
             .copy_clock

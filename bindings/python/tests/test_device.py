@@ -394,6 +394,25 @@ def test_a_copy_that_faults_on_the_device_loses_no_batch(emulator: Path, faultin
     """)
 
 
+def test_a_fault_found_by_a_partial_rows_drain_rewinds_the_state(emulator: Path) -> None:
+    # The third copy faults once it runs; the loop takes three batches and stops early.
+    # The row's drain finds the fault: the row fails, and the state goes back to the
+    # batch whose copy was lost, so a checkpoint saved then yields it again.
+    run_child(emulator, """
+        loader = stokehold.Loader(sys.argv[1], batch_size=100, seed=7, device="cuda")
+        timer = stokehold.EpochTimer(loader.epoch(0))
+        for n, batch in enumerate(timer):
+            timer.record(0.0, 0, len(batch))
+            if n == 2:
+                break
+        del batch
+        e = raises(lambda: timer.finish(partial=True), "CUDA_ERROR_ILLEGAL_ADDRESS")
+        state = loader.state_dict()
+        assert (state["epoch"], state["batch"]) == (0, 2), state
+        print("child passed")
+    """, extra={"STOKEHOLD_EMU_FAIL_HTOD_LATE": "3"})
+
+
 def test_a_forked_child_refuses_device_batches_and_lets_them_go(emulator: Path) -> None:
     # CUDA cannot be used in a forked child (a DataLoader worker): a device batch the
     # child inherited raises there instead of calling the driver, and dropping it (and
