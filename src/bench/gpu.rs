@@ -128,7 +128,7 @@ fn copy_loop(cuda: &Cuda, src: &[u8], reps: usize) -> Result<f64> {
         Ok(a.elapsed_ms(&b)? as f64)
     })();
     // `src` may be freed on return: no copy may still read it.
-    let settled = crate::cuda::settle_stream(&stream);
+    let settled = crate::cuda::wait_stream(&stream);
     let ms = timed?;
     settled?;
     Ok((src.len() * reps) as f64 / (ms / 1e3) / 1e9)

@@ -325,7 +325,7 @@ pub(crate) struct EpochAugment {
 impl Drop for EpochAugment {
     fn drop(&mut self) {
         // An upload of the draws may still read the staging freed below.
-        let _ = super::settle_stream(&self.stream);
+        let _ = super::wait_stream(&self.stream);
     }
 }
 

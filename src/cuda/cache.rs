@@ -28,6 +28,8 @@ pub struct DeviceCache {
     batch: CudaSlice<u8>,
     layout: BatchLayout,
     rows: u64,
+    /// The fingerprint of the dataset it holds ([`Dataset::fingerprint`]; 0: unknown).
+    dataset: u64,
     filled: bool,
     bytes: u64,
 }
@@ -35,7 +37,7 @@ pub struct DeviceCache {
 impl Drop for DeviceCache {
     fn drop(&mut self) {
         // An index upload may still read the pinned host buffer freed below.
-        let _ = super::settle_stream(&self.stream);
+        let _ = super::wait_stream(&self.stream);
     }
 }
 
@@ -113,9 +115,27 @@ impl DeviceCache {
             batch: stream.alloc_zeros::<u8>(if samples > 0 { layout.bytes() } else { 1 })?,
             layout: layout.clone(),
             rows,
+            dataset: 0,
             filled: false,
             bytes,
         }))
+    }
+
+    /// This cache, holding the rows of the dataset whose fingerprint is `dataset`
+    /// ([`Dataset::fingerprint`]): an epoch or a fill of another dataset is refused.
+    pub(crate) fn holding(mut self, dataset: u64) -> DeviceCache {
+        self.dataset = dataset;
+        self
+    }
+
+    /// Fails for a dataset of fingerprint `other` that is known not to be the one held.
+    fn check_dataset(&self, other: u64) -> Result<()> {
+        match self.dataset != 0 && other != 0 && other != self.dataset {
+            true => Err(Error::Config(
+                "device cache: an epoch or dataset of another dataset than the one it holds".into(),
+            )),
+            false => Ok(()),
+        }
     }
 
     /// Bytes of device memory the cached columns take.
@@ -147,6 +167,16 @@ impl DeviceCache {
     /// The dataset's error, or a driver error.
     pub(crate) fn fill_from(&mut self, cuda: &Cuda, dataset: &dyn Dataset) -> Result<()> {
         const STAGING: usize = 32 << 20;
+        self.check_dataset(dataset.fingerprint())?;
+        if dataset.len() != self.rows {
+            return Err(Error::Config(format!(
+                "device cache: a dataset of {} samples, where it holds {}",
+                dataset.len(),
+                self.rows
+            )));
+        }
+        // Rows rewritten from here on: not filled until all of them are.
+        self.filled = false;
         let widths: Vec<usize> = self.layout.columns().iter().map(|c| c.row_bytes).collect();
         let per_row: usize = widths.iter().sum::<usize>().max(1);
         let rows = self.rows as usize;
@@ -207,13 +237,22 @@ impl DeviceCache {
     /// Uploads the indices of every batch of `order` (batch `b` at `b * batch_size`).
     ///
     /// # Errors
-    /// [`Error::Config`] for an order with a sample past the cache's rows (an epoch of
-    /// another loader than the cache's: its kernels would read or write outside the
-    /// cache) or more batches than planned; [`Error::Cuda`] from the copy.
+    /// [`Error::Config`] for an order of another dataset, with a sample past the
+    /// cache's rows or batches larger than the cache's (an epoch of another loader than
+    /// the cache's: its kernels would read or write outside the cache and its batch
+    /// buffer), or more batches than planned; [`Error::Cuda`] from the copy.
     pub(crate) fn upload_order(&mut self, order: &EpochOrder, stream: &CudaStream) -> Result<()> {
+        self.check_dataset(order.dataset_fingerprint())?;
+        let b = self.layout.batch_size();
+        if order.batch_size() != b as u64 {
+            return Err(Error::Config(format!(
+                "device cache: an epoch of batches of {} samples, where its batches hold {b} \
+                 (an epoch of another loader than the cache's)",
+                order.batch_size()
+            )));
+        }
         // The previous epoch's copy of the host buffer must be done before it is rewritten.
         stream.synchronize()?;
-        let b = self.layout.batch_size();
         let cap = self.host_idx.len() / 8;
         // SAFETY: as in `host_indices`; `&mut self` makes this the only access, and the
         // stream is idle, so no copy reads the buffer.
@@ -349,8 +388,13 @@ impl DeviceCache {
         b: u64,
         rows: usize,
     ) -> Result<DeviceBatch<'a>> {
-        let base = addr(&self.batch, stream);
         let at = b as usize * self.layout.batch_size();
+        if rows > self.layout.batch_size() || at + rows > self.host_idx.len() / 8 {
+            return Err(Error::Config(format!(
+                "device cache: batch {b} of {rows} samples is not one of the epoch uploaded"
+            )));
+        }
+        let base = addr(&self.batch, stream);
         let idx = addr(&self.idx, stream) + at as u64 * 8;
         let to: Vec<u64> = (0..self.columns.len())
             .map(|c| base + self.layout.offset(c) as u64)

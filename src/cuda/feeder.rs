@@ -487,8 +487,8 @@ impl Feeder {
         let drained = (|| -> Result<()> {
             // Both streams waited for, whatever the first says: the slots are freed on
             // the compute stream, not after the copy stream's writes.
-            let copies = super::settle_stream(&self.copy);
-            let steps = super::settle_stream(&self.compute);
+            let copies = super::wait_stream(&self.copy);
+            let steps = super::wait_stream(&self.compute);
             copies?;
             steps?;
             for (_, k0) in inflight.drain(..) {

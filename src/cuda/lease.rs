@@ -401,6 +401,11 @@ impl DeviceSlots {
                 // must be done before the batch's buffer and the slot are used again, and
                 // so must the consumers' work whose release events a failed wait dropped.
                 let _ = super::settle(&self.shared.ctx);
+                // The cache counted this batch's rows as its scatter was enqueued, which
+                // may not have run: not trusted, as after a failed copy.
+                if let Some(c) = &mut self.cache {
+                    c.forget();
+                }
                 // Nothing of this slot is lent: it goes back as it was.
                 self.shared.release(k, &[]);
                 // A fault in an earlier copy, still in flight, leaves the context failing

@@ -129,14 +129,17 @@ pub(crate) fn take_left_error(ctx: &CudaContext) {
 }
 
 /// Waits until the work enqueued in `ctx` so far has run or failed: before host memory
-/// it may read is reused or freed. An error a drop left in the context is taken first
-/// ([`take_left_error`]), so that the wait is not skipped.
+/// it may read is reused or freed. Straight through the driver, as [`wait_event`]: an
+/// error a drop left in the context (which cudarc's own `synchronize` would return
+/// first, without waiting) neither skips the wait nor is taken from the next call.
 ///
 /// # Errors
 /// The driver's error, once the wait is done (a fault's sticky error, say).
 pub(crate) fn settle(ctx: &CudaContext) -> std::result::Result<(), DriverError> {
-    take_left_error(ctx);
-    ctx.synchronize()
+    use cudarc::driver::result;
+    // SAFETY: `ctx` is alive (borrowed); making it current touches no memory of ours.
+    unsafe { result::ctx::set_current(ctx.cu_ctx()) }?;
+    result::ctx::synchronize()
 }
 
 /// Waits on the host for `event`, whatever error another thread leaves in its context
@@ -167,15 +170,6 @@ pub(crate) fn wait_stream(stream: &CudaStream) -> std::result::Result<(), Driver
     unsafe { result::ctx::set_current(stream.context().cu_ctx()) }?;
     // SAFETY: the stream is alive (borrowed) and of that context.
     unsafe { result::stream::synchronize(stream.cu_stream()) }
-}
-
-/// [`settle`] for one stream's work.
-///
-/// # Errors
-/// The driver's error, once the wait is done.
-pub(crate) fn settle_stream(stream: &CudaStream) -> std::result::Result<(), DriverError> {
-    take_left_error(stream.context());
-    stream.synchronize()
 }
 
 /// Puts the calling thread's current CUDA context back when dropped.

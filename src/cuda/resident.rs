@@ -234,7 +234,8 @@ impl Feeder {
             r.kernels = Some(Kernels::load(&self.cuda)?);
         }
         let (cuda, stream) = (&self.cuda, &self.compute);
-        r.cache = DeviceCache::new(cuda, stream, &self.layout, rows, rows, share)?;
+        r.cache = DeviceCache::new(cuda, stream, &self.layout, rows, rows, share)?
+            .map(|c| c.holding(order.dataset_fingerprint()));
         Ok(r.cache.as_ref().map(DeviceCache::bytes))
     }
 
@@ -444,7 +445,7 @@ impl Feeder {
         })();
         // Whatever happened, the epoch's work is done before its index list and draws
         // are rewritten, or the cache freed.
-        let settled = super::settle_stream(&stream);
+        let settled = super::wait_stream(&stream);
         enqueued?;
         settled?;
         stats.wall = start.elapsed();

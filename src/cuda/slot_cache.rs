@@ -200,6 +200,7 @@ impl DeviceSlots {
         let Some(cache) = DeviceCache::new(cuda, &stream, layout, rows, 0, share)? else {
             return Ok(None);
         };
+        let cache = cache.holding(order.dataset_fingerprint());
         let b = layout.batch_size();
         let n = self.slots() * b;
         let pinned = PinnedAlloc::new(Arc::clone(&cuda.ctx), PinnedKind::Plain);

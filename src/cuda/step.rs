@@ -286,6 +286,13 @@ impl Step {
     pub(super) fn enqueue(&self, batch: &DeviceBatch) -> Result<()> {
         let s = self.stream();
         let n = batch.len();
+        // The kernels write `n` rows into buffers of `batch_size`.
+        if n > self.batch_size {
+            return Err(Error::Config(format!(
+                "a batch of {n} samples for a step built for batches of {}",
+                self.batch_size
+            )));
+        }
         let MlpConfig {
             inputs: d,
             hidden: h,

@@ -198,7 +198,7 @@ impl CudaTensors {
             Err(e) => {
                 // The batch goes back to the pool on return: the copies enqueued from its
                 // buffer must be done first.
-                let _ = crate::cuda::settle_stream(&self.copy);
+                let _ = crate::cuda::wait_stream(&self.copy);
                 return Err(e);
             }
         };
@@ -295,7 +295,7 @@ impl CudaTensors {
                 Ok(true) => drop(self.in_flight.pop_front()),
                 Err(e) => {
                     let (epoch, number) = (batch.epoch(), batch.number());
-                    let _ = crate::cuda::settle_stream(&self.copy);
+                    let _ = crate::cuda::wait_stream(&self.copy);
                     self.in_flight.clear();
                     return Err(Error::copy_failed(epoch, number, e));
                 }

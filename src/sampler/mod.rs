@@ -259,6 +259,12 @@ impl Order {
         fold(self.global_parts())
     }
 
+    /// The [`fingerprint`](crate::Dataset::fingerprint) of the dataset this order is
+    /// over (0: not known).
+    pub fn dataset_fingerprint(&self) -> u64 {
+        self.dataset
+    }
+
     /// This order over a dataset whose [`fingerprint`](crate::Dataset::fingerprint) is
     /// `fingerprint`: both of the order's fingerprints cover it (0 leaves them as
     /// without).
@@ -436,6 +442,11 @@ impl EpochOrder {
     /// The shuffle this epoch follows.
     pub fn shuffle(&self) -> Shuffle {
         self.order.shuffle
+    }
+
+    /// The fingerprint of the dataset the epoch is over ([`Order::dataset_fingerprint`]).
+    pub fn dataset_fingerprint(&self) -> u64 {
+        self.order.dataset
     }
 
     /// The epoch number.

@@ -496,6 +496,17 @@ pub fn partial_and_failing_epochs(c: Cuda) {
         .train_epoch_cached(&other.order().epoch(2), &mut |_, _| {})
         .unwrap_err();
     assert!(err.to_string().contains("past its 1797 rows"), "{err}");
+    // So would one of the same dataset in larger batches, past the batch buffer.
+    let larger = pinned_loader(&c, &ds, 128).build().unwrap();
+    let err = t
+        .train_epoch_cached(&larger.order().epoch(2), &mut |_, _| {})
+        .unwrap_err();
+    assert!(err.to_string().contains("batches of 128 samples"), "{err}");
+    // The cache still serves its own loader's epochs.
+    let cached = t
+        .train_epoch_cached(&loader.order().epoch(3), &mut |_, _| {})
+        .unwrap();
+    assert_eq!(cached.metrics.samples, 1797);
     // Nor does a fresh cache fill from it: its epoch holds more samples than the rows.
     let mut fresh = CudaTrainer::new(
         c.clone(),
