@@ -260,6 +260,7 @@ impl DeviceBatch {
             ptr: self.batch.column_ptr(c),
             dtype: col.dtype,
             shape,
+            synced: Default::default(),
         })
     }
 
@@ -308,6 +309,9 @@ pub(crate) struct DeviceArray {
     ptr: u64,
     dtype: DType,
     shape: Vec<i64>,
+    /// Whether the host has waited for the batch's copy (for the array interface, which
+    /// CuPy, Numba and `torch.as_tensor` probe, maybe many times).
+    synced: std::sync::atomic::AtomicBool,
 }
 
 #[pymethods]
@@ -410,9 +414,13 @@ impl DeviceArray {
         d.set_item("data", (self.ptr, false))?;
         d.set_item("version", 3)?;
         d.set_item("strides", py.None())?;
-        // The copy is done once the host has waited for it: no stream to name.
-        let batch = Arc::clone(&self.batch);
-        py.detach(move || batch.synchronize()).map_err(error)?;
+        // The copy is done once the host has waited for it (once): no stream to name.
+        if !self.synced.load(std::sync::atomic::Ordering::Acquire) {
+            let batch = Arc::clone(&self.batch);
+            py.detach(move || batch.synchronize()).map_err(error)?;
+            self.synced
+                .store(true, std::sync::atomic::Ordering::Release);
+        }
         d.set_item("stream", py.None())?;
         Ok(d)
     }

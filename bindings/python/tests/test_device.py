@@ -273,6 +273,7 @@ def test_holding_every_slot_is_an_error_not_a_hang(emulator: Path) -> None:
         b = next(iter(tl.epoch(0)))
         cai = b["tokens"].__cuda_array_interface__
         assert cai["shape"] == (4, 17) and cai["typestr"] == "<u2" and cai["version"] == 3
+        assert b["tokens"].__cuda_array_interface__ == cai  # probed again (waits once)
         got = device_bytes(cai["data"][0], 136).view(np.uint16).reshape(4, 17)
         assert (np.diff(got.astype(np.int64), axis=1) == 1).all(), got
         print("child passed")
