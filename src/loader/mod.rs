@@ -857,6 +857,11 @@ impl Loader {
             Some(r) if epoch == r.epoch => (r.batch, r.start),
             _ => (0, 0),
         };
+        // The last epoch's job has nothing left to tell (it was dropped, and the resume
+        // it left is in `pending`): let go of it before this epoch opens its files again,
+        // so that its direct-read descriptors and extents close first (a set of
+        // thousands of files would otherwise hold both epochs' at once).
+        self.last = None;
         // Storage's count before any worker or the planner has the job: counted after,
         // the reads they issued at once went missing from the epoch's figure.
         let read_at_start = crate::pagecache::storage_read_bytes();
