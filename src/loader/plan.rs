@@ -432,7 +432,12 @@ fn plan_files(job: &Job, ahead: u64, extents: Option<&Arc<Extents>>) {
                     None => p.mode = Mode::Stream,
                 }
             }
-            Mode::Resident | Mode::Direct => continue,
+            // Nothing to plan: their page map (a byte a page, 256 MiB for a 1 TB file)
+            // is not kept through the epoch.
+            Mode::Resident | Mode::Direct => {
+                p.state = Vec::new();
+                continue;
+            }
         }
         p.fd = p.file.opened().ok();
         p.piece = p.fd.as_deref().map_or(WILL_NEED_PIECE, will_need_piece);
