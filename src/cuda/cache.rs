@@ -81,8 +81,12 @@ impl DeviceCache {
     /// 0: a cache that is only scattered into and gathered from at addresses given
     /// (the device slots'), with no index list or batch buffer of its own.
     ///
+    /// `None` too where the device's memory runs out while allocating it (another
+    /// process took some since the free memory was read).
+    ///
     /// # Errors
-    /// [`Error::Cuda`] if an allocation fails after the size check.
+    /// [`Error::Cuda`] if an allocation fails after the size check for another reason
+    /// than memory.
     pub fn new(
         cuda: &Cuda,
         stream: &Arc<CudaStream>,
@@ -91,28 +95,44 @@ impl DeviceCache {
         samples: u64,
         share: f64,
     ) -> Result<Option<DeviceCache>> {
+        use cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY;
         let bytes: u64 = layout
             .columns()
             .iter()
             .map(|c| c.row_bytes as u64 * rows)
             .sum();
+        let n = samples.max(1) as usize;
+        // The share holds the index list and the batch buffer too.
+        let batch_bytes = if samples > 0 { layout.bytes() } else { 1 };
+        let all = bytes + n as u64 * 8 + batch_bytes as u64;
         let (free, _) = cuda.ctx.mem_get_info()?;
-        if bytes as f64 > share * free as f64 {
+        if all as f64 > share * free as f64 {
             return Ok(None);
         }
-        let columns = layout
-            .columns()
-            .iter()
-            .map(|c| stream.alloc_zeros::<u8>((c.row_bytes as u64 * rows).max(1) as usize))
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        let n = samples.max(1) as usize;
+        let allocated = (|| -> std::result::Result<_, cudarc::driver::DriverError> {
+            let columns = layout
+                .columns()
+                .iter()
+                .map(|c| stream.alloc_zeros::<u8>((c.row_bytes as u64 * rows).max(1) as usize))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            Ok((
+                columns,
+                stream.alloc_zeros::<u64>(n)?,
+                stream.alloc_zeros::<u8>(batch_bytes)?,
+            ))
+        })();
+        let (columns, idx, batch) = match allocated {
+            Ok(a) => a,
+            Err(e) if e.0 == CUDA_ERROR_OUT_OF_MEMORY => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
         let host_idx = PinnedAlloc::new(Arc::clone(&cuda.ctx), PinnedKind::Plain).alloc(n * 8)?;
         Ok(Some(DeviceCache {
             stream: Arc::clone(stream),
             columns,
-            idx: stream.alloc_zeros::<u64>(n)?,
+            idx,
             host_idx,
-            batch: stream.alloc_zeros::<u8>(if samples > 0 { layout.bytes() } else { 1 })?,
+            batch,
             layout: layout.clone(),
             rows,
             dataset: 0,
