@@ -549,7 +549,9 @@ impl DeviceSlots {
                 if self.in_flight.len() <= keep && !event.try_is_complete()? {
                     return Ok(false);
                 }
-                event.synchronize()?;
+                // Straight through the driver: cudarc's own wait would first return an
+                // error a drop left in the context (not this copy's), as if it failed.
+                super::wait_event(&self.shared.ctx, event)?;
                 Ok(true)
             })();
             match done {
