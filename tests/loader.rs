@@ -807,6 +807,29 @@ fn an_epoch_served_elsewhere_moves_the_state_past_it() {
 }
 
 #[test]
+fn an_epoch_taken_to_its_count_and_dropped_is_whole() {
+    // A loop that stops at `len()` never asks for the `None` after the last batch: the
+    // epoch is whole all the same, and the state moves to the next one.
+    let mut loader = Loader::builder(Synth::new(50))
+        .batch_size(7)
+        .workers(2)
+        .build()
+        .unwrap();
+    let mut it = loader.epoch(3).unwrap();
+    let n = it.len();
+    let taken = it.by_ref().take(n).map(|b| b.unwrap().len()).sum::<usize>();
+    assert_eq!(taken, 50);
+    drop(it);
+    let state = loader.state();
+    assert_eq!((state.epoch, state.batch), (4, 0));
+    // One that stops short is not.
+    let mut it = loader.epoch(4).unwrap();
+    it.next().unwrap().unwrap();
+    drop(it);
+    assert_eq!((loader.state().epoch, loader.state().batch), (4, 1));
+}
+
+#[test]
 fn an_epoch_of_indices_reads_nothing_and_keeps_the_order_and_the_state() {
     let mk = |data: Synth| {
         Loader::builder(data)

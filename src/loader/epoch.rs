@@ -59,7 +59,9 @@ impl EpochStats {
 ///
 /// An error (a failed read, a worker panic, a deadlock) is yielded once and ends the
 /// epoch, so the iterator can yield fewer items than `len()` promised;
-/// [`state`](Epoch::state) then points at the batch that failed, ready for a resume. Dropping the iterator stops the
+/// [`state`](Epoch::state) then points at the batch that failed, ready for a resume
+/// (`loader.resume(loader.state())` goes on from it; `loader.epoch(e)` alone starts the
+/// epoch again once it had delivered a batch). Dropping the iterator stops the
 /// workers (each finishes at most the batch in hand), and returns every buffer not held
 /// by a [`HostBatch`] before `drop` returns.
 pub struct Epoch<'a> {
@@ -242,11 +244,7 @@ impl Iterator for Epoch<'_> {
             return None;
         }
         if self.next >= self.job.end {
-            self.done = true;
-            self.state.epoch = self.epoch().saturating_add(1);
-            self.state.batch = 0;
-            self.state.start = 0;
-            self.state.taken = 0;
+            self.finish();
             return None;
         }
         let asked = Instant::now();
@@ -368,8 +366,25 @@ impl std::fmt::Debug for Canceller {
     }
 }
 
+impl Epoch<'_> {
+    /// Ends an epoch every batch of which was delivered: the state moves to the next
+    /// epoch's start.
+    fn finish(&mut self) {
+        self.done = true;
+        self.state.epoch = self.epoch().saturating_add(1);
+        self.state.batch = 0;
+        self.state.start = 0;
+        self.state.taken = 0;
+    }
+}
+
 impl Drop for Epoch<'_> {
     fn drop(&mut self) {
+        // Every batch delivered, but the `None` after the last never asked for (a loop
+        // that stops at the count: `take(len)`, a zip): the epoch is whole all the same.
+        if !self.done && self.next >= self.job.end {
+            self.finish();
+        }
         // Wakes workers waiting for a buffer; each then leaves the job.
         self.job.cancel();
         // Each worker drops its `finished` sender once it has left this job; the channel

@@ -102,7 +102,9 @@ impl Job {
             };
             let mut lease = Lease::new(slot, Arc::clone(&self.pool));
             let number = self.next.fetch_add(1, Ordering::Relaxed);
-            if number >= self.end {
+            // Cancelled while this worker waited for its buffer: no new batch is
+            // gathered (a cold read, a wait for the planner) for an epoch that ends.
+            if number >= self.end || self.cancelled.load(Ordering::Acquire) {
                 return;
             }
             if let Some(planner) = &self.planner {
