@@ -511,7 +511,9 @@ impl Feeder {
         drained?;
         if filling {
             let compute = Arc::clone(&self.compute);
-            self.resident.after_fed(&compute, &order, work)?;
+            self.resident
+                .after_fed(&compute, &order, work)
+                .map_err(|e| after_whole(e, order.epoch()))?;
         }
         stats.loader = epoch.stats();
         stats.copy = Duration::from_secs_f64(copy_ms / 1e3);
@@ -519,5 +521,25 @@ impl Feeder {
         stats.stall_copy = Duration::from_secs_f64(stall_ms / 1e3);
         stats.wall = start.elapsed();
         Ok(stats)
+    }
+}
+
+/// `e`, from the capture of a cached epoch's work after epoch `epoch` was fed whole, said
+/// so: the epoch's work ran and the loader's state is past it (fed again, it would be
+/// trained on twice), and only its capture for replay failed.
+fn after_whole(e: Error, epoch: u64) -> Error {
+    let say = |m: &str| {
+        format!(
+            "epoch {epoch} ran whole (the loader's state is past it); capturing its work \
+             for replay then failed: {m}"
+        )
+    };
+    match e {
+        Error::Cuda { code, message } => Error::Cuda {
+            code,
+            message: say(&message),
+        },
+        Error::Config(m) => Error::Config(say(&m)),
+        other => other,
     }
 }

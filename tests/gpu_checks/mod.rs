@@ -1424,6 +1424,33 @@ pub fn a_panic_while_an_epoch_is_captured_leaves_the_stream_usable(c: Cuda) {
     }
     // Epoch 1 captured anew (its work called once a batch), epoch 2 replayed the graph.
     assert_eq!(calls, n + 1 + n);
+
+    // A work that fails in the capture after the filling epoch: the error says that the
+    // epoch ran whole (its state is past it), and only its capture failed.
+    let mut feeder = Feeder::new(&c, loader.layout(), 3).unwrap();
+    assert!(feeder.enable_device_cache(&loader, 0.5).unwrap().is_some());
+    feeder.replay_cached_epochs(true);
+    let mut calls = 0usize;
+    let err = feeder
+        .feed(
+            &mut loader,
+            3,
+            &mut |_| {
+                calls += 1;
+                match calls > n {
+                    true => Err(stokehold::Error::Config("not capturable".into())),
+                    false => Ok(()),
+                }
+            },
+            &mut |_, _| {},
+        )
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("epoch 3 ran whole") && text.contains("not capturable"),
+        "{text}"
+    );
+    assert_eq!(loader.state().epoch, 4);
 }
 
 /// The step's stall for copies is the compute stream's idle time while they ran: behind
