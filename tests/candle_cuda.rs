@@ -38,6 +38,13 @@ fn digits(dev: &CudaDevice, seed: u64) -> Loader {
     pinned(ds, 100, Shuffle::Full { seed }, dev)
 }
 
+/// A digits batch's images and labels, copied from its host buffer.
+fn host_xy(batch: &stokehold::HostBatch) -> (Vec<u8>, Vec<i64>) {
+    let x = batch.column::<u8>(0).unwrap().to_vec();
+    let y = batch.column::<i64>(1).unwrap().to_vec();
+    (x, y)
+}
+
 /// A loader over `ds` gathering into page-locked buffers in candle's context.
 fn pinned<D: Dataset + 'static>(ds: D, batch: usize, shuffle: Shuffle, dev: &CudaDevice) -> Loader {
     Loader::builder(ds)
@@ -63,8 +70,7 @@ fn device_tensors_hold_the_host_batches_values() {
     for epoch in 0..2 {
         for batch in loader.epoch(epoch).unwrap() {
             let batch = batch.unwrap();
-            let x = batch.column::<u8>(0).unwrap().to_vec();
-            let y = batch.column::<i64>(1).unwrap().to_vec();
+            let (x, y) = host_xy(&batch);
             let n = batch.len();
             let t = feed.tensors(batch).unwrap();
             assert_eq!((t[0].dims(), t[0].dtype()), (&[n, 8, 8][..], CDType::U8));
@@ -115,7 +121,7 @@ fn tensors_dropped_at_once_are_read_before_their_memory_is_reused() {
     // Only what candle derives is kept; the tensors stokehold made are dropped at once,
     // while candle's stream is held back behind a product: their memory must not go to
     // the next batch's copy before candle's kernels (`to_dtype`, which takes its input
-    // on the slice's own stream, the widening of ids) have read it.
+    // on the slice's own stream, as the widening of token ids does) have read it.
     let Some(dev) = cuda() else { return };
     let device = Device::Cuda(dev.clone());
     let big = candle_core::Tensor::ones((2048, 2048), CDType::F32, &device).unwrap();
@@ -125,8 +131,7 @@ fn tensors_dropped_at_once_are_read_before_their_memory_is_reused() {
     for epoch in 0..2 {
         for batch in loader.epoch(epoch).unwrap() {
             let batch = batch.unwrap();
-            let x = batch.column::<u8>(0).unwrap().to_vec();
-            let y = batch.column::<i64>(1).unwrap().to_vec();
+            let (x, y) = host_xy(&batch);
             let _busy = big.matmul(&big).unwrap();
             let t = feed.tensors(batch).unwrap();
             let xf = t[0].to_dtype(CDType::F32).unwrap();

@@ -14,11 +14,11 @@
 //! - each allocation is then handed to candle's stream (`CudaSlice::leak`,
 //!   `CudaStream::upgrade_device_ptr`): candle records its reads there and frees it
 //!   there when the tensor is dropped, in order after every kernel candle enqueued
-//!   before the drop. (Left the copy stream's, the allocation was freed on the copy
-//!   stream: the stream-ordered allocator hands memory freed on a stream straight to
-//!   that stream's next allocation, the next batch's copy, and candle's ops that take
-//!   their input's pointer on the slice's own stream (`to_dtype`, `index_select`,
-//!   `gather`, `where_cond`) recorded their reads there, not on candle's stream;
+//!   before the drop. Left the copy stream's, the allocation would be freed on the
+//!   copy stream, whose next allocation (the next batch's copy) the stream-ordered
+//!   allocator may give the same memory, while candle's ops that take their input's
+//!   pointer on the slice's own stream (`to_dtype`, `index_select`, `gather`,
+//!   `where_cond`) record their reads there, not on candle's stream;
 //! - the copies wait for nothing of candle's (but where the allocator's pool, reusing
 //!   memory freed on candle's stream, orders a copy after the kernels that freed it).
 //!

@@ -1417,9 +1417,10 @@ impl Epoch {
         });
     }
 
-    /// Waits for the copies of the epoch's last batches, at its end (`end`, its state
-    /// there): a fault in one of them loses a batch of this epoch, which a resume must
-    /// yield again, so the state goes back to it and the error is raised.
+    /// Waits for the copies of the epoch's last batches taken, where the loop stops
+    /// (`end`, its state there: the epoch's end, or a partial epoch's row): a fault in
+    /// one of them loses a batch of this epoch, which a resume must yield again, so the
+    /// state goes back to it and the error is raised.
     fn settle(&self, py: Python<'_>, slots: &device::Slots, end: LoaderState) -> PyResult<()> {
         device::drain(py, slots).map_err(|e| {
             self.end_progress();
@@ -1631,13 +1632,9 @@ impl Epoch {
         // fails the row, and the state goes back to its batch, as at an epoch's end: a
         // checkpoint saved in the handler resumes with it.
         if let Some(slots) = &self.device {
-            if let Err(e) = device::drain(py, slots) {
-                self.end_progress();
-                let seen = Arc::clone(&self.seen);
-                let state = py.detach(move || lock(&seen).state);
-                self.rewind(py, state, &e);
-                return Err(error(e));
-            }
+            let seen = Arc::clone(&self.seen);
+            let state = py.detach(move || lock(&seen).state);
+            self.settle(py, slots, state)?;
         }
         self.end_progress();
         {
